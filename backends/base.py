@@ -1,0 +1,113 @@
+"""The protocol every model runtime implements: decoders speak in forests, backends translate.
+
+A context holds `rows` committed sequences (one per live beam) and, between two commits, a *pending
+forest*: each row's uncached suffix tokens plus draft nodes hanging off the rows. Pending nodes are
+numbered 0, 1, 2, ... in the order they were evaluated since the last commit (or prefill), across
+calls, so a drafter can grow the forest one layer per `evaluate` and a verifier can send it whole.
+
+Positions (RoPE): committed token i of a row sits at position i; a row's suffix continues it; a node
+at depth d (1 = child of the row's suffix) sits at `len(row) + len(suffix) + d - 1`. Siblings share
+positions, so backends take positions explicitly and never derive them from cache slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+
+ROOT = -1  # parent id of a node that hangs directly off its row's suffix
+
+
+class BackendError(RuntimeError):
+    """A runtime failed in a way the user can act on (bad file, out of memory, context full)."""
+
+
+class ContextFull(BackendError):
+    """The request needs more KV cells or rows than the context was created with."""
+
+
+@dataclass(frozen=True)
+class Forest:
+    """What one `evaluate` call adds to the pending forest.
+
+    suffix[r]: tokens appended to committed row r before its tree (empty when already fed since the
+    last commit). tokens / parents / rows: new nodes in breadth-first order; parents[i] is ROOT or the
+    id of an earlier pending node (of the same row).
+    """
+
+    suffix: tuple[tuple[int, ...], ...] = ()
+    tokens: tuple[int, ...] = ()
+    parents: tuple[int, ...] = ()
+    rows: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (len(self.tokens) == len(self.parents) == len(self.rows)):
+            raise ValueError("Forest: tokens, parents and rows must have equal lengths")
+
+
+@dataclass(frozen=True)
+class Logits:
+    """Raw logits from one `evaluate`: `roots[i]` belongs to row `root_rows[i]` (its last suffix token)."""
+
+    root_rows: tuple[int, ...]
+    roots: np.ndarray  # [len(root_rows), vocab] float32
+    nodes: np.ndarray  # [n_new_nodes, vocab] float32
+
+
+@dataclass(frozen=True)
+class Path:
+    """A new row after commit: source row + its suffix + the chain of pending nodes (depth order)."""
+
+    row: int
+    nodes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    backend: str  # "llamacpp" | "pytorch"
+    vocab_size: int  # logits width
+    n_ctx_train: int
+    n_layers: int
+    kv_bytes_per_token: int  # per row, all layers, K and V
+    weight_bytes: int
+    extra: dict = field(default_factory=dict)
+
+
+class Context(Protocol):
+    """KV state of one model for one generation at a time."""
+
+    @property
+    def rows(self) -> int: ...
+
+    def lengths(self) -> list[int]:
+        """Committed tokens per row (suffixes and pending nodes excluded)."""
+
+    def prefill(self, ids: Sequence[int]) -> None:
+        """Make a single row holding `ids`; reuses the longest cached common prefix of any row."""
+
+    def evaluate(self, forest: Forest) -> Logits:
+        """Score the given suffixes and nodes in ONE forward pass; they join the pending forest."""
+
+    def commit(self, paths: Sequence[Path]) -> None:
+        """Replace the rows by `paths`, keeping the KV of each path (rows may repeat or vanish)."""
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n committed tokens of every row; drop the pending forest."""
+
+    def kv_bytes(self) -> int:
+        """KV bytes in use now (cells occupied x bytes per cell)."""
+
+    def close(self) -> None: ...
+
+
+class Model(Protocol):
+    info: ModelInfo
+    tokenizer: "object"  # backends.tokenizer.Tokenizer
+
+    def context(self, *, rows: int, max_tokens: int) -> Context:
+        """A KV context for up to `rows` committed rows of up to `max_tokens` tokens (tree included)."""
+
+    def close(self) -> None: ...

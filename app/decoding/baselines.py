@@ -1,0 +1,212 @@
+"""Target-only decoders (greedy, sampling, beam search, beam sampling) and standard speculative sampling.
+
+All of them use DSBD's backend call: a forest with empty trees (one suffix token per live row), and the
+same joint warp (spec §2), so their distributions are directly comparable with DSBD's.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from backends.base import ROOT, Context, Forest, Path
+
+from . import Step, rng_streams
+from .beams import Beam, Pool, Stopper, common_prefix, final_choice
+from .metrics import Metrics
+from .sampling import SeededRand, Warp, log_softmax, residual_chain, sample_iid, warp_joint
+
+
+def warp_of(params) -> Warp:
+    return Warp(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+
+
+def pad_vocab(logits: np.ndarray, vocab: int) -> np.ndarray:
+    """Draft logits in the target's vocabulary: ids the draft lacks get -inf."""
+    n = logits.shape[-1]
+    if n == vocab:
+        return logits
+    if n > vocab:
+        return logits[..., :vocab]
+    pad = np.full(logits.shape[:-1] + (vocab - n,), -np.inf, dtype=logits.dtype)
+    return np.concatenate([logits, pad], axis=-1)
+
+
+def _beam_loop(*, target: Context, prompt: Sequence[int], params, stopper: Stopper, metrics: Metrics,
+               choose) -> Iterator[Step]:
+    """Shared loop of the target-only decoders: `choose(z, finishes) -> [(row, token)]` picks the next
+    pairs; `finishes(row, token)` tells whether that pair would end its beam."""
+    width = 1 if params.mode in ("greedy", "sample") else params.beams
+    target.prefill(prompt[:-1])
+    metrics.mark_prefilled()
+    live, suffix = [Beam((), 0.0)], [(prompt[-1],)]
+    pool = Pool(width, params.length_penalty)
+    while True:
+        logits = target.evaluate(Forest(suffix=tuple(suffix)))
+        metrics.target_passes += 1
+        metrics.steps.append(1)
+        metrics.iterations += 1
+        metrics.track_kv(target)
+        lp = log_softmax(logits.roots)  # [rows, vocab]
+        z = np.array([b.score for b in live])[:, None] + lp  # joint log-scores [rows, vocab]
+        nxt, rows = [], []
+        for r, x in choose(z, lambda r, x: stopper.finished(live[r].tokens + (x,))):
+            beam = Beam(live[r].tokens + (int(x),), float(z[r, x]), False)
+            if stopper.finished(beam.tokens):
+                pool.add(Beam(beam.tokens, beam.score, True))
+            else:
+                nxt.append(beam)
+                rows.append(r)
+        live = nxt
+        metrics.mark_first_token()
+        metrics.carried.append(len(live))
+        out_of_budget = bool(live) and len(live[0].tokens) >= params.max_new_tokens
+        if not live or out_of_budget or pool.is_done(live):
+            best = final_choice(pool.beams, live, params.length_penalty)
+            metrics.finish_reason = "stop" if best.finished else "length"
+            yield Step(final=best.tokens, live=0, done=True, output=best)
+            return
+        target.commit([Path(r) for r in rows])
+        suffix = [(b.tokens[-1],) for b in live]
+        yield Step(final=common_prefix([b.tokens for b in live + pool.beams]), live=len(live))
+
+
+def greedy(*, target, prompt, params, stopper, metrics, **_) -> Iterator[Step]:
+    """Argmax decoding (ties: lower token id)."""
+    return _beam_loop(target=target, prompt=prompt, params=params, stopper=stopper, metrics=metrics,
+                      choose=lambda z, _: [(0, int(np.argmax(z[0])))])
+
+
+def beam_search(*, target, prompt, params, stopper, metrics, **_) -> Iterator[Step]:
+    """Baseline C: deterministic beam search over the 2W highest raw joint scores."""
+    w = params.beams
+
+    def choose(z: np.ndarray, finishes) -> list[tuple[int, int]]:
+        flat = z.ravel()
+        k = min(2 * w, flat.size)
+        top = np.argpartition(-flat, k - 1)[:k]
+        top = top[np.lexsort((top, -flat[top]))]  # descending score, ties by lower key
+        picked, live = [], 0
+        for rank, key in enumerate(top):
+            r, x = divmod(int(key), z.shape[1])
+            if finishes(r, x):
+                if rank < w:  # a finishing pair enters the pool only among the first W walked
+                    picked.append((r, x))
+            elif live < w:
+                picked.append((r, x))
+                live += 1
+        return picked
+
+    return _beam_loop(target=target, prompt=prompt, params=params, stopper=stopper, metrics=metrics,
+                      choose=choose)
+
+
+def beam_sampling(*, target, prompt, params, stopper, metrics, **_) -> Iterator[Step]:
+    """Baselines A (with replacement) and B (without replacement); W = 1 is multinomial sampling."""
+    _, rng = rng_streams(params.seed)
+    warp = warp_of(params)
+    width = 1 if params.mode == "sample" else params.beams
+    replace = params.mode != "beam-sample"
+
+    def choose(z: np.ndarray, _) -> list[tuple[int, int]]:
+        p = warp_joint(z, warp)
+        if replace:
+            keys = sample_iid(p, width, rng)
+        else:  # W distinct pairs: the W largest log p + Gumbel noise
+            g = np.log(p.probs) + rng.gumbel(size=len(p.probs))
+            keys = p.keys[np.argsort(-g, kind="stable")[:width]]
+        return [divmod(int(k), z.shape[1]) for k in keys]
+
+    return _beam_loop(target=target, prompt=prompt, params=params, stopper=stopper, metrics=metrics,
+                      choose=choose)
+
+
+def speculative_sampling(*, target, draft, prompt, params, stopper, metrics, vocab, **_) -> Iterator[Step]:
+    """Standard speculative sampling (Leviathan et al.; Chen et al.): a chain of gamma drafts, min(1, p/q)
+    tests, a residual draw at the first rejection, a bonus token after a full pass."""
+    rng_draft, rng_verify = rng_streams(params.seed)
+    rand = SeededRand(rng_verify)
+    warp = warp_of(params)
+    target.prefill(prompt[:-1])
+    draft.prefill(prompt[:-1])
+    metrics.mark_prefilled()
+    tokens: list[int] = []
+    score = 0.0
+    t_suffix, d_suffix = (prompt[-1],), (prompt[-1],)
+
+    def per_token(logits: np.ndarray):
+        return warp_joint(log_softmax(logits)[None, :], warp)  # one parent: keys are token ids
+
+    while True:
+        g = min(params.gamma, params.max_new_tokens - len(tokens) - 1)
+        # 1. draft a chain of g tokens (g draft passes; the last token is never fed)
+        drafts, qs = [], []
+        for i in range(g):
+            if i == 0:
+                dl = draft.evaluate(Forest(suffix=(d_suffix,))).roots[0]
+            else:
+                dl = draft.evaluate(Forest(tokens=(drafts[-1],), parents=(ROOT if i == 1 else i - 2,),
+                                           rows=(0,))).nodes[0]
+            metrics.draft_passes += 1
+            q = per_token(pad_vocab(dl, vocab))
+            x = int(sample_iid(q, 1, rng_draft)[0])
+            drafts.append(x)
+            qs.append(q)
+            if stopper.finished(tokens + drafts):
+                break  # nothing to draft after an end
+        # 2. one target pass over the suffix and the chain
+        out = target.evaluate(Forest(suffix=(t_suffix,), tokens=tuple(drafts),
+                                     parents=(ROOT, *range(len(drafts) - 1))[: len(drafts)],
+                                     rows=(0,) * len(drafts)))
+        metrics.target_passes += 1
+        metrics.iterations += 1
+        metrics.track_kv(target, draft)
+        lp = log_softmax(np.concatenate([out.roots, out.nodes]))  # [1 + len(drafts), vocab]
+        # 3. verify the chain
+        accepted = 0
+        new = None
+        for i, x in enumerate(drafts):
+            p = per_token(out.roots[0] if i == 0 else out.nodes[i - 1])
+            ratio = p.lookup(np.array([x]))[0] / qs[i].lookup(np.array([x]))[0]
+            st = metrics.layer(i + 1)
+            st.attempted += 1
+            st.tested += 1
+            if rand.bernoulli(min(1.0, ratio)):
+                accepted += 1
+                st.accepted += 1
+                st.passed += 1
+                continue
+            S, R, _ = residual_chain(p, qs[i], 1)
+            new = int(rand.categorical(S, R[1]))  # residual norm(max(p - q, 0))
+            break
+        if new is None:  # bonus token after a full pass
+            p = per_token(out.roots[0] if not drafts else out.nodes[len(drafts) - 1])
+            new = int(rand.categorical(p.keys, p.probs))
+        emitted = drafts[:accepted] + [new]
+        metrics.steps.append(len(emitted))
+        # EOS, stop strings and the budget end the chain at the first token that ends it.
+        done = False
+        for j, x in enumerate(emitted):
+            tokens.append(x)
+            score += float(lp[j, x])
+            if stopper.finished(tokens) or len(tokens) >= params.max_new_tokens:
+                done = True
+                break
+        metrics.mark_first_token()
+        metrics.carried.append(1)
+        if done:
+            beam = Beam(tuple(tokens), score, stopper.finished(tokens))
+            metrics.finish_reason = "stop" if beam.finished else "length"
+            yield Step(final=beam.tokens, live=0, done=True, output=beam)
+            return
+        # 4. commit: keep the accepted chain's KV in both caches
+        target.commit([Path(0, tuple(range(accepted)))])
+        t_suffix = (new,)
+        fed = min(accepted, max(len(drafts) - 1, 0))  # the draft never fed its last token
+        if drafts:
+            draft.commit([Path(0, tuple(range(fed)))])
+            d_suffix = tuple(drafts[fed:accepted]) + (new,)
+        else:
+            d_suffix = d_suffix + (new,)
+        yield Step(final=tuple(tokens), live=1)

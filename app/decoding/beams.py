@@ -1,0 +1,110 @@
+"""Beam bookkeeping shared by every decoder: stop rules, finished pool, final choice, streaming prefix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class Beam:
+    """A candidate continuation: generated tokens and s(y), the raw target log-likelihood."""
+
+    tokens: tuple[int, ...]
+    score: float
+    finished: bool = False
+
+    def normalized(self, length_penalty: float) -> float:
+        """S(y) = s(y) / n^lambda (Hugging Face-style length penalty)."""
+        return self.score / max(1, len(self.tokens)) ** length_penalty
+
+
+class Stopper:
+    """Decides when a beam ends: an end-of-generation token or a completed stop string."""
+
+    def __init__(self, *, eos_ids: frozenset[int], stop: Sequence[str] = (), decode=None) -> None:
+        self.eos_ids = frozenset(eos_ids)
+        self.stop = tuple(stop)
+        self._decode = decode  # ids -> bytes; needed only with stop strings
+        # A stop string is completed by the newest token, so a bounded tail of tokens suffices.
+        self._tail = max((len(s.encode()) for s in self.stop), default=0) + 8
+
+    def finished(self, tokens: Sequence[int]) -> bool:
+        if not tokens:
+            return False
+        if tokens[-1] in self.eos_ids:
+            return True
+        if self.stop:
+            tail = self._decode(list(tokens[-self._tail:])).decode("utf-8", "ignore")
+            return any(s in tail for s in self.stop)
+        return False
+
+    def visible_text(self, tokens: Sequence[int], *, final: bool) -> str:
+        """Text to show: EOS dropped, cut before a stop string; when not final, hold back a tail
+        that could still become a stop string and any incomplete UTF-8 sequence."""
+        ids = [t for t in tokens if t not in self.eos_ids]
+        data = self._decode(ids) if ids else b""
+        text = data.decode("utf-8", "ignore") if final else _complete_utf8(data)
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            return text[:cut]
+        if not final:
+            for s in self.stop:  # hold back a suffix that is a prefix of a stop string
+                for k in range(min(len(s) - 1, len(text)), 0, -1):
+                    if text.endswith(s[:k]):
+                        text = text[:-k]
+                        break
+        return text
+
+
+def _complete_utf8(data: bytes) -> str:
+    # Drop an incomplete multi-byte sequence at the end; it completes with the next token.
+    for k in range(4):
+        try:
+            return data[: len(data) - k].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return data.decode("utf-8", "ignore")
+
+
+@dataclass
+class Pool:
+    """Finished candidates of a full-mode beam run: the `size` best by S, duplicates removed."""
+
+    size: int
+    length_penalty: float
+    beams: list[Beam] = field(default_factory=list)
+
+    def add(self, beam: Beam) -> None:
+        if any(b.tokens == beam.tokens for b in self.beams):
+            return
+        self.beams.append(beam)
+        self.beams.sort(key=lambda b: -b.normalized(self.length_penalty))
+        del self.beams[self.size:]
+
+    def is_done(self, live: Sequence[Beam]) -> bool:
+        """Hugging Face's default heuristic: a full pool whose worst beats the best live beam."""
+        if len(self.beams) < self.size or not live:
+            return False
+        best_live = max(b.normalized(self.length_penalty) for b in live)
+        return best_live <= self.beams[-1].normalized(self.length_penalty)
+
+
+def final_choice(pool: Sequence[Beam], live: Sequence[Beam], length_penalty: float) -> Beam:
+    """Argmax of S over finished then live candidates (ties: finished first, then lower slot)."""
+    candidates = list(pool) + list(live)
+    best = max(range(len(candidates)), key=lambda i: (candidates[i].normalized(length_penalty), -i))
+    return candidates[best]
+
+
+def common_prefix(seqs: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """Longest common prefix: the tokens every still-returnable sequence contains."""
+    if not seqs:
+        return ()
+    first = seqs[0]
+    n = min(len(s) for s in seqs)
+    for i in range(n):
+        t = first[i]
+        if any(s[i] != t for s in seqs):
+            return tuple(first[:i])
+    return tuple(first[:n])

@@ -1,0 +1,88 @@
+"""Per-generation metrics (spec §12): passes, acceptance per depth, widths, speed, memory, quality."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LayerStats:
+    attempted: int = 0
+    passed: int = 0
+    tested: int = 0
+    accepted: int = 0
+    auto_rejected: int = 0  # drafts whose parent was rejected or finished
+    untested: int = 0
+
+
+@dataclass
+class Metrics:
+    mode: str = ""
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_passes: int = 0
+    draft_passes: int = 0
+    iterations: int = 0
+    steps: list[int] = field(default_factory=list)  # beam steps advanced per target pass
+    widths: list[int] = field(default_factory=list)  # W_L chosen per verified layer
+    carried: list[int] = field(default_factory=list)  # live beams at each iteration boundary
+    layers: dict[int, LayerStats] = field(default_factory=dict)
+    peak_kv_target: int = 0
+    peak_kv_draft: int = 0
+    score: float | None = None  # s(returned) under the raw target
+    finish_reason: str = ""
+    t_start: float = field(default_factory=time.perf_counter)
+    t_prefill: float | None = None
+    t_first: float | None = None
+    t_end: float | None = None
+
+    def layer(self, depth: int) -> LayerStats:
+        return self.layers.setdefault(depth, LayerStats())
+
+    def mark_prefilled(self) -> None:
+        self.t_prefill = time.perf_counter()
+
+    def mark_first_token(self) -> None:
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+
+    def track_kv(self, target, draft=None) -> None:
+        self.peak_kv_target = max(self.peak_kv_target, target.kv_bytes())
+        if draft is not None:
+            self.peak_kv_draft = max(self.peak_kv_draft, draft.kv_bytes())
+
+    def as_dict(self) -> dict:
+        end = self.t_end or time.perf_counter()
+        t0 = self.t_prefill or self.t_start
+        decode_s = max(end - t0, 1e-9)
+        steps = self.steps or [0]
+        hist = Counter(self.widths)
+        return {
+            "mode": self.mode,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "finish_reason": self.finish_reason,
+            "target_passes": self.target_passes,
+            "draft_passes": self.draft_passes,
+            "iterations": self.iterations,
+            "steps_per_target_pass": sum(steps) / max(1, len(self.steps)),
+            "steps_histogram": dict(sorted(Counter(self.steps).items())),
+            "target_passes_per_token": self.target_passes / max(1, self.new_tokens),
+            "acceptance_by_depth": {
+                d: {**vars(s), "rate": s.accepted / s.tested if s.tested else None}
+                for d, s in sorted(self.layers.items())
+            },
+            "widths": list(self.widths),
+            "widths_histogram": dict(sorted(hist.items())),
+            "mean_width": sum(self.widths) / len(self.widths) if self.widths else None,
+            "beams_carried": list(self.carried),
+            "peak_kv_bytes_target": self.peak_kv_target,
+            "peak_kv_bytes_draft": self.peak_kv_draft,
+            "mean_target_logprob": self.score / self.new_tokens if self.new_tokens and self.score is not None else None,
+            "prefill_s": (self.t_prefill - self.t_start) if self.t_prefill else None,
+            "time_to_first_token_s": (self.t_first - self.t_start) if self.t_first else None,
+            "decode_s": decode_s,
+            "tokens_per_s": self.new_tokens / decode_s,
+        }

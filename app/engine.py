@@ -1,0 +1,175 @@
+"""The engine: owns the loaded models and their KV contexts, runs one generation at a time, streams events.
+
+Decoders yield token-level `Step`s; the engine turns them into text events, enforces the context
+limit (never truncating silently), and honours a per-request cancel event.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Iterator, Sequence
+
+from backends.base import BackendError, ContextFull
+
+from .chat import encode_chat
+from .config import ConfigError, DecodeParams, ModelSpec
+from .decoding import decoder, derive_seed
+from .decoding.beams import Stopper
+from .decoding.metrics import Metrics
+
+
+class PromptTooLong(ConfigError):
+    """The prompt plus the answer budget exceed the context window."""
+
+    def __init__(self, *, prompt: int, max_new: int, tree: int, n_ctx: int) -> None:
+        room = n_ctx - prompt - tree
+        hint = (f"lower max tokens to {room} or less, or " if room > 0 else "") + \
+            "shorten the conversation (drop the oldest turns) or load the models with a larger context"
+        super().__init__(f"prompt is {prompt} tokens; with max_new_tokens={max_new} and the draft tree "
+                         f"({tree}) it needs {prompt + max_new + tree} of the {n_ctx}-token context: {hint}")
+        self.prompt, self.max_new, self.n_ctx, self.room = prompt, max_new, n_ctx, room
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a client sees: the stable text so far, then the final text and stats."""
+
+    text: str
+    tokens: int  # tokens final so far
+    live_beams: int  # > 1: "deciding between N beams"
+    done: bool = False
+    stats: dict | None = None
+    forest: dict | None = None
+    error: str | None = None
+
+
+class Engine:
+    """Loaded target (+ draft) and their contexts; thread-safe with one generation at a time."""
+
+    def __init__(self, target, draft=None, *, n_ctx: int = 4096) -> None:
+        self.target, self.draft = target, draft
+        self.n_ctx = min(n_ctx, target.info.n_ctx_train or n_ctx)
+        self.tokenizer = target.tokenizer
+        self._ctx: dict[str, tuple[int, object]] = {}  # role -> (rows, context)
+        self.lock = threading.Lock()
+        if draft is not None:
+            from backends.tokenizer import check_compatible
+
+            check_compatible(draft.tokenizer, target.tokenizer)
+
+    @classmethod
+    def load(cls, target: ModelSpec, draft: ModelSpec | None = None) -> "Engine":
+        from backends.registry import load_model
+
+        t = load_model(target.validated(), role="target")
+        try:
+            d = load_model(draft.validated(), role="draft") if draft is not None else None
+            return cls(t, d, n_ctx=target.n_ctx)
+        except BaseException:
+            t.close()
+            raise
+
+    def close(self) -> None:
+        for _, ctx in self._ctx.values():
+            ctx.close()
+        self._ctx.clear()
+        for m in {id(self.target): self.target, id(self.draft): self.draft}.values():
+            if m is not None:
+                m.close()
+
+    def describe(self) -> dict:
+        d = {"target": self.target.info.name, "target_backend": self.target.info.backend, "n_ctx": self.n_ctx}
+        if self.draft is not None:
+            d |= {"draft": self.draft.info.name, "draft_backend": self.draft.info.backend}
+        return d
+
+    # -- contexts ------------------------------------------------------------------------------
+    def _context(self, role: str, rows: int):
+        model = self.target if role == "target" else self.draft
+        have = self._ctx.get(role)
+        if have is not None and have[0] >= rows:
+            return have[1]
+        if have is not None:
+            have[1].close()
+        ctx = model.context(rows=rows, max_tokens=self.n_ctx)
+        self._ctx[role] = (rows, ctx)
+        return ctx
+
+    # -- generation ----------------------------------------------------------------------------
+    def check_params(self, params: DecodeParams) -> DecodeParams:
+        params = params.validated()
+        if params.needs_draft and self.draft is None:
+            raise ConfigError(f"mode {params.mode!r} needs a draft model: load one (--draft) or pick "
+                              "greedy / sample / beam / beam-sample / beam-sample-repl")
+        return params
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        return encode_chat(messages, self.tokenizer)
+
+    def generate(self, prompt: Sequence[int], params: DecodeParams, *,
+                 cancel: threading.Event | None = None) -> Iterator[Event]:
+        """Stream one completion of `prompt` (token ids). Raises ConfigError before any work."""
+        params = self.check_params(params)
+        prompt = list(prompt)
+        if not prompt:
+            raise ConfigError("the prompt is empty")
+        tree = params.draft_beams * params.gamma + 1 if params.needs_draft else 1
+        if len(prompt) + params.max_new_tokens + tree > self.n_ctx:
+            raise PromptTooLong(prompt=len(prompt), max_new=params.max_new_tokens, tree=tree, n_ctx=self.n_ctx)
+        return self._run(prompt, params, cancel)
+
+    def _run(self, prompt, params, cancel) -> Iterator[Event]:
+        memory = params.mode in ("dsbd-mem", "greedy", "sample", "sps")
+        rows = 1 if memory else params.beams
+        with self.lock:
+            target = self._context("target", rows)
+            draft = self._context("draft", rows) if params.needs_draft else None
+            tok = self.tokenizer
+            stopper = Stopper(eos_ids=tok.eos_ids, stop=params.stop, decode=tok.decode)
+            metrics = Metrics(mode=params.mode, prompt_tokens=len(prompt))
+            steps = decoder(params.mode)(target=target, draft=draft, prompt=prompt, params=params,
+                                         stopper=stopper, metrics=metrics, vocab=self.target.info.vocab_size)
+            try:
+                for step in steps:
+                    if cancel is not None and cancel.is_set() and not step.done:
+                        metrics.finish_reason = "cancelled"
+                        text = stopper.visible_text(step.final, final=True)
+                        yield Event(text=text, tokens=len(step.final), live_beams=0, done=True,
+                                    stats=self._stats(metrics, step.final, None))
+                        return
+                    text = stopper.visible_text(step.final, final=step.done)
+                    if step.done:
+                        yield Event(text=text, tokens=len(step.output.tokens), live_beams=0, done=True,
+                                    stats=self._stats(metrics, step.output.tokens, step.output.score),
+                                    forest=step.forest)
+                        return
+                    yield Event(text=text, tokens=len(step.final), live_beams=step.live, forest=step.forest)
+            except ContextFull as e:
+                raise BackendError(f"the context filled up during generation: {e}") from e
+            finally:
+                steps.close()  # the decoder's own cleanup; the next prefill drops any pending forest
+
+    @staticmethod
+    def _stats(metrics: Metrics, tokens, score) -> dict:
+        metrics.t_end = time.perf_counter()
+        metrics.new_tokens = len(tokens)
+        if score is not None:
+            metrics.score = score
+        return metrics.as_dict()
+
+    def chat(self, messages: list[dict], params: DecodeParams, *,
+             cancel: threading.Event | None = None) -> Iterator[Event]:
+        return self.generate(self.encode(messages), params, cancel=cancel)
+
+    def complete(self, prompt: Sequence[int], params: DecodeParams, *, n: int = 1) -> list[dict]:
+        """N independent completions (derived seeds), each {text, tokens, stats}."""
+        out = []
+        for i in range(n):
+            p = replace(params, seed=derive_seed(params.seed, i)) if n > 1 else params
+            last = None
+            for last in self.generate(prompt, p):
+                pass
+            out.append({"text": last.text, "tokens": last.tokens, "stats": last.stats})
+        return out

@@ -1,0 +1,181 @@
+"""Process-level tests of every decoder on explicit bigram-table models (spec §13 items 7 and 9).
+
+Statistical design: chi-square homogeneity of the returned sequences between two arms, cells with an
+expected count < 5 merged, significance 1e-4 per assertion, fixed seeds (deterministic in CI). The default
+suite runs N = 4,000 per arm (detects a total-variation gap of about 0.06 over <= 30 cells); the `slow`
+variants run the spec's N = 2*10^5.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from scipy.stats import chi2_contingency
+
+from app.config import DecodeParams
+from app.decoding import decoder
+from app.decoding.beams import Stopper
+from app.decoding.metrics import Metrics
+from refmodel import TableModel, bigram
+
+ALPHA = 1e-4
+V = 4  # token 0 is EOS
+
+
+def run(mode: str, target, draft=None, *, seed: int, prompt=(1, 2), collect_steps=False, **kw):
+    params = DecodeParams(mode=mode, seed=seed, **kw).validated()
+    rows = params.beams
+    t = target.context(rows=rows, max_tokens=256)
+    d = draft.context(rows=rows, max_tokens=256) if draft is not None else None
+    stopper = Stopper(eos_ids=frozenset({0}), stop=params.stop, decode=target.tokenizer.decode)
+    metrics = Metrics(mode=mode)
+    steps = list(decoder(mode)(target=t, draft=d, prompt=list(prompt), params=params, stopper=stopper,
+                               metrics=metrics, vocab=target.vocab))
+    assert steps[-1].done
+    out = steps[-1].output.tokens
+    return (out, metrics, steps, t) if collect_steps else out
+
+
+def homogeneous(a: Counter, b: Counter) -> float:
+    """p-value of the chi-square homogeneity test, merging rare cells (expected < 5)."""
+    cells = sorted(set(a) | set(b))
+    na, nb = sum(a.values()), sum(b.values())
+    table = np.array([[a[c] for c in cells], [b[c] for c in cells]], dtype=float)
+    expected_min = table.sum(0) * min(na, nb) / (na + nb)
+    rare = expected_min < 5
+    if rare.any():
+        table = np.concatenate([table[:, ~rare], table[:, rare].sum(1, keepdims=True)], axis=1)
+    table = table[:, table.sum(0) > 0]
+    if table.shape[1] < 2:
+        return 1.0
+    return float(chi2_contingency(table)[1])
+
+
+def sample_arm(mode, target, draft, n, base_seed, **kw) -> Counter:
+    return Counter(run(mode, target, draft, seed=base_seed + i, **kw) for i in range(n))
+
+
+TARGET = bigram(V, 11)
+DRAFT = bigram(V, 12, sharp=1.0)  # a different model: many rejections
+
+
+# --- reductions (spec §11 R1-R3) -----------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(5))
+def test_gamma_zero_is_beam_sampling_with_replacement_token_for_token(seed):
+    kw = dict(beams=3, max_new_tokens=6, temperature=1.0)
+    a = run("dsbd", TARGET, DRAFT, seed=seed, gamma=0, draft_beams=4, **kw)
+    b = run("beam-sample-repl", TARGET, seed=seed, **kw)
+    assert a == b
+
+
+@pytest.mark.parametrize("n", [4000, pytest.param(200_000, marks=pytest.mark.slow)])
+def test_speculative_reductions_match_target_sampling(n):
+    kw = dict(max_new_tokens=4, gamma=2)
+    ref = sample_arm("sample", TARGET, None, n, 10_000_000, max_new_tokens=4)
+    sps = sample_arm("sps", TARGET, DRAFT, n, 20_000_000, **kw)
+    mem = sample_arm("dsbd-mem", TARGET, DRAFT, n, 30_000_000, beams=1, draft_beams=1, min_beams=1,
+                     select="sample", **kw)
+    assert homogeneous(ref, sps) > ALPHA
+    assert homogeneous(ref, mem) > ALPHA
+
+
+@pytest.mark.parametrize("n", [4000, pytest.param(200_000, marks=pytest.mark.slow)])
+def test_fixed_width_dsbd_matches_beam_sampling_with_replacement(n):
+    kw = dict(beams=2, max_new_tokens=4)
+    ref = sample_arm("beam-sample-repl", TARGET, None, n, 40_000_000, **kw)
+    got = sample_arm("dsbd", TARGET, DRAFT, n, 50_000_000, draft_beams=3, min_beams=2, gamma=2, **kw)
+    assert homogeneous(ref, got) > ALPHA
+
+
+def test_negative_control_biased_draft_sampling_is_detected():
+    """The homogeneity check has teeth: sampling at another temperature must be told apart."""
+    ref = sample_arm("sample", TARGET, None, 4000, 60_000_000, max_new_tokens=4)
+    hot = sample_arm("sample", TARGET, None, 4000, 70_000_000, max_new_tokens=4, temperature=1.3)
+    assert homogeneous(ref, hot) < 1e-10
+
+
+# --- draft == target ----------------------------------------------------------------------------
+
+def test_identical_draft_accepts_every_draft():
+    _, m, _, _ = run("sps", TARGET, TARGET, seed=3, max_new_tokens=30, gamma=3, collect_steps=True)
+    assert all(s.accepted == s.tested for s in m.layers.values())
+    _, m, _, _ = run("dsbd", TARGET, TARGET, seed=3, beams=3, draft_beams=3, max_new_tokens=30,
+                     threshold=0.5, collect_steps=True)
+    tested = sum(s.tested for s in m.layers.values())
+    assert tested > 0 and all(s.accepted == s.tested for s in m.layers.values())
+
+
+@pytest.mark.parametrize("mode,kw", [
+    ("sps", dict(top_k=1, gamma=3)),
+    ("dsbd", dict(top_k=1, beams=1, draft_beams=2, gamma=3)),
+    ("dsbd-mem", dict(top_k=1, beams=2, draft_beams=3, gamma=2)),
+    ("beam", dict(beams=1)),
+])
+def test_greedy_equivalent_settings_reproduce_greedy(mode, kw):
+    # No EOS mass: beam search with W = 1 then walks exactly the greedy path.
+    model = TableModel(lambda seq: np.sin(np.arange(7) * (1 + sum(seq) % 5) + len(seq)) - 50 * np.eye(7)[0], 7)
+    greedy = run("greedy", model, seed=0, max_new_tokens=12)
+    assert run(mode, model, bigram(7, 5), seed=1, max_new_tokens=12, **kw) == greedy
+
+
+# --- termination and streaming (spec §13.9) ------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["sample", "beam", "beam-sample", "beam-sample-repl", "sps", "dsbd", "dsbd-mem"])
+def test_streamed_prefix_grows_and_prefixes_output_within_budget(mode):
+    for seed in range(40):
+        out, m, steps, _ = run(mode, TARGET, DRAFT, seed=seed, beams=3, max_new_tokens=7, gamma=3,
+                               collect_steps=True)
+        assert len(out) <= 7
+        prev = ()
+        for s in steps:
+            assert s.final[: len(prev)] == prev, "the streamed prefix shrank"
+            prev = s.final
+        assert out[: len(prev)] == prev
+        assert 0 not in out[:-1], "EOS only as the last token"
+
+
+def test_stop_string_ends_beam_and_text_is_cut():
+    model = TableModel(lambda seq: np.eye(5)[[1, 2, 3, 4, 1][seq[-1]]] * 30, 5)  # a -> b -> c -> d -> a
+    out = run("greedy", model, seed=0, prompt=(1,), max_new_tokens=20, stop=("da",))
+    st = Stopper(eos_ids=frozenset({0}), stop=("da",), decode=model.tokenizer.decode)
+    assert model.tokenizer.decode(out) == b"bcda"
+    assert st.visible_text(out, final=True) == "bc"
+    assert st.visible_text(out[:3], final=False) == "bc", "a possible stop-string start is held back"
+
+
+def test_memory_mode_carries_one_row_and_full_mode_up_to_w():
+    _, _, _, ctx = run("dsbd-mem", TARGET, DRAFT, seed=2, beams=3, max_new_tokens=20, collect_steps=True)
+    assert ctx.rows == 1
+    _, m, _, _ = run("dsbd", TARGET, DRAFT, seed=2, beams=3, max_new_tokens=20, collect_steps=True)
+    assert max(m.carried) <= 3
+
+
+def test_eos_accepted_mid_iteration_retires_and_children_are_auto_rejected():
+    # Target and draft both put most mass on EOS after token 3: drafts beneath an accepted EOS
+    # node must be auto-rejected (their parent left the valid set), yet every output stays valid.
+    def fn(seq):
+        logits = np.zeros(4)
+        logits[0] = 3.0 if seq[-1] == 3 else -1.0
+        return logits
+
+    model = TableModel(fn, 4)
+    auto = 0
+    for seed in range(30):
+        out, m, _, _ = run("dsbd", model, model, seed=seed, beams=3, draft_beams=4, max_new_tokens=12,
+                           threshold=0.3, collect_steps=True)
+        assert 0 not in out[:-1]
+        auto += sum(s.auto_rejected for s in m.layers.values())
+    assert auto > 0
+
+
+def test_metrics_are_consistent():
+    out, m, _, _ = run("dsbd", TARGET, DRAFT, seed=4, beams=2, max_new_tokens=24, collect_steps=True)
+    d = m.as_dict()
+    assert d["target_passes"] == d["iterations"]
+    assert 1 <= d["steps_per_target_pass"] <= 4
+    assert all(1 <= w <= 2 for w in d["widths"])
+    for s in m.layers.values():
+        assert s.accepted <= s.tested

@@ -1,0 +1,328 @@
+"""Sampling math (spec §2.1, §5, §13 item 8): log_softmax, warp, Joint, sample_iid, residual chain, Rand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.special import log_softmax as scipy_log_softmax
+
+from app.decoding.sampling import (
+    Draft,
+    Joint,
+    SeededRand,
+    Warp,
+    log_softmax,
+    make_drafts,
+    positions,
+    residual_chain,
+    sample_iid,
+    verify_layer,
+    warp_joint,
+)
+from dsbd_helpers import ALPHA_TEST, chisquare_pvalue, joint, rngs
+
+NEG = -np.inf
+
+
+def as_dict(p: Joint) -> dict[int, float]:
+    return {int(k): float(v) for k, v in zip(p.keys, p.probs)}
+
+
+# -------------------------------------------------------------------------------------------- log_softmax
+
+
+def test_log_softmax_matches_scipy_and_is_stable() -> None:
+    rng = rngs("log_softmax")[0]
+    x = rng.normal(size=(4, 50)) * 10 + 1e4  # large offset: naive exp would overflow
+    np.testing.assert_allclose(log_softmax(x), scipy_log_softmax(x, axis=-1), atol=1e-9)
+    np.testing.assert_allclose(log_softmax(x[0]), scipy_log_softmax(x[0]), atol=1e-9)
+    assert log_softmax(x.astype(np.float32)).dtype == np.float64
+
+
+def test_log_softmax_masked_entries_and_rows() -> None:
+    x = np.array([[0.0, NEG, np.log(3.0)], [NEG, NEG, NEG]])
+    out = log_softmax(x)
+    np.testing.assert_allclose(np.exp(out[0]), [0.25, 0.0, 0.75], atol=1e-15)
+    assert np.all(out[1] == NEG)  # an all -inf row stays -inf, no nan
+
+
+# ------------------------------------------------------------------------------------------------- Warp
+
+
+def test_warp_validation_and_truncating() -> None:
+    assert not Warp().truncating
+    assert Warp(top_k=5).truncating and Warp(top_p=0.9).truncating and not Warp(temperature=0.5).truncating
+    for bad in (dict(temperature=0.0), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5)):
+        with pytest.raises(ValueError):
+            Warp(**bad)
+
+
+# ------------------------------------------------------------------------------------------- warp_joint
+
+
+def test_untruncated_is_joint_softmax_over_finite_entries() -> None:
+    rng = rngs("warp_dense")[0]
+    z = rng.normal(size=(3, 7))
+    z[1] = NEG  # invalid parent
+    z[0, 2] = NEG  # masked id
+    p = warp_joint(z, Warp())
+    np.testing.assert_array_equal(p.keys, np.flatnonzero(np.isfinite(z)))
+    ls = log_softmax(z.reshape(-1))
+    np.testing.assert_allclose(p.probs, np.exp(ls[p.keys]), rtol=1e-13)
+    assert p.vocab == 7 and p.keys.dtype == np.int64 and p.probs.dtype == np.float64
+    assert p.probs.sum() == pytest.approx(1.0, abs=1e-14)
+
+
+def test_top_k_counts_pairs_not_per_beam() -> None:
+    z = np.array([[5.0, 4.0, 3.0], [1.0, 0.0, -1.0]])
+    p = warp_joint(z, Warp(top_k=2))
+    assert list(p.keys) == [0, 1]  # both from parent 0; per-beam top_k would keep 4 pairs
+    np.testing.assert_allclose(p.probs, np.exp([5, 4]) / np.exp([5, 4]).sum())
+    assert list(warp_joint(z, Warp(top_k=4)).keys) == [0, 1, 2, 3]
+
+
+def test_top_k_ties_break_by_lower_key() -> None:
+    assert list(warp_joint(np.zeros((2, 3)), Warp(top_k=2)).keys) == [0, 1]
+    z = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])  # two 1s (keys 0, 4), then ties of 0 at 1, 2, 3, 5
+    assert list(warp_joint(z, Warp(top_k=3)).keys) == [0, 1, 4]
+    assert list(warp_joint(z, Warp(top_k=5)).keys) == [0, 1, 2, 3, 4]
+
+
+def test_invalid_parents_go_before_top_k() -> None:
+    z = np.array([[0.0, -1.0, -2.0], [NEG, NEG, NEG], [-3.0, NEG, -4.0]])
+    p = warp_joint(z, Warp(top_k=4))
+    assert list(p.keys) == [0, 1, 2, 6]  # 4 valid pairs, none from the invalid row or the masked id
+    assert np.all(p.parent(p.keys) != 1)
+    # top_k above the number of valid pairs keeps them all, bit-identical to no truncation
+    a, b = warp_joint(z, Warp(top_k=100)), warp_joint(z, Warp())
+    assert a.keys.tobytes() == b.keys.tobytes() and a.probs.tobytes() == b.probs.tobytes()
+
+
+def test_top_p_keeps_the_crossing_entry() -> None:
+    z = np.log([[0.5, 0.3, 0.2]])
+    assert as_dict(warp_joint(z, Warp(top_p=0.6))) == pytest.approx({0: 0.625, 1: 0.375})
+    assert list(warp_joint(z, Warp(top_p=0.4)).keys) == [0]  # at least the first entry
+    assert list(warp_joint(z, Warp(top_p=0.51)).keys) == [0, 1]
+    assert list(warp_joint(z, Warp(top_p=0.81)).keys) == [0, 1, 2]
+    # across parents: mass ordered over pairs
+    z2 = np.log([[0.1, 0.35], [0.4, 0.15]])
+    assert list(warp_joint(z2, Warp(top_p=0.7)).keys) == [1, 2]
+    assert list(warp_joint(z2, Warp(top_p=0.76)).keys) == [1, 2, 3]
+
+
+def test_top_p_ties_break_by_lower_key() -> None:
+    z = np.zeros((2, 2))  # four pairs of 0.25
+    assert list(warp_joint(z, Warp(top_p=0.5)).keys) == [0, 1]
+    z = np.array([[0.0, 1.0], [1.0, 0.0]])  # equal leaders at keys 1 and 2
+    assert list(warp_joint(z, Warp(top_p=0.1)).keys) == [1]
+
+
+def test_top_p_applies_to_the_top_k_renormalised_mass() -> None:
+    z = np.log([[0.4, 0.3, 0.2, 0.1]])
+    assert list(warp_joint(z, Warp(top_p=0.5)).keys) == [0, 1]  # 0.4 < 0.5
+    p = warp_joint(z, Warp(top_k=2, top_p=0.5))  # 4/7 >= 0.5 after top_k
+    assert list(p.keys) == [0] and p.probs[0] == 1.0
+
+
+def test_temperature() -> None:
+    rng = rngs("warp_temperature")[0]
+    z = rng.normal(size=(2, 5))
+    for T in (0.5, 2.0):
+        p = warp_joint(z, Warp(temperature=T))
+        np.testing.assert_allclose(p.probs, np.exp(log_softmax((z / T).reshape(-1))), rtol=1e-13)
+    # T sharpens or flattens before top_p: T -> small keeps only the argmax pair
+    assert list(warp_joint(z, Warp(temperature=1e-3, top_p=0.9)).keys) == [int(np.argmax(z))]
+
+
+@pytest.mark.parametrize(
+    "warp", [Warp(), Warp(top_k=20), Warp(top_p=0.9), Warp(temperature=0.7, top_k=50, top_p=0.8)]
+)
+def test_bit_identical_on_identical_inputs(warp: Warp) -> None:
+    rng = rngs("warp_bits")[0]
+    z = np.round(rng.normal(size=(4, 1000)), 1)  # rounding makes many ties
+    z[2] = NEG
+    a = warp_joint(z, warp)
+    for other in (z.copy(), np.asfortranarray(z), z.astype(np.float64).copy(order="C")):
+        b = warp_joint(other, warp)
+        assert a.keys.tobytes() == b.keys.tobytes() and a.probs.tobytes() == b.probs.tobytes()
+    assert np.all(np.diff(a.keys) > 0) and np.all(a.probs > 0)
+    if warp.top_k and warp.top_p == 1.0:
+        assert len(a) == warp.top_k
+
+
+def reference_warp(z: np.ndarray, warp: Warp) -> tuple[np.ndarray, np.ndarray]:
+    """§2.1 the obvious way: one full sort by (-value, key)."""
+    flat = z.reshape(-1) / warp.temperature
+    keys = np.flatnonzero(np.isfinite(flat))
+    order = keys[np.lexsort((keys, -flat[keys]))]  # descending value, ties by lower key
+    if warp.top_k:
+        order = order[: warp.top_k]
+    if warp.top_p < 1:
+        e = np.exp(flat[order] - flat[order[0]])
+        cum = np.cumsum(e / e.sum())
+        order = order[: int(np.argmax(cum >= warp.top_p)) + 1 if cum[-1] >= warp.top_p else order.size]
+    kept = np.sort(order)
+    e = np.exp(flat[kept] - flat[kept].max())
+    return kept, e / e.sum()
+
+
+@pytest.mark.parametrize(
+    "warp", [Warp(top_p=0.5), Warp(top_p=0.99), Warp(top_k=3000, top_p=0.95), Warp(temperature=3.0, top_p=0.999)]
+)
+def test_fast_paths_match_full_sort_reference(warp: Warp) -> None:
+    """Partial selection (top_k) and the growing sorted head (top_p) equal a full sort, ties included."""
+    rng = rngs("warp_reference")[0]
+    z = np.round(rng.normal(size=(4, 6000)) * 0.5, 2)  # flat-ish with many ties: the head must grow
+    z[1, :] = NEG
+    z[0, ::7] = NEG
+    keys, probs = reference_warp(z, warp)
+    p = warp_joint(z, warp)
+    np.testing.assert_array_equal(p.keys, keys)
+    np.testing.assert_allclose(p.probs, probs, rtol=1e-12)
+    assert len(p) > 1024 or warp.top_p == 0.5  # the larger cases really exercise head growth
+
+
+def test_warp_errors_and_underflow() -> None:
+    with pytest.raises(ValueError):
+        warp_joint(np.full((2, 3), NEG), Warp())
+    with pytest.raises(ValueError):
+        warp_joint(np.array([[0.0, np.nan]]), Warp())
+    with pytest.raises(ValueError):
+        warp_joint(np.array([[0.0, np.inf]]), Warp())
+    p = warp_joint(np.array([[0.0, -1000.0, -1.0]]), Warp())  # exp(-1000) underflows: dropped, probs > 0
+    assert list(p.keys) == [0, 2] and np.all(p.probs > 0)
+    assert list(warp_joint(np.array([0.0, 1.0]), Warp()).keys) == [0, 1]  # [V] = one parent
+
+
+# ---------------------------------------------------------------------------------------- Joint, lookup
+
+
+def test_joint_helpers() -> None:
+    p = Joint.from_dense([[0.5, 0.0, 0.2], [0.0, 0.3, 0.0]])
+    assert list(p.keys) == [0, 2, 4] and len(p) == 3
+    np.testing.assert_array_equal(p.lookup(np.array([4, 1, 0, 99, -1])), [0.3, 0.0, 0.5, 0.0, 0.0])
+    np.testing.assert_array_equal(p.parent(p.keys), [0, 0, 1])
+    np.testing.assert_array_equal(p.token(p.keys), [0, 2, 1])
+    np.testing.assert_array_equal(positions(p.keys, np.array([2, 3, 4])), [1, -1, 2])
+    big = Joint.from_dense(np.random.default_rng(0).random((3, 5000)) * (np.arange(15000) % 3 > 0).reshape(3, -1))
+    probe = np.arange(-5, 15010, 2)  # > 4096 keys: the dense-scatter path, including keys out of range
+    expect = np.where(positions(big.keys, probe) >= 0, big.probs[np.maximum(positions(big.keys, probe), 0)], 0.0)
+    np.testing.assert_array_equal(big.lookup(probe), expect)
+    np.testing.assert_array_equal(big.lookup(probe[probe >= 0]), expect[probe >= 0])
+    empty = Joint(np.zeros(0, np.int64), np.zeros(0), 3)
+    assert empty.lookup(np.array([1, 2])).tolist() == [0.0, 0.0]
+
+
+# ----------------------------------------------------------------------------------------------- draws
+
+
+def test_sample_iid_law() -> None:
+    p = joint([[0.5, 0.0, 0.2], [0.001, 0.299, 0.0]])
+    keys = sample_iid(p, 200_000, rngs("sample_iid")[0])
+    counts = np.bincount(positions(p.keys, keys), minlength=len(p))
+    assert counts.sum() == 200_000 and chisquare_pvalue(counts, p.probs) > ALPHA_TEST
+
+
+def test_sample_iid_matches_seeded_categorical_stream() -> None:
+    """The RNG protocol: n i.i.d. draws = n successive SeededRand.categorical calls on the same seed."""
+    p = joint([[0.1, 0.2, 0.3], [0.25, 0.0, 0.15]])
+    a = sample_iid(p, 500, np.random.default_rng(5))
+    rand = SeededRand(np.random.default_rng(5))
+    b = [rand.categorical(p.keys, p.probs) for _ in range(500)]
+    assert a.tolist() == b
+
+
+def test_seeded_rand_conventions() -> None:
+    rand = SeededRand(rngs("seeded_rand")[0])
+    assert all(rand.bernoulli(1.0) for _ in range(1000)) and not any(rand.bernoulli(0.0) for _ in range(1000))
+    hits = sum(rand.bernoulli(0.3) for _ in range(20_000))
+    assert chisquare_pvalue(np.array([hits, 20_000 - hits]), np.array([0.3, 0.7])) > ALPHA_TEST
+    keys, probs = np.array([3, 5, 9]), np.array([0.0, 1.0, 0.0])
+    assert {rand.categorical(keys, probs) for _ in range(100)} == {5}  # zero cells are never drawn
+
+
+# --------------------------------------------------------------------------------------- residual chain
+
+
+def test_residual_chain_golden_rows() -> None:
+    p = Joint.from_dense([[0.5, 0.3, 0.2], [0, 0, 0]])
+    q = Joint.from_dense([[0.1, 0.2, 0.05], [0.3, 0.25, 0.1]])
+    S, R, alpha = residual_chain(p, q, 3)
+    assert S is p.keys and R.shape == (4, 3) and alpha.shape == (3,)
+    np.testing.assert_array_equal(R[0], p.probs)
+    np.testing.assert_allclose(R[1], np.array([0.4, 0.1, 0.15]) / 0.65, atol=1e-15)
+    np.testing.assert_allclose(alpha[0], 0.35, atol=1e-15)  # q on the invalid parent is not renormalised away
+
+
+def test_residual_chain_properties() -> None:
+    rng = rngs("residual_props")[0]
+    for _ in range(20):
+        sparse = lambda: rng.dirichlet(np.ones(12)).reshape(3, 4) * (rng.random((3, 4)) < 0.7)  # noqa: E731
+        p = joint(sparse() + np.eye(3, 4) * 1e-3)
+        q = joint(sparse() + np.eye(3, 4)[::-1] * 1e-3)
+        S, R, alpha = residual_chain(p, q, 5)
+        np.testing.assert_allclose(R.sum(axis=1), 1.0, atol=1e-12)
+        assert np.all(R >= 0) and np.all((alpha >= 0) & (alpha <= 1 + 1e-12))
+        q_S = q.lookup(S)
+        for j in range(1, 6):  # alpha_j = 1 - mass of max(r_{j-1} - q_S, 0)
+            assert alpha[j - 1] == pytest.approx(1 - np.maximum(R[j - 1] - q_S, 0).sum(), abs=1e-12)
+
+
+def test_residual_fallbacks() -> None:
+    p = joint([[0.5, 0.3, 0.2]])
+    S, R, alpha = residual_chain(p, p, 3)  # perfect draft: residual mass 0 -> r_j = p
+    np.testing.assert_allclose(alpha, 1.0, atol=1e-12)
+    np.testing.assert_array_equal(R[1:], np.tile(p.probs, (3, 1)))
+    q = joint([[0, 0, 0], [0.4, 0.6, 0]])  # disjoint q: nothing is ever accepted
+    _, R, alpha = residual_chain(p, q, 2)
+    np.testing.assert_array_equal(alpha, 0.0)
+    np.testing.assert_allclose(R, np.tile(p.probs, (3, 1)), atol=1e-15)
+
+
+# ------------------------------------------------------------------------------------- verify_layer unit
+
+
+class CountingRand:
+    """Always accepts / picks the first key, and counts calls."""
+
+    def __init__(self, accept: bool = True):
+        self.accept, self.calls = accept, []
+
+    def bernoulli(self, prob: float) -> bool:
+        self.calls.append(("b", prob))
+        return self.accept and prob > 0
+
+    def categorical(self, keys: np.ndarray, probs: np.ndarray) -> int:
+        self.calls.append(("c", tuple(np.round(probs, 12))))
+        return int(keys[np.flatnonzero(probs > 0)[0]])
+
+
+def test_verify_layer_mechanics() -> None:
+    p = Joint.from_dense([[0.5, 0.3, 0.2], [0, 0, 0]])
+    q = Joint.from_dense([[0.1, 0.2, 0.05], [0.3, 0.25, 0.1]])
+    S, R, _ = residual_chain(p, q, 4)
+    drafts = make_drafts(np.array([3, 1, 0, 2]), q, np.array([True, False]))
+    assert [d.valid for d in drafts] == [False, True, True, True]
+    assert drafts[0] == Draft(3, 0.3, False)
+
+    rand = CountingRand()
+    passed, out = verify_layer(drafts, S, R, 2, rand)
+    # invalid draft: no randomness used; draft 1 tested against R[1] (one rejection in a row)
+    assert passed and out == [(1, 1), (0, 2)]
+    assert rand.calls[0] == ("b", min(1.0, R[1, 1] / 0.2)) and len(rand.calls) == 2  # draft 3 untested
+
+    rand = CountingRand(accept=False)
+    passed, out = verify_layer(drafts, S, R, 3, rand)
+    # all rejected: correction from R[4], then fills from R[0] = p
+    assert not passed and [i for _, i in out] == [None, None, None]
+    assert [c[0] for c in rand.calls] == ["b", "b", "b", "c", "c", "c"]
+    assert rand.calls[3][1] == tuple(np.round(R[4], 12)) and rand.calls[4][1] == tuple(np.round(R[0], 12))
+
+    passed, out = verify_layer(drafts[:1], S, R, 2, CountingRand())  # width > drafts: fail, exactly width
+    assert not passed and len(out) == 2
+    with pytest.raises(ValueError):
+        verify_layer(drafts, S, R, 0, CountingRand())
+    with pytest.raises(ValueError):
+        verify_layer(drafts, S, R[:3], 2, CountingRand())
+    with pytest.raises(ValueError):
+        verify_layer([Draft(0, 0.0, True)], S, R, 1, CountingRand())

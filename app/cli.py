@@ -122,13 +122,41 @@ def cmd_models(a) -> int:
 def cmd_chat(a) -> int:
     target, draft = _specs(a, need_draft=False)
     from .engine import Engine
-    from .ui import build_app
+    from .ui import QUEUE_KWARGS, build_app, launch_kwargs
 
     engine = Engine.load(target, draft)
     print(f"dsbd-chat: {engine.describe()}", file=sys.stderr)
+    if a.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"dsbd-chat: warning: listening on {a.host}: anyone who can reach it can use your models",
+              file=sys.stderr)
     app = build_app(engine)
-    app.queue(default_concurrency_limit=1).launch(server_name=a.host, server_port=a.port, share=a.share,
-                                                  inbrowser=not a.no_browser)
+    app.queue(**QUEUE_KWARGS).launch(server_name=a.host, server_port=a.port, share=a.share,
+                                     inbrowser=not a.no_browser, **launch_kwargs(app))
+    return 0
+
+
+def cmd_bench(a) -> int:
+    from pathlib import Path
+
+    from . import bench
+
+    base = _params(a)
+    prompts = bench.load_suite(a.suite)[: a.prompts or None]
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    for m in modes:
+        bench.parse_mode(m, base)  # bad settings fail before any model loads
+    target, draft = _specs(a, need_draft=any(bench.parse_mode(m, base)[1].needs_draft for m in modes))
+    from .engine import Engine
+
+    engine = Engine.load(target, draft)
+    try:
+        out = Path(a.json) if a.json else None
+        result = bench.run_bench(engine, modes=modes, prompts=prompts, base=base, repeats=a.repeats, out=out)
+    finally:
+        engine.close()
+    if a.plot:
+        bench.plot(result, Path(a.plot))
+    print(json.dumps(result["summary"], indent=2))
     return 0
 
 
@@ -149,6 +177,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="no chat template: continue the raw text")
     gen.add_argument("--n", type=int, default=1, help="independent completions (derived seeds), one model load")
     gen.add_argument("--json", action="store_true")
+    bench = sub.add_parser("bench", help="benchmark decoding modes interleaved (JSON summary, optional plot)")
+    _model_args(bench)
+    _decode_args(bench)
+    bench.add_argument("--modes", default="sample,beam-sample,sps,dsbd,dsbd-mem",
+                       help="comma-separated modes, each optionally with settings: dsbd:beams=2,gamma=4")
+    bench.add_argument("--suite", default="chat", help="prompt suite in assets/bench (or a .json path)")
+    bench.add_argument("--prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
+    bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument("--json", help="write all runs + summary here (resumes a partial file)")
+    bench.add_argument("--plot", help="write a speed-vs-quality PNG here")
     models = sub.add_parser("models", help="list model presets and their install state")
     models.add_argument("--json", action="store_true")
     return ap
@@ -159,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["chat", *argv]  # the chat app is the default command
     a = build_parser().parse_args(argv)
-    handlers = {"chat": cmd_chat, "generate": cmd_generate, "models": cmd_models}
+    handlers = {"chat": cmd_chat, "generate": cmd_generate, "models": cmd_models, "bench": cmd_bench}
     from backends.base import BackendError
 
     from .chat import ChatError

@@ -1,0 +1,56 @@
+"""The browser UI: `build_app(engine)` returns the Gradio Blocks; `serve` launches it on 127.0.0.1.
+
+One module per tab (chat, compare, models); settings, stats, forest and history are their helpers.
+Gradio 6 takes CSS and allowed file paths at launch, hence `launch_kwargs` next to `build_app`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import gradio as gr
+
+from . import chat, compare, models
+from .history import HistoryStore, resolve_data_dir
+from .settings import ASSETS
+
+HOST = "127.0.0.1"  # local only: the app has no authentication
+QUEUE_KWARGS = {"default_concurrency_limit": 1, "max_size": 64}
+
+
+def build_app(engine, *, data_dir: str | os.PathLike | None = None) -> gr.Blocks:
+    """The whole app over `engine`; chats are kept in `data_dir` (else $DSBD_CHAT_DATA, else the platform dir)."""
+    store = HistoryStore(data_dir)
+    with gr.Blocks(title="dsbd-chat", fill_width=True) as app:
+        # One Session per browser tab (the factory runs per page load); closing the tab stops its answer.
+        session = gr.State(chat.Session, delete_callback=lambda s: s.cancel.set())
+        with gr.Tab("Chat", id="chat"):
+            chat_ui, panel, system, outputs = chat.build(engine, store, session)
+        with gr.Tab("Compare", id="compare"):
+            compare.build(engine, session, system, panel)
+        with gr.Tab("Models", id="models"):
+            models.build(engine)
+        app.load(chat_ui.on_load, [session], outputs, concurrency_limit=None, show_progress="hidden")
+    app.dsbd_store = store  # for launch_kwargs and tests
+    return app
+
+
+def launch_kwargs(app: gr.Blocks) -> dict:
+    """Launch options the app needs: CSS, theme, and its export folder as an allowed download path."""
+    css_path = ASSETS / "style.css"
+    # System fonts: the default theme would fetch web fonts from Google, and this app stays local.
+    theme = gr.themes.Default(font=["ui-sans-serif", "system-ui", "sans-serif"],
+                              font_mono=["ui-monospace", "Consolas", "monospace"])
+    return {"css": css_path.read_text(encoding="utf-8") if css_path.exists() else None, "theme": theme,
+            "allowed_paths": [str(app.dsbd_store.exports_dir)]}
+
+
+def serve(engine, *, port: int = 7860, inbrowser: bool = True, data_dir: str | os.PathLike | None = None,
+          **launch) -> None:
+    """Build, queue (one generation at a time, others wait with their position shown) and launch locally."""
+    app = build_app(engine, data_dir=data_dir)
+    app.queue(**QUEUE_KWARGS).launch(server_name=HOST, server_port=port, inbrowser=inbrowser,
+                                     **(launch_kwargs(app) | launch))
+
+
+__all__ = ["build_app", "launch_kwargs", "serve", "HOST", "QUEUE_KWARGS", "resolve_data_dir"]

@@ -1,0 +1,86 @@
+"""The draft forest of the latest DSBD iteration as an inline SVG: one column per layer, nodes by fate.
+
+Forest shape (from the decoder): {"gamma", "layers": [{"width", "passed", "nodes": [{"parent", "token",
+"status"}], "corrections": [token, ...]}]}. A layer-1 node's parent is a live beam; a deeper node's
+parent is an index into the previous layer's nodes. Corrections were drawn from the residual and have
+no draft node, so they are drawn unattached.
+"""
+
+from __future__ import annotations
+
+from html import escape
+from typing import Callable
+
+COLOURS = {"accepted": "#2e7d32", "rejected": "#c62828", "auto-rejected": "#9e9e9e",
+           "correction": "#ef6c00", "beam": "#1565c0"}
+_COL_W, _BOX_W, _BOX_H, _ROW_H, _TOP, _LEGEND_W = 118, 96, 20, 26, 34, 440
+
+
+def token_label(tok: int, decode: Callable[[list[int]], bytes] | None) -> str:
+    """Printable, short text of one token: spaces as ␣, newlines as ⏎; the id if there is no tokenizer."""
+    if decode is None:
+        return f"#{tok}"
+    try:
+        raw = decode([tok])
+        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+    except Exception:
+        return f"#{tok}"
+    text = text.replace(" ", "␣").replace("\n", "⏎").replace("\t", "⇥") or "∅"
+    return text if len(text) <= 9 else text[:8] + "…"
+
+
+def _box(x: float, y: float, label: str, colour: str, title: str, dashed: bool = False) -> str:
+    dash = ' stroke-dasharray="4 2"' if dashed else ""
+    return (f'<g><title>{escape(title)}</title>'
+            f'<rect x="{x}" y="{y}" width="{_BOX_W}" height="{_BOX_H}" rx="5" fill="{colour}" '
+            f'stroke="#222" stroke-width="0.6"{dash}/>'
+            f'<text x="{x + _BOX_W / 2}" y="{y + 14}" text-anchor="middle" fill="#fff" '
+            f'font-family="monospace" font-size="12">{escape(label)}</text></g>')
+
+
+def forest_svg(forest: dict | None, decode: Callable[[list[int]], bytes] | None = None) -> str:
+    """HTML with an SVG picture of `forest`, or a short note when there is none."""
+    layers = (forest or {}).get("layers") or []
+    if not layers:
+        return ('<div class="dsbd-forest-empty">No draft forest yet: it appears while a dsbd / dsbd-mem '
+                'answer runs.</div>')
+    n_roots = 1 + max((n["parent"] for n in layers[0]["nodes"]), default=0)
+    rows = max([n_roots] + [len(L["nodes"]) + len(L.get("corrections") or []) for L in layers])
+    width = max(16 + _COL_W * (len(layers) + 1), _LEGEND_W)
+    height = _TOP + rows * _ROW_H + 34
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" role="img" aria-label="draft forest">']
+
+    def x_of(col: int) -> float:
+        return 8 + col * _COL_W
+
+    def y_of(row: int) -> float:
+        return _TOP + row * _ROW_H
+
+    parts.append(f'<text x="{x_of(0)}" y="20" font-size="12" font-family="sans-serif">beams</text>')
+    for r in range(n_roots):
+        parts.append(_box(x_of(0), y_of(r), f"beam {r}", COLOURS["beam"], f"live beam {r}"))
+    for col, layer in enumerate(layers, start=1):
+        mark = "✓" if layer.get("passed") else "✗"
+        parts.append(f'<text x="{x_of(col)}" y="20" font-size="12" font-family="sans-serif">'
+                     f'L{col} · W={layer.get("width", "?")} {mark}</text>')
+        for i, node in enumerate(layer["nodes"]):
+            px, py = x_of(col - 1) + _BOX_W, y_of(node["parent"]) + _BOX_H / 2
+            parts.append(f'<line x1="{px}" y1="{py}" x2="{x_of(col)}" y2="{y_of(i) + _BOX_H / 2}" '
+                         f'stroke="#777" stroke-width="1"/>')
+            label = token_label(node["token"], decode)
+            status = node.get("status", "rejected")
+            parts.append(_box(x_of(col), y_of(i), label, COLOURS.get(status, "#555"),
+                              f"{status}: token {node['token']} (parent {node['parent']})"))
+        for j, tok in enumerate(layer.get("corrections") or []):
+            parts.append(_box(x_of(col), y_of(len(layer["nodes"]) + j), "+" + token_label(tok, decode),
+                              COLOURS["correction"], f"correction drawn from the residual: token {tok}", dashed=True))
+    lx, ly = 8, height - 12
+    for name in ("accepted", "rejected", "auto-rejected", "correction"):
+        parts.append(f'<rect x="{lx}" y="{ly - 10}" width="12" height="12" fill="{COLOURS[name]}"/>'
+                     f'<text x="{lx + 16}" y="{ly}" font-size="12" font-family="sans-serif">{name}</text>')
+        lx += 28 + 8 * len(name)
+    parts.append("</svg>")
+    g = forest.get("gamma")
+    caption = f"Latest iteration: γ={g}, {len(layers)} layer(s) verified." if g is not None else ""
+    return f'<div class="dsbd-forest">{"".join(parts)}<div class="dsbd-caption">{caption}</div></div>'

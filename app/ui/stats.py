@@ -1,0 +1,83 @@
+"""Compact renderings of an answer's stats (engine `Event.stats`) and of current memory use."""
+
+from __future__ import annotations
+
+import sys
+
+import psutil
+
+_MiB = 1 << 20
+_GiB = 1 << 30
+
+
+def _num(v, fmt: str, unit: str = "") -> str:
+    return "–" if not isinstance(v, (int, float)) else f"{v:{fmt}}{unit}"
+
+
+def _bytes(n) -> str:
+    if not isinstance(n, (int, float)) or n <= 0:
+        return "–"
+    return f"{n / _GiB:.2f} GiB" if n >= _GiB else f"{n / _MiB:.1f} MiB"
+
+
+def memory_line() -> str:
+    """Process RAM, and torch VRAM when torch is already loaded with CUDA (we never import it here)."""
+    rss = psutil.Process().memory_info().rss
+    line = f"RAM {_bytes(rss)} (this process, {psutil.virtual_memory().percent:.0f}% of system used)"
+    torch = sys.modules.get("torch")  # not imported: no torch tensors can live on the GPU
+    try:
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            free, total = torch.cuda.mem_get_info()
+            line += (f" · VRAM {_bytes(torch.cuda.memory_allocated())} allocated by torch, "
+                     f"{_bytes(total - free)} of {_bytes(total)} used on the device")
+    except Exception:  # a broken CUDA setup must not break the stats panel
+        pass
+    return line
+
+
+def acceptance_line(stats: dict) -> str:
+    acc = stats.get("acceptance_by_depth") or {}
+    parts = [f"d{d}: {_num(v.get('rate'), '.0%')}" for d, v in acc.items() if isinstance(v, dict)]
+    return " · ".join(parts)
+
+
+def widths_line(stats: dict) -> str:
+    hist = stats.get("widths_histogram") or {}
+    return " · ".join(f"W={w}×{n}" for w, n in hist.items())
+
+
+def stats_markdown(stats: dict | None, *, memory: bool = True) -> str:
+    """A small table of the headline numbers plus one line each for acceptance, widths, KV and memory."""
+    if not stats:
+        return memory_line() if memory else ""
+    head = ("| mode | tokens | tok/s | first token | target passes | steps / pass | mean log-p | finish |\n"
+            "|---|---|---|---|---|---|---|---|\n"
+            f"| {stats.get('mode', '?')} | {stats.get('new_tokens', '–')} "
+            f"| {_num(stats.get('tokens_per_s'), '.1f')} "
+            f"| {_num(stats.get('time_to_first_token_s'), '.2f', ' s')} "
+            f"| {stats.get('target_passes', '–')} "
+            f"| {_num(stats.get('steps_per_target_pass'), '.2f')} "
+            f"| {_num(stats.get('mean_target_logprob'), '.3f')} "
+            f"| {stats.get('finish_reason') or '–'} |")
+    lines = [head, ""]
+    if acc := acceptance_line(stats):
+        lines.append(f"**Acceptance by layer:** {acc}  ")
+    if widths := widths_line(stats):
+        lines.append(f"**Widths chosen:** {widths}  ")
+    kv_t, kv_d = stats.get("peak_kv_bytes_target"), stats.get("peak_kv_bytes_draft")
+    if kv_t or kv_d:
+        lines.append(f"**Peak KV:** target {_bytes(kv_t)} · draft {_bytes(kv_d)}  ")
+    if memory:
+        lines.append(memory_line())
+    return "\n".join(lines)
+
+
+def stats_footer(stats: dict | None) -> str:
+    """One short line for under an answer bubble."""
+    if not stats:
+        return ""
+    bits = [str(stats.get("mode", "")), f"{stats.get('new_tokens', '?')} tokens",
+            f"{_num(stats.get('tokens_per_s'), '.1f')} tok/s", f"{stats.get('target_passes', '?')} target passes"]
+    if stats.get("finish_reason") == "cancelled":
+        bits.append("stopped")
+    return " · ".join(b for b in bits if b)

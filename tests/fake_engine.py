@@ -1,0 +1,119 @@
+"""A fake engine with the real Engine's interface, for UI tests: no model, deterministic, fast.
+
+It streams the answer word by word: first with live_beams = W while the beams "disagree", then a
+done event whose stats come from the real Metrics class (same keys as the engine's). DSBD modes carry
+a small forest. A prompt longer than n_ctx words raises the real PromptTooLong.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Iterator
+
+from app.config import BEAM_MODES, ConfigError, DecodeParams
+from app.decoding.metrics import LayerStats, Metrics
+from app.engine import Event, PromptTooLong
+
+
+class FakeTokenizer:
+    """Token id i <-> the i-th word of a tiny vocabulary."""
+
+    words = ["The", " beam", " forest", " says", " hello", " world", ".", " and", " then", "\n"]
+
+    def decode(self, ids) -> bytes:
+        return "".join(self.words[i % len(self.words)] for i in ids).encode()
+
+
+class FakeEngine:
+    """Engine stand-in: `chat(messages, params, cancel=)` -> Iterator[Event]."""
+
+    def __init__(self, *, n_ctx: int = 200, delay: float = 0.0, answer_words: int = 12, draft: bool = True) -> None:
+        self.n_ctx, self.delay, self.answer_words, self.has_draft = n_ctx, delay, answer_words, draft
+        self.tokenizer = FakeTokenizer()
+        self.lock = threading.Lock()
+        self.calls: list[tuple[list[dict], DecodeParams]] = []
+        self.fail_with: Exception | None = None  # raise this from the next chat() call
+
+    def describe(self) -> dict:
+        d = {"target": "fake-target", "target_backend": "fake", "n_ctx": self.n_ctx}
+        return d | ({"draft": "fake-draft", "draft_backend": "fake"} if self.has_draft else {})
+
+    def check_params(self, params: DecodeParams) -> DecodeParams:
+        params = params.validated()
+        if params.needs_draft and not self.has_draft:
+            raise ConfigError(f"mode {params.mode!r} needs a draft model")
+        return params
+
+    def chat(self, messages: list[dict], params: DecodeParams, *,
+             cancel: threading.Event | None = None) -> Iterator[Event]:
+        params = self.check_params(params)
+        if self.fail_with is not None:
+            err, self.fail_with = self.fail_with, None
+            raise err
+        prompt = sum(len(m["content"].split()) + 2 for m in messages)
+        if prompt + params.max_new_tokens > self.n_ctx:
+            raise PromptTooLong(prompt=prompt, max_new=params.max_new_tokens, tree=0, n_ctx=self.n_ctx)
+        self.calls.append((messages, params))
+        return self._run(messages, params, cancel, len(self.calls))
+
+    def _run(self, messages, params, cancel, call_no) -> Iterator[Event]:
+        with self.lock:
+            last_user = next(m["content"] for m in reversed(messages) if m["role"] == "user")
+            words = [f"Answer {call_no} to {last_user.split()[0]}:"] + \
+                [f"w{i}" for i in range(min(self.answer_words, params.max_new_tokens) - 1)]
+            m = Metrics(mode=params.mode, prompt_tokens=len(messages))
+            m.mark_prefilled()
+            w = params.beams if params.mode in BEAM_MODES else 1
+            dsbd = params.mode in ("dsbd", "dsbd-mem")
+            for i in range(1, len(words) + 1):
+                if cancel is not None and cancel.is_set():
+                    m.finish_reason = "cancelled"
+                    yield self._done(m, words[:i - 1])
+                    return
+                m.mark_first_token()
+                m.target_passes += 1
+                m.steps.append(1 + (i % 2 if dsbd else 0))
+                if dsbd:
+                    m.widths.append(1 + i % w)
+                    for d in (1, 2):
+                        st = m.layers.setdefault(d, LayerStats())
+                        st.tested += 2
+                        st.accepted += 2 if d == 1 else i % 2
+                m.track_kv(_KV(1000 * i * w), _KV(300 * i) if params.needs_draft else None)
+                final = words[:max(0, i - 2)] if w > 1 else words[:i]  # beams disagree on the newest words
+                live = w if w > 1 and i < len(words) else 1
+                yield Event(text=" ".join(final), tokens=len(final), live_beams=live,
+                            forest=_forest(i, w) if dsbd else None)
+                if self.delay:
+                    time.sleep(self.delay)
+            m.finish_reason = "stop"
+            m.score = -0.5 * len(words)
+            yield self._done(m, words)
+
+    @staticmethod
+    def _done(m: Metrics, words: list[str]) -> Event:
+        m.t_end = time.perf_counter()
+        m.new_tokens = len(words)
+        return Event(text=" ".join(words), tokens=len(words), live_beams=0, done=True, stats=m.as_dict())
+
+
+class _KV:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def kv_bytes(self) -> int:
+        return self.n
+
+
+def _forest(i: int, w: int) -> dict:
+    ws = w + 1
+    layer1 = [{"parent": j % w, "token": (i + j) % 10, "status": "accepted" if j < w else "rejected"}
+              for j in range(ws)]
+    layer2 = [{"parent": j % w, "token": (i + 2 * j) % 10, "status": "accepted" if j == 0 else "auto-rejected"}
+              for j in range(ws)]
+    return {"gamma": 2, "layers": [{"width": w, "passed": True, "nodes": layer1, "corrections": []},
+                                   {"width": 1, "passed": False, "nodes": layer2, "corrections": [7]}]}
+
+
+__all__ = ["FakeEngine", "FakeTokenizer"]

@@ -1,0 +1,80 @@
+"""The engine on the real `tiny` preset (SmolLM2-135M): every mode end to end, equivalences that must hold
+token for token, cancellation that leaves both runtimes' caches consistent, and context-limit errors."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from app.config import MODES, ConfigError, DecodeParams, ModelSpec
+from app.engine import Engine, PromptTooLong
+
+MESSAGES = [{"role": "user", "content": "List three colours."}]
+
+
+@pytest.fixture(scope="module", params=["llamacpp", "pytorch"])
+def engine(request, tiny_gguf_path):
+    backend = request.param
+    e = Engine.load(ModelSpec(source="tiny", backend=backend, n_ctx=512),
+                    ModelSpec(source="tiny", backend="llamacpp", n_ctx=512))
+    yield e
+    e.close()
+
+
+def final(events):
+    last = None
+    for last in events:
+        pass
+    assert last is not None and last.done
+    return last
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_completes(engine, mode):
+    ev = final(engine.chat(MESSAGES, DecodeParams(mode=mode, max_new_tokens=8, seed=1, beams=2)))
+    assert ev.text.strip()
+    assert 1 <= ev.stats["new_tokens"] <= 8
+    assert ev.stats["target_passes"] >= 1
+    assert ev.stats["mean_target_logprob"] < 0
+
+
+def test_greedy_equivalent_settings_match_greedy_token_for_token(engine):
+    greedy = final(engine.chat(MESSAGES, DecodeParams(mode="greedy", max_new_tokens=16))).text
+    for mode, kw in [("sps", {}), ("dsbd", dict(beams=1, draft_beams=2)), ("dsbd-mem", dict(beams=2))]:
+        ev = final(engine.chat(MESSAGES, DecodeParams(mode=mode, max_new_tokens=16, top_k=1, seed=3, **kw)))
+        assert ev.text == greedy, mode
+
+
+def test_self_draft_is_almost_always_accepted(engine):
+    # The tiny preset drafts for itself: p == q up to batch-size rounding, so acceptance is near 1.
+    ev = final(engine.chat(MESSAGES, DecodeParams(mode="sps", max_new_tokens=24, seed=5, gamma=3)))
+    layers = ev.stats["acceptance_by_depth"].values()
+    accepted, tested = sum(s["accepted"] for s in layers), sum(s["tested"] for s in layers)
+    assert accepted >= 0.9 * tested > 0
+    assert ev.stats["steps_per_target_pass"] > 2
+
+
+@pytest.mark.parametrize("mode", ["dsbd", "dsbd-mem", "sps", "beam-sample"])
+def test_cancel_leaves_caches_consistent(engine, mode):
+    params = DecodeParams(mode=mode, max_new_tokens=24, seed=7, beams=3, temperature=0.8)
+    reference = final(engine.chat(MESSAGES, params)).text
+    cancel = threading.Event()
+    events = engine.chat(MESSAGES, params, cancel=cancel)
+    for i, _ in enumerate(events):
+        if i == 1:
+            cancel.set()
+    assert final(engine.chat(MESSAGES, params)).text == reference
+
+
+def test_prompt_too_long_names_token_counts(engine):
+    long = [{"role": "user", "content": "word " * 600}]
+    with pytest.raises(PromptTooLong, match=r"prompt is \d+ tokens.*of the 512-token context"):
+        engine.chat(long, DecodeParams(mode="greedy", max_new_tokens=8))
+
+
+def test_bad_parameters_fail_before_work(engine):
+    with pytest.raises(ConfigError, match="draft_beams"):
+        engine.chat(MESSAGES, DecodeParams(mode="dsbd", beams=4, draft_beams=2))
+    with pytest.raises(ConfigError, match="threshold"):
+        engine.chat(MESSAGES, DecodeParams(mode="dsbd", threshold=1.5))

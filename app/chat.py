@@ -55,9 +55,10 @@ def render(messages: list[dict], template: str | None, *, bos: str = "", eos: st
 
 def encode_chat(messages: list[dict], tokenizer) -> list[int]:
     """Token ids of the chat prompt, ending with the assistant turn's opening."""
-    bos = tokenizer.decode([tokenizer.bos_id]).decode("utf-8", "ignore") if tokenizer.bos_id is not None else ""
-    eos_id = min(tokenizer.eos_ids) if tokenizer.eos_ids else None
-    eos = tokenizer.decode([eos_id]).decode("utf-8", "ignore") if eos_id is not None else ""
+    # piece(): decode() hides control tokens, but a template needs their text (e.g. "<|im_end|>").
+    bos = tokenizer.piece(tokenizer.bos_id).decode("utf-8", "ignore") if tokenizer.bos_id is not None else ""
+    eos_id = getattr(tokenizer, "eos_id", None)
+    eos = tokenizer.piece(eos_id).decode("utf-8", "ignore") if eos_id is not None else ""
     text, pieces = render(messages, tokenizer.chat_template, bos=bos, eos=eos)
     ids: list[int] = []
     if tokenizer.add_bos and tokenizer.bos_id is not None and not text.startswith(bos or "\x01"):

@@ -1,0 +1,283 @@
+"""Layout U bookkeeping (spec §7-8): which sequence ids each KV cell carries. Pure Python, no native calls.
+
+Invariant: the cells of every live sequence id form ONE chain - a row's committed tokens (positions
+0..L-1), its pending suffix, then pending nodes, one cell per position. llama.cpp shows a cell to a query
+iff the cell carries the query's first id and sits at a position <= the query's, so a query that carries
+a chain's id sees exactly its own path: committed prefix, ancestors, itself.
+
+Growing a forest: a node under the tip of its parent's chain extends that chain (same id); any other
+node starts a fresh id that gets the parent chain's cached cells up to the branch point (seq_cp over a
+position range) and is added to the parent's cells that are decoded in the same batch. This is the
+spec's "one id per leaf, a node carries the ids of the leaves below it", grown one call at a time. Ids in
+use = rows + branch points, which is what llama.cpp's n_seq_max bounds.
+
+Commit keeps cells, never recomputes: each new row takes an id whose chain runs through its last node,
+drops the positions beyond it, and every id no row needs is removed (cells left without ids are freed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from backends.base import ROOT, ContextFull, Forest, Path
+
+
+class Memory(Protocol):
+    """The two llama_memory verbs the layout needs (positions [p0, p1), -1 = open end)."""
+
+    def seq_rm(self, seq: int, p0: int, p1: int) -> None: ...
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None: ...
+
+
+@dataclass
+class _Row:
+    seq: int
+    tokens: list[int]  # committed: cached and kept by the last commit / prefill
+    suffix: list[int] = field(default_factory=list)  # cached since the last commit, not committed
+
+
+@dataclass(frozen=True)
+class _Node:
+    token: int
+    parent: int
+    row: int
+    pos: int
+    seq: int  # an id whose chain passes through this node
+
+
+@dataclass
+class Batch:
+    """One llama_decode worth of tokens plus the state to install if it succeeds."""
+
+    tokens: list[int] = field(default_factory=list)
+    pos: list[int] = field(default_factory=list)
+    seqs: list[list[int]] = field(default_factory=list)  # first id decides what the query sees
+    logits: list[bool] = field(default_factory=list)
+    root_rows: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int, int]] = field(default_factory=list)  # (src, dst, p1): cells [0, p1)
+    nodes: list[_Node] = field(default_factory=list)
+    tip: dict[int, int] = field(default_factory=dict)
+    suffix: dict[int, list[int]] = field(default_factory=dict)
+
+    def add(self, token: int, pos: int, seq: int, logits: bool) -> int:
+        self.tokens.append(token)
+        self.pos.append(pos)
+        self.seqs.append([seq])
+        self.logits.append(logits)
+        return len(self.tokens) - 1
+
+
+class LayoutU:
+    """Rows, pending forest and sequence ids of one unified KV cache; starts with one empty row."""
+
+    def __init__(self, *, n_seq: int, max_rows: int, n_vocab: int) -> None:
+        self.n_seq, self.max_rows, self.n_vocab = n_seq, max_rows, n_vocab
+        self._rows = [_Row(0, [])]
+        self._nodes: list[_Node] = []
+        self._tip: dict[int, int] = {0: ROOT}  # every live id -> last node of its chain (ROOT: the row's end)
+        self._shared = [[0]]  # committed cells rows i and j have in common (a prefix)
+        self.committed_cells = 0
+
+    # -- queries ---------------------------------------------------------------------------------------
+    @property
+    def rows(self) -> int:
+        return len(self._rows)
+
+    def lengths(self) -> list[int]:
+        return [len(r.tokens) for r in self._rows]
+
+    def tokens(self, row: int) -> list[int]:
+        return list(self._rows[row].tokens)
+
+    @property
+    def cells(self) -> int:
+        """Occupied KV cells: shared committed prefixes once, plus every pending suffix token and node."""
+        return self.committed_cells + sum(len(r.suffix) for r in self._rows) + len(self._nodes)
+
+    @property
+    def seqs_in_use(self) -> int:
+        return len(self._tip)
+
+    # -- evaluate --------------------------------------------------------------------------------------
+    def plan(self, forest: Forest) -> Batch:
+        """The batch for `forest` (validated); nothing changes until `apply`."""
+        rows, nodes, base = self._rows, self._nodes, len(self._nodes)
+        if forest.suffix and len(forest.suffix) != len(rows):
+            raise ValueError(f"Forest.suffix has {len(forest.suffix)} entries for {len(rows)} rows")
+        b = Batch(tip=dict(self._tip))
+        free = (s for s in range(self.n_seq) if s not in b.tip)
+        row_has_nodes = {n.row for n in nodes}
+        suffix_entries: dict[int, list[int]] = {}
+        for r, suf in enumerate(forest.suffix):
+            if not suf:
+                continue
+            if r in row_has_nodes:
+                raise ValueError(f"row {r} already has pending nodes; its suffix must come before them")
+            start = len(rows[r].tokens) + len(rows[r].suffix)
+            suf = [self._token(t) for t in suf]
+            suffix_entries[r] = [b.add(t, start + j, rows[r].seq, j == len(suf) - 1) for j, t in enumerate(suf)]
+            b.suffix[r] = suf
+            b.root_rows.append(r)
+        entry: dict[int, int] = {}  # new node id -> batch index
+        get = lambda i: nodes[i] if i < base else b.nodes[i - base]  # noqa: E731
+        for i, (tok, par, r) in enumerate(zip(forest.tokens, forest.parents, forest.rows)):
+            nid = base + i
+            if not 0 <= r < len(rows):
+                raise ValueError(f"node {nid}: row {r} out of range (rows={len(rows)})")
+            row = rows[r]
+            if par == ROOT:
+                pos = len(row.tokens) + len(row.suffix) + len(b.suffix.get(r, ()))
+                carrier = row.seq
+            else:
+                if not 0 <= par < nid or get(par).row != r:
+                    raise ValueError(f"node {nid}: parent {par} is not an earlier pending node of row {r}")
+                pos, carrier = get(par).pos + 1, get(par).seq
+            if b.tip[carrier] == par:  # parent is its chain's tip: extend the chain
+                seq = carrier
+            else:
+                seq = next(free, None)
+                if seq is None:
+                    raise ContextFull(f"the forest needs more than {self.n_seq} sequence ids (branch points + rows)")
+                a, in_batch = par, []
+                while a != ROOT and a >= base:  # walk up to the nearest cached ancestor
+                    in_batch.append(a)
+                    a = get(a).parent
+                if a == ROOT:
+                    b.copies.append((row.seq, seq, len(row.tokens) + len(row.suffix)))
+                    in_batch_idx = suffix_entries.get(r, [])
+                else:
+                    b.copies.append((get(a).seq, seq, get(a).pos + 1))
+                    in_batch_idx = []
+                for k in in_batch_idx + [entry[x] for x in in_batch]:
+                    b.seqs[k].append(seq)
+            b.tip[seq] = nid
+            b.nodes.append(_Node(self._token(tok), par, r, pos, seq))
+            entry[nid] = b.add(b.nodes[-1].token, pos, seq, True)
+        return b
+
+    def apply(self, b: Batch) -> None:
+        for r, suf in b.suffix.items():
+            self._rows[r].suffix.extend(suf)
+        self._nodes.extend(b.nodes)
+        self._tip = b.tip
+
+    def _token(self, t: int) -> int:
+        if not 0 <= t < self.n_vocab:
+            raise ValueError(f"token id {t} out of range [0, {self.n_vocab})")
+        return int(t)
+
+    # -- commit / truncate / prefill -------------------------------------------------------------------
+    def commit(self, paths: Sequence[Path], mem: Memory) -> None:
+        """Rows := paths, keeping their cells; frees everything else."""
+        if not paths:
+            raise ValueError("commit needs at least one path")
+        if len(paths) > self.max_rows:
+            raise ContextFull(f"commit of {len(paths)} rows exceeds the context's {self.max_rows} rows")
+        outs = []  # (source row, source id, new length, node tokens)
+        for path in paths:
+            if not 0 <= path.row < len(self._rows):
+                raise ValueError(f"path row {path.row} out of range (rows={len(self._rows)})")
+            row, prev = self._rows[path.row], ROOT
+            for n in path.nodes:
+                if not 0 <= n < len(self._nodes) or self._nodes[n].row != path.row or self._nodes[n].parent != prev:
+                    raise ValueError(f"path {path}: node {n} does not continue the chain from row {path.row}")
+                prev = n
+            src = self._nodes[prev].seq if path.nodes else row.seq
+            outs.append((path.row, src, len(row.tokens) + len(row.suffix) + len(path.nodes),
+                         [self._nodes[n].token for n in path.nodes]))
+        sources = {o[1] for o in outs}
+        for s in self._tip:
+            if s not in sources:
+                mem.seq_rm(s, -1, -1)
+        free = (s for s in range(self.n_seq) if s not in sources)
+        claimed: set[int] = set()
+        new_rows = []
+        for r, src, length, toks in outs:
+            if src in claimed:  # a duplicated row: same cells, one more id on them
+                seq = next(free)
+                mem.seq_cp(src, seq, 0, length)
+            else:
+                claimed.add(src)
+                seq = src
+            old = self._rows[r]
+            new_rows.append(_Row(seq, old.tokens + old.suffix + toks))
+        for _, src, length, _ in outs:  # after all copies: cut each kept chain after its last node
+            if src in claimed:
+                mem.seq_rm(src, length, -1)
+                claimed.discard(src)
+        self._shared = self._commit_shared(paths, outs)
+        self._rows, self._nodes = new_rows, []
+        self._tip = {r.seq: ROOT for r in new_rows}
+        self._recount()
+
+    def _commit_shared(self, paths: Sequence[Path], outs: list) -> list[list[int]]:
+        n = len(paths)
+        shared = [[0] * n for _ in range(n)]
+        for i in range(n):
+            for j in range(n):
+                pi, pj = paths[i], paths[j]
+                if pi.row != pj.row:
+                    s = self._shared[pi.row][pj.row]
+                else:
+                    row = self._rows[pi.row]
+                    common = 0
+                    for a, c in zip(pi.nodes, pj.nodes):
+                        if a != c:
+                            break
+                        common += 1
+                    s = len(row.tokens) + len(row.suffix) + common
+                shared[i][j] = min(s, outs[i][2], outs[j][2])
+        return shared
+
+    def _recount(self) -> None:
+        # Union of root paths in a tree: each row adds its length minus its longest prefix already counted.
+        lens = [len(r.tokens) for r in self._rows]
+        self.committed_cells = sum(lens[i] - max((self._shared[i][j] for j in range(i)), default=0)
+                                   for i in range(len(lens)))
+
+    def truncate(self, n: int, mem: Memory) -> None:
+        """Keep the first n committed tokens of every row; drop the pending forest."""
+        if n < 0:
+            raise ValueError(f"truncate: n must be >= 0, got {n}")
+        row_seqs = {r.seq for r in self._rows}
+        for s in self._tip:
+            if s not in row_seqs:
+                mem.seq_rm(s, -1, -1)
+        for r in self._rows:
+            del r.tokens[n:]
+            r.suffix = []
+            mem.seq_rm(r.seq, len(r.tokens), -1)
+        self._nodes = []
+        self._tip = {r.seq: ROOT for r in self._rows}
+        self._shared = [[min(s, n) for s in line] for line in self._shared]
+        self._recount()
+
+    def start_prefill(self, ids: Sequence[int], mem: Memory) -> tuple[int, int]:
+        """Keep the row sharing the longest prefix with `ids`, cut to that prefix; returns (id, prefix length)."""
+        ids = [self._token(t) for t in ids]
+        best, best_n = 0, -1
+        for i, r in enumerate(self._rows):
+            n = 0
+            for a, c in zip(r.tokens, ids):
+                if a != c:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_n = i, n
+        seq = self._rows[best].seq
+        for s in self._tip:
+            if s != seq:
+                mem.seq_rm(s, -1, -1)
+        mem.seq_rm(seq, best_n, -1)
+        self._rows = [_Row(seq, ids[:best_n])]
+        self._nodes, self._tip, self._shared = [], {seq: ROOT}, [[best_n]]
+        self._recount()
+        return seq, best_n
+
+    def extend_prefill(self, ids: Sequence[int]) -> None:
+        """Record tokens just decoded onto the single row."""
+        self._rows[0].tokens.extend(ids)
+        self._shared[0][0] = len(self._rows[0].tokens)
+        self._recount()

@@ -1,0 +1,574 @@
+"""llama.cpp runtime: forest == sequential, commit keeps KV, prefix reuse, limits and load errors.
+
+Two models. Equivalence oracles run on a tiny random llama with f32 weights written here with `gguf`:
+its logits move smoothly with rounding, so one tolerance separates a wrong mask (O(1) differences) from
+summation order. The real `tiny` preset (Q4_1) re-quantizes activations to 8 bits inside every matmul,
+so a one-ulp change in attention (a masked sibling shifts which SIMD lane a cell is summed in) can flip
+an int8 rounding and move logits by up to ~1 (KL ~1e-3); real-weight checks use a looser, measured bound.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from app.config import ModelSpec
+from backends.base import ROOT, BackendError, ContextFull, Forest, Path
+
+gguf = pytest.importorskip("gguf")
+llamacpp = pytest.importorskip("backends.llamacpp")
+
+TOL = 1e-4  # random f32 model; measured worst here: 1.2e-6
+TINY_KL = 0.05  # tiny Q4_1 model vs from-scratch; measured worst here: 0.011 (max |dlogit| 1.1)
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+
+
+def write_random_llama(path, *, seed: int = 0, n_embd: int = 64, n_layer: int = 3, n_head: int = 4,
+                       n_head_kv: int = 2, n_ff: int = 128):
+    """A llama-architecture GGUF with random f32 weights and a byte-level SentencePiece vocab (269 ids)."""
+    rng = np.random.default_rng(seed)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581" + c for c in "abcdefghij"]
+    T = gguf.TokenType
+    types = [T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256 + [T.NORMAL] * 10
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("random-llama")
+    w.add_block_count(n_layer)
+    w.add_context_length(1024)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_dimension_count(n_embd // n_head)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+
+    def rand(name, rows, cols, scale=None):
+        w.add_tensor(name, (rng.standard_normal((rows, cols)) * (scale or cols ** -0.5)).astype(np.float32))
+
+    hd = n_embd // n_head
+    rand("token_embd.weight", len(tokens), n_embd, scale=1.0)
+    rand("output.weight", len(tokens), n_embd)
+    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    for i in range(n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, np.float32))
+        rand(f"blk.{i}.attn_q.weight", n_embd, n_embd)
+        rand(f"blk.{i}.attn_k.weight", n_head_kv * hd, n_embd)
+        rand(f"blk.{i}.attn_v.weight", n_head_kv * hd, n_embd)
+        rand(f"blk.{i}.attn_output.weight", n_embd, n_embd)
+        rand(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
+        rand(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
+        rand(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def load(path):
+    # One thread: the CI box is shared, and spinning ggml workers collapse under oversubscription.
+    return llamacpp.load(path, ModelSpec(source=str(path), n_threads=1))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    m = load(write_random_llama(tmp_path_factory.mktemp("gguf") / "random.gguf"))
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_gguf_path):
+    m = load(tiny_gguf_path)
+    yield m
+    m.close()
+
+
+def make_oracle(model):
+    """Logits after an explicit token sequence, computed from scratch in a separate context."""
+    ref = model.context(rows=1, max_tokens=256, max_seqs=1)
+    cache: dict[tuple[int, ...], np.ndarray] = {}
+
+    def run(seq) -> np.ndarray:
+        seq = tuple(seq)
+        if seq not in cache:
+            ref.truncate(0)  # nothing cached to reuse: a true from-scratch pass
+            ref.prefill(seq[:-1])
+            cache[seq] = ref.evaluate(Forest(suffix=((seq[-1],),))).roots[0]
+        return cache[seq]
+
+    run.close = ref.close
+    return run
+
+
+@pytest.fixture(scope="module")
+def oracle(model):
+    run = make_oracle(model)
+    yield run
+    run.close()
+
+
+PROMPT_IDS = [1, 5, 200, 17, 42, 42, 99, 3, 150, 260, 261, 7, 8, 9]  # random model: any ids < 269
+
+
+def three_rows(model, prompt=PROMPT_IDS, **kw):
+    """A context with 3 different rows made by committing duplicated paths from one prompt."""
+    ctx = model.context(rows=4, max_tokens=512, **kw)
+    ctx.prefill(prompt[:-1])
+    ctx.evaluate(Forest(suffix=((prompt[-1],),), tokens=(11, 12, 13), parents=(ROOT, ROOT, 0), rows=(0, 0, 0)))
+    ctx.commit([Path(0, (0, 2)), Path(0, (1,)), Path(0, (0,))])
+    return ctx
+
+
+class Tree:
+    """A random forest in breadth-first order, with the explicit token path of every node."""
+
+    def __init__(self, rows: list[list[int]], seed: int, *, vocab: int, depth: int = 3) -> None:
+        rng = random.Random(seed)
+        tok = lambda: rng.randrange(3, vocab)  # noqa: E731
+        self.rows = rows
+        self.suffix = tuple((tok(),) for _ in rows)
+        self.tokens, self.parents, self.row_of, self.depth = [], [], [], []
+        frontier = {r: [ROOT] for r in range(len(rows) - 1)}  # the last row stays childless
+        for d in range(1, depth + 1):
+            for r, parents in frontier.items():
+                nxt = []
+                for p in parents:
+                    for _ in range(rng.choice((1, 2, 2, 3)) if d < depth else rng.choice((1, 2))):
+                        nxt.append(self.add(tok(), p, r, d))
+                if d == 1:  # a duplicate (parent, token) pair: same text, distinct cells
+                    nxt.append(self.add(self.tokens[nxt[0]], ROOT, r, d))
+                frontier[r] = nxt[:4]
+
+    def add(self, tok: int, parent: int, row: int, depth: int) -> int:
+        self.tokens.append(tok)
+        self.parents.append(parent)
+        self.row_of.append(row)
+        self.depth.append(depth)
+        return len(self.tokens) - 1
+
+    def seq(self, i: int) -> list[int]:
+        r, path = self.row_of[i], []
+        while i != ROOT:
+            path.append(self.tokens[i])
+            i = self.parents[i]
+        return self.rows[r] + list(self.suffix[r]) + path[::-1]
+
+    def forest(self, ids: list[int], with_suffix: bool) -> Forest:
+        return Forest(
+            suffix=self.suffix if with_suffix else (),
+            tokens=tuple(self.tokens[i] for i in ids),
+            parents=tuple(self.parents[i] for i in ids),
+            rows=tuple(self.row_of[i] for i in ids),
+        )
+
+
+def check_logits(out, tree: Tree, ids: list[int], oracle, roots: bool, tol: float = TOL) -> float:
+    """Max |logit - from-scratch logit| over the call's roots and nodes; asserts it is within tol."""
+    worst = 0.0
+    if roots:
+        assert out.root_rows == tuple(range(len(tree.rows)))
+        for k, r in enumerate(out.root_rows):
+            worst = max(worst, float(np.abs(out.roots[k] - oracle(tree.rows[r] + list(tree.suffix[r]))).max()))
+    assert out.nodes.shape[0] == len(ids)
+    for k, i in enumerate(ids):
+        worst = max(worst, float(np.abs(out.nodes[k] - oracle(tree.seq(i))).max()))
+    assert worst <= tol
+    return worst
+
+
+def rows_of(ctx) -> list[list[int]]:
+    return [ctx.tokens(r) for r in range(ctx.rows)]
+
+
+# -- model facts --------------------------------------------------------------------------------------
+
+def test_info(tiny, tiny_gguf_path):
+    info = tiny.info
+    assert info.backend == "llamacpp" and info.vocab_size == 49152 and info.n_layers == 30
+    assert info.kv_bytes_per_token == 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 kv heads x 64, f32 cache
+    assert info.weight_bytes == tiny_gguf_path.stat().st_size
+    assert info.n_ctx_train == 8192
+    f16 = llamacpp.load(tiny_gguf_path, ModelSpec(source="tiny", n_threads=1), kv_type="f16")
+    assert f16.info.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2
+    f16.close()
+
+
+# -- forest == sequential (random f32 model) ------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_forest_one_call_equals_sequential(model, oracle, seed):
+    with three_rows(model) as ctx:
+        rows = rows_of(ctx)
+        assert len({tuple(r) for r in rows}) == 3
+        tree = Tree(rows, seed, vocab=model.info.vocab_size)
+        ids = list(range(len(tree.tokens)))
+        out = ctx.evaluate(tree.forest(ids, with_suffix=True))
+        assert out.roots.dtype == np.float32 and out.nodes.dtype == np.float32
+        check_logits(out, tree, ids, oracle, roots=True)
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_forest_layer_by_layer_equals_sequential(model, oracle, seed):
+    with three_rows(model) as ctx:
+        tree = Tree(rows_of(ctx), seed, vocab=model.info.vocab_size)
+        for d in range(1, max(tree.depth) + 1):
+            ids = [i for i, dd in enumerate(tree.depth) if dd == d]
+            check_logits(ctx.evaluate(tree.forest(ids, with_suffix=d == 1)), tree, ids, oracle, roots=d == 1)
+        # Late siblings: new children under a node and a root whose subtrees were decoded earlier.
+        late = [tree.add(250 + k, p, 0, 0) for k, p in enumerate((0, 1, ROOT))]
+        check_logits(ctx.evaluate(tree.forest(late, with_suffix=False)), tree, late, oracle, roots=False)
+
+
+# -- commit then step == recompute ----------------------------------------------------------------------
+
+def deepest(tree: Tree, row: int) -> tuple[int, ...]:
+    leaf = max((i for i, r in enumerate(tree.row_of) if r == row), key=lambda i: tree.depth[i])
+    chain = []
+    while leaf != ROOT:
+        chain.append(leaf)
+        leaf = tree.parents[leaf]
+    return tuple(chain[::-1])
+
+
+def iterate(ctx, oracle, seed: int, choose, vocab: int) -> None:
+    """Evaluate a forest, commit the paths `choose` picks, then check one step per row from scratch."""
+    rows = rows_of(ctx)
+    tree = Tree(rows, seed, vocab=vocab)
+    ids = list(range(len(tree.tokens)))
+    check_logits(ctx.evaluate(tree.forest(ids, with_suffix=True)), tree, ids, oracle, roots=True)
+    paths = choose(tree)
+    ctx.commit(paths)
+    want = [rows[p.row] + list(tree.suffix[p.row]) + [tree.tokens[n] for n in p.nodes] for p in paths]
+    assert rows_of(ctx) == want
+    assert ctx.lengths() == [len(w) for w in want]
+    step = Tree(want, seed + 100, vocab=vocab, depth=1)
+    step_ids = list(range(len(step.tokens)))
+    check_logits(ctx.evaluate(step.forest(step_ids, with_suffix=True)), step, step_ids, oracle, roots=True)
+    ctx.commit([Path(r) for r in range(ctx.rows)])  # the step's suffix becomes committed history
+
+
+def test_commit_then_step_equals_recompute(model, oracle):
+    v = model.info.vocab_size
+    with three_rows(model) as ctx:
+        # Full-depth path, a duplicated row (shorter copy of the same chain), a row failing at depth 0,
+        # row 1 dropped.
+        iterate(ctx, oracle, 5, lambda t: [Path(0, deepest(t, 0)), Path(0, deepest(t, 0)[:2]), Path(2)], v)
+        assert ctx.rows == 3
+        # Second iteration on the compacted rows: positions continue after the kept paths.
+        iterate(ctx, oracle, 6, lambda t: [Path(1, deepest(t, 1)), Path(1, deepest(t, 1)),
+                                           Path(0, deepest(t, 0)[:1]), Path(2)], v)
+        assert ctx.rows == 4
+
+
+def test_freed_cell_reused_out_of_order(model, oracle):
+    """Keep the second of two siblings: the next token lands in the freed cell below a live one."""
+    prompt = [1, 100, 101, 102, 103]
+    with model.context(rows=2, max_tokens=64) as ctx:
+        ctx.prefill(prompt)
+        ctx.evaluate(Forest(tokens=(9, 10), parents=(ROOT, ROOT), rows=(0, 0)))
+        ctx.commit([Path(0, (1,))])
+        out = ctx.evaluate(Forest(suffix=((7,),), tokens=(8,), parents=(ROOT,), rows=(0,)))
+        assert np.abs(out.roots[0] - oracle(prompt + [10, 7])).max() <= TOL
+        assert np.abs(out.nodes[0] - oracle(prompt + [10, 7, 8])).max() <= TOL
+
+
+def distinct_cells(rows: list[list[int]]) -> int:
+    trie: set[tuple[int, ...]] = set()
+    for r in rows:
+        trie.update(tuple(r[:k]) for k in range(1, len(r) + 1))
+    return len(trie)
+
+
+def test_kv_bytes_counts_shared_cells(model):
+    with three_rows(model) as ctx:
+        per = model.info.kv_bytes_per_token
+        rows = rows_of(ctx)
+        assert ctx.kv_bytes() == distinct_cells(rows) * per
+        ctx.evaluate(Forest(suffix=((1,), (2,), ()), tokens=(5, 6), parents=(ROOT, 0), rows=(0, 0)))
+        assert ctx.kv_bytes() == (distinct_cells(rows) + 4) * per
+        ctx.commit([Path(0, (0,)), Path(0, (0,))])
+        assert ctx.kv_bytes() == (len(rows[0]) + 2) * per  # a duplicated row shares its cells
+
+
+# -- prefill / truncate ---------------------------------------------------------------------------------
+
+def test_prefill_reuses_prefix(model, oracle):
+    with three_rows(model) as ctx:
+        other = ctx.tokens(1)[:-2] + [77, 78, 79]  # shares all but the last two tokens of row 1
+        ctx.prefill(other[:-1])
+        assert ctx.rows == 1 and ctx.lengths() == [len(other) - 1]
+        assert ctx.kv_bytes() == (len(other) - 1) * model.info.kv_bytes_per_token
+        out = ctx.evaluate(Forest(suffix=((other[-1],),)))
+        assert np.abs(out.roots[0] - oracle(other)).max() <= TOL
+        ctx.prefill(PROMPT_IDS[:5])  # a strict prefix of the row: nothing to decode
+        out = ctx.evaluate(Forest(suffix=((PROMPT_IDS[5],),)))
+        assert np.abs(out.roots[0] - oracle(PROMPT_IDS[:6])).max() <= TOL
+
+
+def test_prefill_in_chunks(model, oracle):
+    with model.context(rows=1, max_tokens=200, n_batch=16) as ctx:
+        ids = [(i * 37) % 260 + 3 for i in range(70)]
+        ctx.prefill(ids[:-1])  # 5 decodes of <= 16 tokens
+        out = ctx.evaluate(Forest(suffix=((ids[-1],),)))
+        assert np.abs(out.roots[0] - oracle(ids)).max() <= TOL
+
+
+def test_truncate(model, oracle):
+    with three_rows(model) as ctx:
+        ctx.evaluate(Forest(suffix=((9,), (9,), (9,)), tokens=(5,), parents=(ROOT,), rows=(1,)))
+        before = ctx.lengths()
+        n = len(PROMPT_IDS) + 1
+        ctx.truncate(n)
+        assert ctx.lengths() == [min(k, n) for k in before]
+        rows = rows_of(ctx)
+        out = ctx.evaluate(Forest(suffix=((21,), (22,), (23,))))
+        for k in range(3):
+            assert np.abs(out.roots[k] - oracle(rows[k] + [21 + k])).max() <= TOL
+
+
+# -- limits and errors ----------------------------------------------------------------------------------
+
+def test_context_full(model):
+    with model.context(rows=2, max_tokens=256) as ctx:
+        with pytest.raises(ContextFull, match="300 tokens"):
+            ctx.prefill([5] * 300)
+        ctx.prefill([3 + i % 250 for i in range(250)])
+        ctx.evaluate(Forest(tokens=(1, 2, 3, 4, 5, 6), parents=(ROOT,) * 6, rows=(0,) * 6))  # exactly 256 cells
+        with pytest.raises(ContextFull, match="256"):
+            ctx.evaluate(Forest(tokens=(7,), parents=(0,), rows=(0,)))
+        # Duplicated rows share cells: committing two one-node paths frees four of the six pending cells.
+        ctx.commit([Path(0, (0,)), Path(0, (1,))])
+        ctx.evaluate(Forest(suffix=((8,), (9,)), tokens=(1, 2), parents=(ROOT, ROOT), rows=(0, 1)))
+        with pytest.raises(ContextFull, match="rows"):
+            ctx.commit([Path(0)] * 3)  # more rows than the context was made for
+    with model.context(rows=1, max_tokens=64, max_seqs=3) as ctx:
+        ctx.prefill(PROMPT_IDS)
+        with pytest.raises(ContextFull, match="sequence ids"):
+            ctx.evaluate(Forest(tokens=(1, 2, 3, 4), parents=(ROOT,) * 4, rows=(0,) * 4))
+        ctx.evaluate(Forest(tokens=(1, 2, 3), parents=(ROOT,) * 3, rows=(0,) * 3))  # the failed call left no trace
+    with model.context(rows=1, max_tokens=64, n_batch=4) as ctx:
+        with pytest.raises(ContextFull, match="batch"):
+            ctx.evaluate(Forest(tokens=(1,) * 5, parents=(ROOT,) * 5, rows=(0,) * 5))
+
+
+def test_invalid_forests(model):
+    with model.context(rows=2, max_tokens=128) as ctx:
+        ctx.prefill(PROMPT_IDS)
+        with pytest.raises(ValueError, match="parent"):
+            ctx.evaluate(Forest(tokens=(1,), parents=(3,), rows=(0,)))
+        with pytest.raises(ValueError, match="out of range"):
+            ctx.evaluate(Forest(tokens=(10**6,), parents=(ROOT,), rows=(0,)))
+        with pytest.raises(ValueError, match="suffix"):
+            ctx.evaluate(Forest(suffix=((5,), (6,))))  # two suffixes for one row
+        ctx.evaluate(Forest(tokens=(1,), parents=(ROOT,), rows=(0,)))
+        with pytest.raises(ValueError, match="suffix"):
+            ctx.evaluate(Forest(suffix=((5,),)))  # the row already has pending nodes
+        with pytest.raises(ValueError, match="chain"):
+            ctx.commit([Path(0, (5,))])
+        assert ctx.evaluate(Forest()).nodes.shape == (0, model.info.vocab_size)
+
+
+@pytest.mark.parametrize("kind", ["truncated", "magic", "missing", "empty"])
+def test_bad_files_raise(tiny_gguf_path, tmp_path, kind):
+    bad = tmp_path / f"{kind}.gguf"
+    if kind == "truncated":
+        with open(tiny_gguf_path, "rb") as f:
+            bad.write_bytes(f.read(3_000_000))
+    elif kind == "magic":
+        with open(tiny_gguf_path, "rb") as f:
+            bad.write_bytes(b"GGML" + f.read(4096)[4:])
+    elif kind == "empty":
+        bad.write_bytes(b"")
+    with pytest.raises(BackendError) as err:
+        load(bad)
+    msg = str(err.value)
+    assert str(bad) in msg
+    assert {"truncated": "truncated or corrupt", "magic": "not a GGUF file", "missing": "not found",
+            "empty": "not a GGUF file"}[kind] in msg
+
+
+def test_closed_model_raises(model):
+    m = load(model.info.extra["path"])
+    ctx = m.context(rows=1, max_tokens=32)
+    m.close()
+    with pytest.raises(BackendError, match="closed"):
+        ctx.prefill([1, 2, 3])
+    with pytest.raises(BackendError, match="closed"):
+        m.context(rows=1, max_tokens=32)
+
+
+# -- the real tiny model -----------------------------------------------------------------------------
+
+def kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
+    p = np.exp(p_logits - p_logits.max())
+    q = np.exp(q_logits - q_logits.max())
+    p, q = p / p.sum(), q / q.sum()
+    return float((p * np.log(p / q)).sum())
+
+
+def test_tiny_forest_and_commit_match_sequential(tiny):
+    """Real weights: same protocol checks; equal within 8-bit activation re-quantization noise."""
+    oracle = make_oracle(tiny)
+    prompt = tiny.tokenizer.encode(PROMPT)
+    worst_kl = worst_dl = 0.0
+    with three_rows(tiny, prompt) as ctx:
+        tree = Tree(rows_of(ctx), 0, vocab=5000, depth=2)
+        ids = list(range(len(tree.tokens)))
+        out = ctx.evaluate(tree.forest(ids, with_suffix=True))
+        got = list(out.roots) + list(out.nodes)
+        want = [oracle(r + list(s)) for r, s in zip(tree.rows, tree.suffix)] + [oracle(tree.seq(i)) for i in ids]
+        ctx.commit([Path(0, deepest(tree, 0)), Path(1), Path(0, deepest(tree, 0))])
+        step = ctx.evaluate(Forest(suffix=((7,),) * 3))
+        got += list(step.roots)
+        want += [oracle(r + [7]) for r in rows_of(ctx)]
+        for g, w in zip(got, want):
+            worst_kl, worst_dl = max(worst_kl, kl(w, g)), max(worst_dl, float(np.abs(g - w).max()))
+    oracle.close()
+    assert worst_kl <= TINY_KL, (worst_kl, worst_dl)
+
+
+# -- Layout U bookkeeping against a model of llama.cpp's cell rules (no weights, many random steps) ------
+
+class SimKV:
+    """llama.cpp's unified cache as far as Layout U relies on it: cells with a position and a set of
+    sequence ids; seq_rm / seq_cp over [p0, p1); the batch checks of llama_batch_allocr::init; and
+    visibility = the query's FIRST id is on the cell and the cell's position is <= the query's."""
+
+    def __init__(self) -> None:
+        self.cells: list[list] = []  # [pos, seq set, label]
+
+    def _range(self, p0: int, p1: int) -> tuple[int, float]:
+        return max(p0, 0), (float("inf") if p1 < 0 else p1)
+
+    def seq_rm(self, seq: int, p0: int, p1: int) -> None:
+        lo, hi = self._range(p0, p1)
+        for c in self.cells:
+            if lo <= c[0] < hi:
+                c[1].discard(seq)
+        self.cells = [c for c in self.cells if c[1]]
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        lo, hi = self._range(p0, p1)
+        for c in self.cells:
+            if src in c[1] and lo <= c[0] < hi:
+                c[1].add(dst)
+
+    def span(self, seq: int) -> tuple[int, int]:
+        ps = [c[0] for c in self.cells if seq in c[1]]
+        return (min(ps), max(ps)) if ps else (-1, -1)
+
+    def decode(self, tokens, pos, seqs, labels) -> None:
+        by_seq: dict[int, list[int]] = {}
+        for p, ss in zip(pos, seqs):
+            for s in ss:
+                by_seq.setdefault(s, []).append(p)
+        for s, ps in by_seq.items():
+            last = self.span(s)[1]
+            assert last < 0 or min(ps) == last + 1, f"seq {s}: positions not consecutive with the cache"
+            assert max(ps) - min(ps) + 1 == len(set(ps)) == len(ps), f"seq {s}: positions not continuous"
+            assert ps == sorted(ps), f"seq {s}: decreasing positions"
+        for ss in seqs:
+            for s in ss[1:]:
+                assert self.span(s) == self.span(ss[0]), f"coupled seqs {ss[0]} and {s} diverged"
+        new = [[p, set(ss), lab] for p, ss, lab in zip(pos, seqs, labels)]
+        self.cells += new
+        for p, ss, lab in zip(pos, seqs, labels):
+            seen = sorted((c[0], c[2]) for c in self.cells if ss[0] in c[1] and c[0] <= p)
+            assert seen == [(k, lab[:k + 1]) for k in range(p + 1)], f"query {lab} sees {seen}"
+
+    def check_row(self, seq: int, tokens: list[int]) -> None:
+        got = sorted((c[0], c[2]) for c in self.cells if seq in c[1])
+        assert got == [(k, tuple(tokens[:k + 1])) for k in range(len(tokens))]
+
+
+def random_forest(lay, rng: random.Random) -> Forest:
+    """Suffixes for some rows without pending nodes, then up to 6 nodes under roots or pending nodes."""
+    busy = {n.row for n in lay._nodes}
+    suffix = tuple(() if r in busy or rng.random() < 0.3 else tuple(rng.randrange(50) for _ in range(rng.randint(1, 2)))
+                   for r in range(lay.rows))
+    row_of = [n.row for n in lay._nodes]
+    toks, pars = [], []
+    for _ in range(rng.randint(0, 6)):
+        r = rng.randrange(lay.rows)
+        pars.append(rng.choice([ROOT] + [i for i, rr in enumerate(row_of) if rr == r]))
+        toks.append(rng.randrange(50))
+        row_of.append(r)
+    return Forest(suffix=suffix, tokens=tuple(toks), parents=tuple(pars), rows=tuple(row_of[len(lay._nodes):]))
+
+
+def random_paths(lay, rng: random.Random) -> list[Path]:
+    """1-5 chains from random rows, stopping at random depths (duplicates, drops and depth 0 included)."""
+    paths = []
+    for _ in range(rng.randint(1, 5)):
+        r, chain, prev = rng.randrange(lay.rows), [], ROOT
+        while True:
+            kids = [i for i, n in enumerate(lay._nodes) if n.row == r and n.parent == prev]
+            if not kids or rng.random() < 0.3:
+                break
+            prev = rng.choice(kids)
+            chain.append(prev)
+        paths.append(Path(r, tuple(chain)))
+    return paths
+
+
+def test_layout_random_walk():
+    """Hundreds of evaluate / commit / truncate / prefill steps; every query sees exactly its own path."""
+    from backends.llamacpp.layout import LayoutU
+
+    rng = random.Random(7)
+    for _ in range(30):
+        sim, lay = SimKV(), LayoutU(n_seq=64, max_rows=6, n_vocab=50)
+        path_of: dict[int, tuple] = {}  # pending node -> its full token sequence
+        seq, _ = lay.start_prefill([1, 2, 3], sim)
+        sim.decode([1, 2, 3], [0, 1, 2], [[seq]] * 3, [(1,), (1, 2), (1, 2, 3)])
+        lay.extend_prefill([1, 2, 3])
+        for _ in range(40):
+            op = rng.random()
+            if op < 0.6:
+                forest = random_forest(lay, rng)
+                try:
+                    b = lay.plan(forest)
+                except ContextFull:  # out of sequence ids: nothing may have changed
+                    continue
+                seqs = {r: lay.tokens(r) + lay._rows[r].suffix for r in range(lay.rows)}
+                labels = []
+                for r, suf in b.suffix.items():
+                    for t in suf:
+                        seqs[r] = seqs[r] + [t]
+                        labels.append(tuple(seqs[r]))
+                for k, (t, p, r) in enumerate(zip(forest.tokens, forest.parents, forest.rows)):
+                    path_of[len(lay._nodes) + k] = (path_of[p] if p != ROOT else tuple(seqs[r])) + (t,)
+                    labels.append(path_of[len(lay._nodes) + k])
+                for src, dst, p1 in b.copies:
+                    if p1:
+                        sim.seq_cp(src, dst, 0, p1)
+                sim.decode(b.tokens, b.pos, b.seqs, labels)
+                lay.apply(b)
+            elif op < 0.85:
+                lay.commit(random_paths(lay, rng), sim)
+            elif op < 0.95:
+                lay.truncate(rng.randint(1, 12), sim)
+            else:
+                rows = [lay.tokens(r) for r in range(lay.rows)]
+                ids = rng.choice(rows)[: rng.randint(0, 10)] + [rng.randrange(50) for _ in range(2)]
+                seq, start = lay.start_prefill(ids, sim)
+                sim.decode(ids[start:], list(range(start, len(ids))), [[seq]] * (len(ids) - start),
+                           [tuple(ids[:k + 1]) for k in range(start, len(ids))])
+                lay.extend_prefill(ids[start:])
+            if op >= 0.6:
+                path_of.clear()
+            assert lay.cells == len(sim.cells)  # our count is llama.cpp's occupied cells
+            if not lay._nodes and not any(r.suffix for r in lay._rows):
+                for r in range(lay.rows):
+                    sim.check_row(lay._rows[r].seq, lay.tokens(r))

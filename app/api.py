@@ -1,0 +1,480 @@
+"""OpenAI-compatible HTTP API beside the chat UI: GET /v1/models, POST /v1/chat/completions, /v1/completions.
+
+One FastAPI app serves both: the API routes under /v1 and the Gradio UI mounted at "/" (`build_server`).
+API requests share the UI's engine, so its lock runs one generation at a time across both; each request
+gets its own cancel Event, set when its client goes away (as the UI's Stop button does).
+Decoding: `temperature == 0` means greedy, otherwise "sample"; the `dsbd` extension object picks any mode
+and its settings ({"mode": "dsbd", "beams": 2, "gamma": 3, ...}); each choice carries its `dsbd_stats`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import re
+import secrets
+import threading
+import time
+from dataclasses import fields, replace
+from typing import Any, AsyncIterator, Callable, Literal
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from backends.base import BackendError
+
+from .chat import ChatError
+from .config import ConfigError, DecodeParams
+from .decoding import derive_seed
+from .engine import PromptTooLong
+
+log = logging.getLogger(__name__)
+HOST = "127.0.0.1"  # loopback by default, like the UI
+DEFAULT_MAX_TOKENS = 256
+MAX_N = 16
+_POLL_S = 0.25  # how often a request waiting for events checks whether its client went away
+
+
+# -- request bodies (unknown OpenAI fields are ignored; unknown `dsbd` fields are errors) ----------------
+class DsbdOptions(BaseModel):
+    """The `dsbd` extension: decoding mode and its settings (names as in DecodeParams)."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: str | None = None
+    beams: int | None = None
+    draft_beams: int | None = None
+    gamma: int | None = None
+    threshold: float | None = None
+    min_beams: int | None = None
+    select: str | None = None
+    top_k: int | None = None
+    length_penalty: float | None = None
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    dsbd: DsbdOptions | None = None
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # the newer name of max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+
+# -- errors in OpenAI's format ------------------------------------------------------------------------
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.body = status, {"message": message, "type": type, "param": param, "code": code}
+
+    def response(self) -> JSONResponse:
+        # Retry-After: OpenAI clients retry a 503 on their own after that many seconds.
+        headers = {401: {"WWW-Authenticate": "Bearer"}, 503: {"Retry-After": "1"}}.get(self.status)
+        return JSONResponse({"error": self.body}, status_code=self.status, headers=headers)
+
+
+_DSBD_FIELDS = set(DsbdOptions.model_fields)
+_PARAM_NAMES = {f.name for f in fields(DecodeParams)}
+
+
+def _param_of(message: str) -> str | None:
+    # ConfigError messages start with the field they are about ("threshold must be ...", "unknown mode ...").
+    m = re.match(r"(?:unknown )?(\w+)", message)
+    name = m.group(1) if m else None
+    if name not in _PARAM_NAMES:
+        return None
+    return "max_tokens" if name == "max_new_tokens" else f"dsbd.{name}" if name in _DSBD_FIELDS else name
+
+
+def as_api_error(e: BaseException, prompt_param: str) -> ApiError:
+    """Engine / config exceptions -> the HTTP error a client should see."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, PromptTooLong):
+        return ApiError(400, str(e), param=prompt_param, code="context_length_exceeded")
+    if isinstance(e, ConfigError):
+        return ApiError(400, str(e), param=_param_of(str(e)))
+    if isinstance(e, ChatError):
+        return ApiError(400, str(e), param=prompt_param)
+    if isinstance(e, BackendError):
+        return ApiError(500, str(e), type="server_error")
+    log.error("API request failed", exc_info=e)
+    return ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    err = exc.errors()[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    if err.get("type") == "json_invalid":
+        return ApiError(400, f"the body is not valid JSON: {err.get('msg')}").response()
+    param = ".".join(loc) or None
+    return ApiError(400, f"{param or 'body'}: {err.get('msg')}", param=param).response()
+
+
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code)).response()
+
+
+# -- request -> DecodeParams ------------------------------------------------------------------------
+def decode_params(req: _Sampling) -> DecodeParams:
+    """OpenAI fields + the `dsbd` extension -> DecodeParams (validated later by the engine)."""
+    d = req.dsbd or DsbdOptions()
+    t = 1.0 if req.temperature is None else req.temperature  # OpenAI's default temperature is 1
+    mode = d.mode or ("greedy" if t == 0 else "sample")
+    if t == 0 and mode in ("greedy", "beam"):
+        t = 1.0  # argmax modes ignore it, and DecodeParams wants T > 0
+    max_tokens = getattr(req, "max_completion_tokens", None)
+    max_tokens = req.max_tokens if max_tokens is None else max_tokens
+    extra = d.model_dump(exclude_none=True, exclude={"mode"})
+    return DecodeParams(mode=mode, max_new_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+                        temperature=t, top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
+                        stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()), **extra)
+
+
+def _messages(req: ChatRequest) -> list[dict]:
+    out = []
+    for m in req.messages:
+        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    return out
+
+
+def _prompts(engine, prompt) -> list[list[int]]:
+    """A completion prompt (text, texts, token ids or lists of them) -> token id lists."""
+    tok = engine.tokenizer
+    items = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
+    out = [tok.encode(p, add_bos=tok.add_bos) if isinstance(p, str) else list(p) for p in items]
+    if not out or any(not ids or not all(0 <= t < tok.n_vocab for t in ids) for ids in out):
+        raise ApiError(400, f"each prompt needs text or token ids in [0, {tok.n_vocab})", param="prompt")
+    return out
+
+
+def _finish_reason(stats: dict) -> str:
+    return "length" if stats.get("finish_reason") == "length" else "stop"
+
+
+def _clean(x: Any) -> Any:
+    # Strict JSON has no inf/nan (a -inf log-prob would make JSONResponse fail).
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    return [_clean(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+
+# -- running generations ----------------------------------------------------------------------------
+class _Gate:
+    """Bounds API requests waiting for the engine (admitted, no output yet); one more gets 503 at once."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.waiting = limit, 0
+
+    def admit(self) -> Callable[[], None]:
+        if self.waiting >= self.limit:
+            raise ApiError(503, f"the engine queue is full ({self.limit} API requests waiting); retry later",
+                           type="server_error", code="queue_full")
+        self.waiting += 1
+        left = False
+
+        def leave() -> None:  # idempotent; called on the event loop only
+            nonlocal left
+            if not left:
+                left, self.waiting = True, self.waiting - 1
+
+        return leave
+
+
+class _Run:
+    """One request's engine streams, iterated in order on a worker thread; events come back via a queue.
+
+    A dedicated thread rather than Starlette's pool: a request may wait long for the engine lock, and the
+    pool's threads also serve the Gradio UI. Only this thread touches the streams (a generator cannot be
+    closed from another thread while it runs), so cancel is an Event and cleanup is in its `finally`.
+    The gate slot is freed by the worker (first event, or its end), not by the request: a client that
+    hangs up while queued still holds a thread blocked on the engine lock until its turn comes.
+    """
+
+    def __init__(self, streams: list, cancel: threading.Event, leave: Callable[[], None]) -> None:
+        self.cancel, self.leave, self.finished = cancel, leave, False
+        self.loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
+        threading.Thread(target=self._work, args=(streams,), name="dsbd-api", daemon=True).start()
+
+    def _call(self, fn, *args) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the server shut down
+            pass
+
+    def _work(self, streams: list) -> None:
+        try:
+            for i, stream in enumerate(streams):
+                if self.cancel.is_set():
+                    break
+                for ev in stream:
+                    self._call(self.queue.put_nowait, (i, ev))
+                    self._call(self.leave)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the event loop
+            self._call(self.queue.put_nowait, (None, e))
+        finally:
+            for s in streams:
+                s.close()  # releases the engine lock; unstarted streams never took it
+            self._call(self.leave)
+            self._call(self.queue.put_nowait, (None, None))
+
+    async def events(self, request: Request) -> AsyncIterator[tuple[int, Any]]:
+        """(choice index, Event) until every stream is done; raises what the worker raised."""
+        while True:
+            try:
+                i, item = await asyncio.wait_for(self.queue.get(), _POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise _ClientGone() from None
+                continue
+            if i is None:
+                self.finished = True
+                if item is not None:
+                    raise item
+                return
+            if item.error:
+                raise BackendError(item.error)
+            yield i, item
+
+    def close(self) -> None:
+        """End of the request: stop the generation unless it finished (client gone, or a failure)."""
+        if not self.finished:
+            self.cancel.set()
+
+
+class _ClientGone(Exception):
+    pass
+
+
+# -- the app --------------------------------------------------------------------------------------
+def model_id(engine) -> str:
+    """The served model's id: the target's name as a URL-safe slug."""
+    return re.sub(r"[^a-z0-9.]+", "-", engine.describe()["target"].lower()).strip("-") or "dsbd-chat"
+
+
+def build_api(engine, *, api_key: str | None = None, max_waiting: int = 16) -> FastAPI:
+    """The OpenAI-compatible API over `engine` under /v1; with `api_key`, requests need `Bearer <key>`."""
+    gate, name = _Gate(max_waiting), model_id(engine)
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        if not secrets.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    router = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+
+    @router.get("/models")
+    def list_models() -> dict:
+        return {"object": "list", "data": [_model_card(engine, name)]}
+
+    @router.get("/models/{model:path}")
+    def get_model(model: str) -> dict:
+        if model != name:
+            raise ApiError(404, f"model {model!r} is not served here; this server has {name!r}",
+                           param="model", code="model_not_found")
+        return _model_card(engine, name)
+
+    @router.post("/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request) -> Response:
+        messages = _messages(req)
+        return await _serve(request, req, "chat", "messages", lambda p, cancel: [
+            engine.chat(messages, replace(p, seed=derive_seed(p.seed, j)) if req.n > 1 else p, cancel=cancel)
+            for j in range(req.n)])
+
+    @router.post("/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        def open_streams(p, cancel):
+            return [engine.generate(ids, replace(p, seed=derive_seed(p.seed, j)) if req.n > 1 else p, cancel=cancel)
+                    for ids in _prompts(engine, req.prompt) for j in range(req.n)]
+
+        return await _serve(request, req, "text", "prompt", open_streams)
+
+    @router.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    def unknown(rest: str) -> None:
+        raise ApiError(404, f"unknown endpoint /v1/{rest}", code="not_found")
+
+    async def _serve(request: Request, req: _Sampling, kind: str, prompt_param: str, open_streams) -> Response:
+        try:
+            params = engine.check_params(decode_params(req))
+            leave = gate.admit()
+        except Exception as e:
+            return as_api_error(e, prompt_param).response()
+        cancel = threading.Event()
+        try:  # encoding the prompt is real work: keep it off the event loop
+            streams = await run_in_threadpool(open_streams, params, cancel)
+        except Exception as e:
+            leave()
+            return as_api_error(e, prompt_param).response()
+        run = _Run(streams, cancel, leave)
+        head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}",
+                "object": "chat.completion" if kind == "chat" else "text_completion",
+                "created": int(time.time()), "model": name}
+        if req.stream:
+            usage = bool((req.stream_options or {}).get("include_usage"))
+            return StreamingResponse(_sse(run, request, kind, head, prompt_param, usage, req.n),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _complete(run, request, kind, head, prompt_param, req.n)
+
+    app = FastAPI(title="dsbd-chat OpenAI-compatible API", docs_url="/v1/docs", openapi_url="/v1/openapi.json",
+                  redoc_url=None)
+    app.add_exception_handler(ApiError, lambda _, e: e.response())
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.include_router(router)
+    app.state.gate = gate  # tests and monitoring: gate.waiting
+    return app
+
+
+def _model_card(engine, name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "dsbd-chat", "dsbd": engine.describe()}
+
+
+def _usage(done: dict[int, Any], per_prompt: int) -> dict:
+    # Each prompt counts once, however many choices it has (as OpenAI does).
+    prompt = sum(ev.stats.get("prompt_tokens", 0) for i, ev in done.items() if i % per_prompt == 0)
+    completion = sum(ev.tokens for ev in done.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _choice(kind: str, i: int, text: str, ev=None, *, role: bool = False, stream: bool = False) -> dict:
+    """One choice: whole (non-stream) or a chunk's delta; the final one carries finish_reason and stats."""
+    c: dict = {"index": i}
+    if kind == "chat":
+        body = {"role": "assistant", "content": text} if role or not stream else {"content": text} if text else {}
+        c["delta" if stream else "message"] = body
+    else:
+        c["text"] = text
+    c |= {"logprobs": None, "finish_reason": None}
+    if ev is not None and ev.done:
+        stats = ev.stats or {}
+        c |= {"finish_reason": _finish_reason(stats), "dsbd_stats": _clean(stats)}
+    return c
+
+
+async def _complete(run: _Run, request: Request, kind: str, head: dict, prompt_param: str, n: int) -> Response:
+    done: dict[int, Any] = {}
+    try:
+        async for i, ev in run.events(request):
+            if ev.done:
+                done[i] = ev
+    except _ClientGone:
+        log.info("%s: client went away; generation cancelled", head["id"])
+        return Response(status_code=499)
+    except Exception as e:
+        return as_api_error(e, prompt_param).response()
+    finally:
+        run.close()
+    choices = [_choice(kind, i, ev.text, ev) for i, ev in sorted(done.items())]
+    return JSONResponse(head | {"choices": choices, "usage": _usage(done, n)})
+
+
+async def _sse(run: _Run, request: Request, kind: str, head: dict, prompt_param: str,
+               usage: bool, n: int) -> AsyncIterator[str]:
+    """Server-sent events: per choice a role chunk, text deltas, a final chunk; then [DONE]."""
+    chunk = head | {"object": "chat.completion.chunk" if kind == "chat" else "text_completion"}
+    sent: dict[int, str] = {}
+    done: dict[int, Any] = {}
+    try:
+        async for i, ev in run.events(request):
+            if i not in sent:
+                sent[i] = ""
+                if kind == "chat":
+                    yield _data(chunk | {"choices": [_choice(kind, i, "", role=True, stream=True)]})
+            # The stable text only grows; anything else (never expected) is not re-sent.
+            delta = ev.text[len(sent[i]):] if ev.text.startswith(sent[i]) else ""
+            sent[i] += delta
+            if delta or ev.done:
+                yield _data(chunk | {"choices": [_choice(kind, i, delta, ev, stream=True)]})
+            if ev.done:
+                done[i] = ev
+        if usage:
+            yield _data(chunk | {"choices": [], "usage": _usage(done, n)})
+        yield "data: [DONE]\n\n"
+    except _ClientGone:
+        log.info("%s: client went away; generation cancelled", head["id"])
+    except Exception as e:  # headers are out: report in-band, as OpenAI does
+        yield _data({"error": as_api_error(e, prompt_param).body})
+    finally:
+        run.close()  # also on CancelledError, which Starlette raises here when the client disconnects
+
+
+def _data(obj: dict) -> str:
+    return f"data: {json.dumps(obj, allow_nan=False)}\n\n"
+
+
+def build_server(engine, *, api_key: str | None = None, max_waiting: int = 16, data_dir=None,
+                 host: str = HOST, port: int = 7860) -> FastAPI:
+    """The API at /v1 with the Gradio chat UI (queued like `app.ui.serve`) mounted at "/"."""
+    import gradio as gr
+
+    from .ui import QUEUE_KWARGS, build_app, launch_kwargs
+
+    app = build_api(engine, api_key=api_key, max_waiting=max_waiting)
+    blocks = build_app(engine, data_dir=data_dir)
+    blocks.queue(**QUEUE_KWARGS)
+    # Gradio 6 takes css / theme / allowed_paths at mount time, as it does at launch.
+    return gr.mount_gradio_app(app, blocks, path="/", server_name=host, server_port=port, **launch_kwargs(blocks))
+
+
+def serve(engine, *, host: str = HOST, port: int = 7860, api_key: str | None = None, inbrowser: bool = True,
+          data_dir=None) -> None:
+    """Run the UI and the API on one uvicorn server until Ctrl+C."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(build_server(engine, api_key=api_key, data_dir=data_dir, host=host,
+                                                       port=port), host=host, port=port, log_level="warning"))
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{port}/"
+    print(f"dsbd-chat: chat UI at {url} · OpenAI-compatible API at {url}v1", flush=True)
+    if inbrowser:
+        threading.Thread(target=_open_when_up, args=(server, url), daemon=True).start()
+    server.run()
+
+
+def _open_when_up(server, url: str) -> None:
+    import webbrowser
+
+    while not server.started and not server.should_exit:
+        time.sleep(0.1)
+    if server.started:
+        webbrowser.open(url)
+
+
+__all__ = ["build_api", "build_server", "serve", "decode_params", "model_id", "ApiError", "DEFAULT_MAX_TOKENS"]

@@ -82,11 +82,12 @@ def test_speculative_reductions_match_target_sampling(n):
     assert homogeneous(ref, mem) > ALPHA
 
 
+@pytest.mark.parametrize("fixed", [dict(min_beams=2), dict(threshold=0.0)], ids=["W_min=W", "t=0"])
 @pytest.mark.parametrize("n", [4000, pytest.param(200_000, marks=pytest.mark.slow)])
-def test_fixed_width_dsbd_matches_beam_sampling_with_replacement(n):
+def test_fixed_width_dsbd_matches_beam_sampling_with_replacement(n, fixed):
     kw = dict(beams=2, max_new_tokens=4)
     ref = sample_arm("beam-sample-repl", TARGET, None, n, 40_000_000, **kw)
-    got = sample_arm("dsbd", TARGET, DRAFT, n, 50_000_000, draft_beams=3, min_beams=2, gamma=2, **kw)
+    got = sample_arm("dsbd", TARGET, DRAFT, n, 50_000_000, draft_beams=3, gamma=2, **fixed, **kw)
     assert homogeneous(ref, got) > ALPHA
 
 

@@ -269,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--context", dest="ctx", type=int, default=argparse.SUPPRESS,
                       help="tokens per sequence: prompt + answer + draft tree (same as --ctx; default 4096)")
     plan.add_argument("--mode", choices=("auto",) + MODES, default="auto",
-                      help="decoding mode to plan for; auto: dsbd, else dsbd-mem (beam-sample without a draft)")
+                      help="decoding mode to plan for; auto: dsbd or dsbd-mem, whichever keeps more weights in "
+                           "VRAM (beam-sample without a draft)")
     plan.add_argument("--beams", type=int, default=4, help="W: beams carried between steps")
     plan.add_argument("--draft-beams", type=int, default=None, help="W_S: drafts per forest layer (default W+1)")
     plan.add_argument("--gamma", type=int, default=3, help="draft depth per iteration")

@@ -1,0 +1,618 @@
+"""Memory planner: fit a target, a draft and their beams' KV into a VRAM and a RAM budget.
+
+Inputs: each model's geometry (offload.geometry: layer sizes, KV shape; read from headers, never the
+weights), the runtime that will hold it, the context, W / W_S / gamma, and the budgets. Output: a frozen
+`Plan` saying which layers sit on the GPU, which stream from pinned RAM (PyTorch runtime), which run on
+the CPU (no GPU, or llama.cpp layers past `n_gpu_layers`), the KV budget, whether DSBD full mode fits or
+memory mode (dsbd-mem) is needed, the largest context and the most beams that fit.
+
+Mode "auto" (with a draft) picks, among dsbd and dsbd-mem, the one that fits with the fewest weight bytes
+per pass outside VRAM (streamed or on CPU layers), dsbd on a tie: full mode when its KV fits beside resident
+weights, memory mode when full mode's KV would push layers off the GPU (spec §9: "memory mode when full mode
+does not fit the KV budget").
+
+Priorities, highest first: whatever must be on the GPU (PyTorch: KV, embeddings, output head, activations;
+llama.cpp: its compute buffer), then the draft's layers (it runs gamma passes per target pass, so a
+resident byte of draft saves gamma transfers), then the target's layers. A PyTorch target that does not
+fit keeps `ring` GPU buffers and streams the rest of its layers from pinned RAM (offload.stream).
+
+KV (spec §9; b = KV bytes per token per row): the runtimes allocate whole rows of `context` tokens
+(PyTorch: static [rows, heads, context + 1, dim]; llama.cpp: we size its unified cache the same way, the
+worst case when no prefix is shared), so target KV = b x W x context in full mode (the spec's
+b W (L + N_max) with L + N_max <= context) and b x context in memory mode (b (L + W_S gamma)). The draft's
+context has as many rows as the target's.
+
+Activation sizes are estimates (attention scores, MLP and logit buffers of the largest forward); a reserve
+(default 512 MiB VRAM, 2 GiB RAM) absorbs the CUDA context, allocator slack and the app itself.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
+
+from backends.base import BackendError
+
+if TYPE_CHECKING:
+    from offload.geometry import ModelGeometry
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+# Mirrors of app.config (offload sits below app and must not import it).
+BEAM_ROWS = ("beam", "beam-sample", "beam-sample-repl", "dsbd")  # modes that keep W target rows
+DRAFT_MODES = ("sps", "dsbd", "dsbd-mem")
+MODES = ("greedy", "sample", "beam", "beam-sample", "beam-sample-repl", "sps", "dsbd", "dsbd-mem")
+MAX_BEAMS = 16
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # PyTorch runtime: weights (dequantised) and KV
+KV_TYPE_BYTES = {"f32": 4, "f16": 2}  # llama.cpp runtime cache types (its default is f32)
+PREFILL_CHUNK = 256  # PyTorchContext.prefill_chunk
+LLAMA_BATCH, LLAMA_SEQS = 512, 256  # llama.cpp runtime DEFAULT_BATCH and LLAMA_MAX_SEQ
+SMALLER_QUANTS = (("Q5_K_M", 5.7), ("Q4_K_M", 4.85), ("Q3_K_M", 3.9), ("Q2_K", 3.35))  # typical bits/weight
+
+
+class PlanError(BackendError):
+    """The models do not fit the memory budget (or the request is invalid); the message says what would."""
+
+
+# ---------------------------------------------------------------- sizes
+
+
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)\s*", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """'8GiB' / '8GB' / '512MiB' / '8G' / '1.5 gib' / '1024' -> bytes. Bare K/M/G/T are binary (like `free -g`)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.fullmatch(str(text))
+    if not m or (m.group(3) and not m.group(2)):
+        raise ValueError(f"cannot read size {text!r}: use a number with a unit, like 8GiB, 8GB, 512MiB or 8G")
+    number, prefix, binary, b = m.groups()
+    power = "kmgt".find(prefix.lower()) + 1 if prefix else 0
+    base = 1000 if (prefix and b and not binary) else 1024  # GB = 10^9, GiB = G = 2^30
+    return int(float(number) * base**power)
+
+
+def fmt_bytes(n: int | float) -> str:
+    n = float(n)
+    if abs(n) >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    if abs(n) >= MiB:
+        return f"{n / MiB:.0f} MiB"
+    return f"{n / KiB:.0f} KiB"
+
+
+# ---------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Memory we may use, in bytes. vram = 0 means no GPU: every layer computes on the CPU."""
+
+    vram: int
+    ram: int
+    vram_reserve: int = 512 * MiB
+    ram_reserve: int = 2 * GiB
+    source: str = "explicit"  # "explicit" | "detected" | a profile name
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.vram > 0
+
+    @property
+    def vram_avail(self) -> int:
+        return max(0, self.vram - self.vram_reserve)
+
+    @property
+    def ram_avail(self) -> int:
+        return max(0, self.ram - self.ram_reserve)
+
+    @classmethod
+    def detect(cls, *, vram: int | None = None, ram: int | None = None, device: str = "cuda", **kw) -> "Budget":
+        """Explicit numbers where given; free VRAM from torch.cuda.mem_get_info and available RAM from psutil."""
+        source = "explicit"
+        if vram is None:
+            vram, source = detect_vram(device), "detected"
+        if ram is None:
+            import psutil
+
+            ram, source = psutil.virtual_memory().available, "detected"
+        return cls(vram=vram, ram=ram, source=source, **kw)
+
+
+def detect_vram(device: str = "cuda") -> int:
+    """Free bytes on the CUDA device (0 without torch or CUDA). Torch is imported only here."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return 0
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return int(free)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to fit. mode "auto": dsbd, else dsbd-mem (with a draft); beam-sample (without one)."""
+
+    context: int = 4096  # tokens per sequence: prompt + answer + draft tree (the engine's n_ctx)
+    beams: int = 4  # W
+    draft_beams: int | None = None  # W_S; None -> W + 1
+    gamma: int = 3
+    mode: str = "auto"
+    target_backend: str = "llamacpp"
+    draft_backend: str = "llamacpp"
+    dtype: str = "float32"  # PyTorch runtime weights and KV
+    kv_type: str = "f32"  # llama.cpp KV cache
+    ring: int = 2  # GPU buffers for streamed layers (2 = compute one while the next one copies)
+
+    def validated(self) -> "PlanRequest":
+        if self.mode != "auto" and self.mode not in MODES:
+            raise PlanError(f"unknown mode {self.mode!r}; choose auto or one of: {', '.join(MODES)}")
+        for b in (self.target_backend, self.draft_backend):
+            if b not in ("llamacpp", "pytorch"):
+                raise PlanError(f"unknown backend {b!r}; choose llamacpp or pytorch")
+        if self.dtype not in DTYPE_BYTES:
+            raise PlanError(f"unknown dtype {self.dtype!r}; choose one of: {', '.join(DTYPE_BYTES)}")
+        if self.kv_type not in KV_TYPE_BYTES:
+            raise PlanError(f"unknown kv type {self.kv_type!r}; choose one of: {', '.join(KV_TYPE_BYTES)}")
+        if not 1 <= self.beams <= MAX_BEAMS:
+            raise PlanError(f"beams must be between 1 and {MAX_BEAMS}, got {self.beams}")
+        ws = self.beams + 1 if self.draft_beams is None else self.draft_beams
+        if ws < self.beams:
+            raise PlanError(f"draft beams (W_S={ws}) must be >= beams (W={self.beams})")
+        if not 0 <= self.gamma <= 16:
+            raise PlanError(f"gamma must be between 0 and 16, got {self.gamma}")
+        if self.ring < 1:
+            raise PlanError(f"ring must be >= 1, got {self.ring}")
+        if self.context < ws * self.gamma + 2:
+            raise PlanError(f"context {self.context} cannot hold even the draft tree (W_S x gamma + 1 = "
+                            f"{ws * self.gamma + 1}) plus a token")
+        return replace(self, draft_beams=ws)
+
+
+# ---------------------------------------------------------------- outputs
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one model's weights, KV and buffers live."""
+
+    role: str  # "target" | "draft"
+    name: str
+    runtime: str  # "llamacpp" | "pytorch"
+    n_layers: int
+    gpu_layers: int  # resident on the GPU
+    streamed_layers: int  # pinned RAM -> GPU ring each pass (PyTorch runtime)
+    cpu_layers: int  # computed on the CPU
+    n_gpu_layers: int | None  # llama.cpp setting (n_layers + 1 also offloads the output layer); None: PyTorch
+    ring: int  # GPU buffers for streamed layers
+    device: str  # PyTorch device to run on ("cuda" | "cpu"); llama.cpp: where its layers mostly are
+    kv_rows: int
+    kv_tokens: int  # per row
+    kv_bytes: int
+    kv_gpu_bytes: int
+    weight_gpu_bytes: int  # resident layers + ring buffers + embeddings/head on the GPU
+    weight_ram_bytes: int  # streamed (pinned) + CPU layers + host-side embeddings/head
+    activation_bytes: int  # estimate of the largest forward's transient buffers
+    vram_bytes: int  # total on the GPU
+    ram_bytes: int  # total in host memory (PyTorch on a GPU: peak while loading, the whole model on CPU)
+    # per-pass traffic, for offload.cost
+    h2d_bytes: int  # streamed weights copied per pass
+    gpu_read_bytes: int  # weights read from VRAM per pass
+    cpu_read_bytes: int  # weights read from RAM per pass by CPU compute
+    gpu_params: int  # matmul parameters computed on the GPU (embedding lookup excluded)
+    cpu_params: int
+    kv_bytes_per_token: int  # b, per row
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A placement for one decoding mode plus what else would fit. Sizes in bytes."""
+
+    mode: str
+    context: int
+    beams: int
+    draft_beams: int
+    gamma: int
+    budget: Budget
+    target: Placement
+    draft: Placement | None
+    vram_bytes: int
+    ram_bytes: int
+    kv_full_bytes: int  # target KV in full mode: b W context (spec §9: b W (L + N_max))
+    kv_mem_bytes: int  # target KV in memory mode: b context (spec §9: b (L + W_S gamma))
+    dsbd_full_fits: bool | None  # None without a draft
+    max_beams: int  # most W for full mode (dsbd, or beam-sample without a draft) at this context; 0: none
+    max_context: int  # largest context for `mode` at these beams
+    notes: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def format(self) -> str:
+        return format_plan(self)
+
+
+# ---------------------------------------------------------------- one model
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A model as its runtime holds it: bytes per layer, embeddings, head, KV per token per layer."""
+
+    geo: "ModelGeometry"
+    role: str
+    runtime: str
+    layer: tuple[int, ...]
+    embed: int
+    head: int
+    kv_token_layer: int
+
+    @classmethod
+    def of(cls, geo: "ModelGeometry", role: str, req: PlanRequest) -> "_Held":
+        runtime = req.target_backend if role == "target" else req.draft_backend
+        if runtime == "pytorch":  # dequantised to the runtime dtype at load
+            e = DTYPE_BYTES[req.dtype]
+            return cls(geo, role, runtime, tuple(p * e for p in geo.layer_params), geo.embed_params * e,
+                       geo.head_params * e, 2 * geo.n_kv_heads * geo.head_dim * e)
+        e = KV_TYPE_BYTES[req.kv_type]
+        return cls(geo, role, runtime, geo.layer_bytes, geo.embed_bytes, geo.head_bytes,
+                   2 * geo.n_kv_heads * geo.head_dim * e)
+
+
+def _activations(m: _Held, *, rows: int, ctx: int, tree: int, elem: int) -> int:
+    """Largest forward's transient bytes (estimate): scores + mask, QKV/MLP activations, logits."""
+    g = m.geo
+    if m.runtime == "pytorch":
+        shapes = [(1, min(PREFILL_CHUNK, ctx), 0), (rows, 1 + tree, rows + tree)]  # (rows, queries, outputs)
+    else:
+        shapes = [(1, min(LLAMA_BATCH, ctx), rows + tree)]  # one ubatch over the unified cache
+    worst = 0
+    for r, q, outputs in shapes:
+        scores = r * q * ctx * (g.n_heads * 4 + 1)  # [rows, heads, q, ctx] float32 worst case + bool mask
+        hidden = r * q * (3 * g.hidden_dim + 6 * g.dim) * max(elem, 4)
+        logits = outputs * g.vocab_size * 4 * 2  # runtime dtype + float32 copy
+        worst = max(worst, scores + hidden + logits)
+    return worst
+
+
+def resident_mask(n_layers: int, resident: int) -> tuple[bool, ...]:
+    """Which layers stay on the GPU: streamed ones spread evenly, so each copy overlaps resident compute."""
+    streamed = n_layers - max(0, min(resident, n_layers))
+    out = [True] * n_layers
+    for i in range(streamed):
+        out[(2 * i + 1) * n_layers // (2 * streamed)] = False
+    return tuple(out)
+
+
+def _fixed_gpu(m: _Held, *, rows: int, ctx: int, tree: int, elem: int) -> tuple[int, int]:
+    """(bytes that must be on the GPU whatever the layer split, activation estimate)."""
+    act = _activations(m, rows=rows, ctx=ctx, tree=tree, elem=elem)
+    if m.runtime == "pytorch":
+        kv = rows * (ctx + 1) * m.kv_token_layer * len(m.layer)
+        return m.embed + m.head + kv + act, act
+    return act, act  # llama.cpp: a compute buffer; layers and their KV may all stay on the CPU
+
+
+def _place(m: _Held, *, rows: int, ctx: int, tree: int, elem: int, gpu: bool, layer_budget: int,
+           ring: int) -> Placement:
+    """Split one model's layers given `layer_budget` VRAM bytes left for its layers (after fixed parts)."""
+    n = len(m.layer)
+    fixed, act = _fixed_gpu(m, rows=rows, ctx=ctx, tree=tree, elem=elem)
+    kv_layer = rows * (ctx + (m.runtime == "pytorch")) * m.kv_token_layer  # one layer's KV, all rows
+    kv_total = kv_layer * n
+    params_layers = sum(m.geo.layer_params)
+    tied = m.geo.tied_embeddings  # the output projection is the embedding matrix
+    params_head = m.geo.head_params + (m.geo.embed_params if tied else 0)
+    head_read = m.head + (m.embed if tied else 0)
+    common = dict(role=m.role, name=m.geo.name, runtime=m.runtime, n_layers=n, kv_rows=rows, kv_tokens=ctx,
+                  kv_bytes=kv_total, activation_bytes=act, kv_bytes_per_token=m.kv_token_layer * n)
+    full = sum(m.layer) + m.embed + m.head
+    if not gpu:  # everything on the CPU, in RAM
+        llama = m.runtime == "llamacpp"
+        host = full + kv_total + act + (_llama_logits(m) if llama else 0)
+        return Placement(**common, gpu_layers=0, streamed_layers=0, cpu_layers=n,
+                         n_gpu_layers=0 if llama else None, ring=0, device="cpu",
+                         kv_gpu_bytes=0, weight_gpu_bytes=0, weight_ram_bytes=full, vram_bytes=0, ram_bytes=host,
+                         h2d_bytes=0, gpu_read_bytes=0, cpu_read_bytes=sum(m.layer) + head_read, gpu_params=0,
+                         cpu_params=params_layers + params_head)
+    if m.runtime == "pytorch":
+        return _place_pytorch(m, common, fixed, layer_budget, ring, kv_total, params_layers + params_head, full,
+                              head_read)
+    return _place_llamacpp(m, common, fixed, layer_budget, kv_layer, act, params_head, head_read)
+
+
+def _place_pytorch(m, common, fixed, budget, ring, kv_total, params, full, head_read) -> Placement:
+    n, big = len(m.layer), max(m.layer)
+    k, r = n, 0
+    if sum(m.layer) > budget:  # stream: keep `ring` buffers, then as many resident layers as still fit
+        k = 0
+        for cand in range(n - 1, -1, -1):
+            r = min(ring, n - cand)
+            mask = resident_mask(n, cand)
+            if sum(b for b, res in zip(m.layer, mask) if res) + r * big <= budget:
+                k = cand
+                break
+        r = min(ring, n - k)
+    mask = resident_mask(n, k)
+    resident = sum(b for b, res in zip(m.layer, mask) if res)
+    streamed = sum(m.layer) - resident
+    w_gpu = resident + r * big + m.embed + m.head
+    return Placement(**common, gpu_layers=k, streamed_layers=n - k, cpu_layers=0, n_gpu_layers=None, ring=r,
+                     device="cuda", kv_gpu_bytes=kv_total, weight_gpu_bytes=w_gpu, weight_ram_bytes=streamed,
+                     vram_bytes=fixed + resident + r * big,
+                     ram_bytes=full,  # loaded on the CPU first, then offloaded (stream.offload_model)
+                     h2d_bytes=streamed, gpu_read_bytes=sum(m.layer) + head_read, cpu_read_bytes=0,
+                     gpu_params=params, cpu_params=0)
+
+
+def _llama_logits(m: _Held) -> int:
+    return max(LLAMA_BATCH, LLAMA_SEQS) * m.geo.vocab_size * 4  # host output buffer (n_outputs_max rows)
+
+
+def _place_llamacpp(m, common, fixed, budget, kv_layer, act, params_head, head_read) -> Placement:
+    n = len(m.layer)
+    k, used = 0, 0
+    for b in reversed(m.layer):  # llama.cpp offloads the last n_gpu_layers layers, each with its KV
+        if used + b + kv_layer > budget:
+            break
+        used, k = used + b + kv_layer, k + 1
+    # The output layer (a duplicate of the embeddings when tied) goes to the GPU only after every block.
+    head_on_gpu = k == n and used + head_read <= budget
+    gpu_w = sum(m.layer[n - k:]) + (head_read if head_on_gpu else 0)
+    cpu_w = sum(m.layer[: n - k]) + (0 if head_on_gpu else m.head)
+    cpu_read = cpu_w + (0 if head_on_gpu else head_read - m.head)
+    logits = _llama_logits(m)
+    gpu_p = sum(m.geo.layer_params[n - k:]) + (params_head if head_on_gpu else 0)
+    cpu_p = sum(m.geo.layer_params[: n - k]) + (0 if head_on_gpu else params_head)
+    return Placement(**common, gpu_layers=k, streamed_layers=0, cpu_layers=n - k,
+                     n_gpu_layers=k + head_on_gpu, ring=0, device="cuda" if k else "cpu",
+                     kv_gpu_bytes=k * kv_layer, weight_gpu_bytes=gpu_w, weight_ram_bytes=cpu_w + m.embed,
+                     vram_bytes=fixed + gpu_w + k * kv_layer if k else 0,  # no GPU layer: no GPU buffer
+                     ram_bytes=cpu_w + m.embed + (n - k) * kv_layer + act + logits,
+                     h2d_bytes=0, gpu_read_bytes=gpu_w, cpu_read_bytes=cpu_read, gpu_params=gpu_p, cpu_params=cpu_p)
+
+
+# ---------------------------------------------------------------- whole plan
+
+
+@dataclass(frozen=True)
+class _Try:
+    mode: str
+    target: Placement
+    draft: Placement | None
+    vram: int
+    ram: int
+    fits: bool
+
+
+def _rows(mode: str, beams: int) -> int:
+    return beams if mode in BEAM_ROWS else 1
+
+
+def _try(tgt: "ModelGeometry", dft: "ModelGeometry | None", req: PlanRequest, budget: Budget, mode: str,
+         *, context: int | None = None, beams: int | None = None) -> _Try:
+    """Place both models for one mode; `fits` says whether both budgets hold."""
+    ctx = req.context if context is None else context
+    w = req.beams if beams is None else beams
+    ws = req.draft_beams + (w - req.beams)  # keep W_S - W when trying other widths
+    rows = _rows(mode, w)
+    uses_draft = mode in DRAFT_MODES and dft is not None
+    tree = ws * req.gamma if uses_draft else 0
+    held = [_Held.of(tgt, "target", req)] + ([_Held.of(dft, "draft", req)] if uses_draft else [])
+    elem = DTYPE_BYTES[req.dtype]
+    fixed = {m.role: _fixed_gpu(m, rows=rows, ctx=ctx, tree=tree, elem=elem)[0] for m in held}
+    left = budget.vram_avail - sum(fixed.values())
+    # A streamed PyTorch target needs its ring whatever the draft takes; keep room for it first.
+    t = held[0]
+    keep = min(req.ring, len(t.layer)) * max(t.layer) if t.runtime == "pytorch" and sum(t.layer) > left else 0
+    placed = {}
+    for m in reversed(held):  # draft layers before target layers (see module docstring)
+        room = max(0, left - (keep if m.role == "draft" else 0))
+        p = _place(m, rows=rows, ctx=ctx, tree=tree, elem=elem, gpu=budget.has_gpu, layer_budget=room,
+                   ring=req.ring)
+        left -= p.vram_bytes - fixed[m.role]
+        placed[m.role] = p
+    vram = sum(p.vram_bytes for p in placed.values())
+    ram = sum(p.ram_bytes for p in placed.values())
+    fits = vram <= budget.vram_avail and ram <= budget.ram_avail
+    return _Try(mode, placed["target"], placed.get("draft"), vram, ram, fits)
+
+
+def _slow_bytes(t: _Try) -> int:
+    """Weight bytes per iteration that do not come from VRAM: streamed over PCIe or read by CPU layers."""
+    return sum(p.h2d_bytes + p.cpu_read_bytes for p in (t.target, t.draft) if p is not None)
+
+
+def _candidates(req: PlanRequest, has_draft: bool) -> tuple[str, ...]:
+    if req.mode != "auto":
+        return (req.mode,)
+    return ("dsbd", "dsbd-mem") if has_draft else ("beam-sample",)
+
+
+def max_context(tgt, dft, req: PlanRequest, budget: Budget, mode: str, *, beams: int | None = None) -> int:
+    """Largest context (a multiple of 256 above 512) for `mode` that fits; 0 when even the smallest does not."""
+    ws = req.draft_beams + ((beams or req.beams) - req.beams)
+    lo = ws * req.gamma + 2 if mode in DRAFT_MODES else 2
+    hi = tgt.n_ctx_train if dft is None or mode not in DRAFT_MODES else min(tgt.n_ctx_train, dft.n_ctx_train)
+    hi = max(hi, lo)
+    if not _try(tgt, dft, req, budget, mode, context=lo, beams=beams).fits:
+        return 0
+    while lo < hi:  # fits(lo) holds; find the largest fitting context in [lo, hi]
+        mid = (lo + hi + 1) // 2
+        if _try(tgt, dft, req, budget, mode, context=mid, beams=beams).fits:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo - lo % 256 if lo >= 512 else lo
+
+
+def max_beams(tgt, dft, req: PlanRequest, budget: Budget, mode: str) -> int:
+    """Most beams W (<= 16) for which `mode` fits at the requested context; 0 when none."""
+    best = 0
+    for w in range(1, MAX_BEAMS + 1):
+        if req.draft_beams + (w - req.beams) < w or not _try(tgt, dft, req, budget, mode, beams=w).fits:
+            break
+        best = w
+    return best
+
+
+def plan(target: "ModelGeometry", draft: "ModelGeometry | None", request: PlanRequest, budget: Budget) -> Plan:
+    """Placement for the requested mode, or for auto's pick (see the module docstring). Raises PlanError
+    saying what would fit when nothing does."""
+    req = request.validated()
+    tries = [_try(target, draft, req, budget, m) for m in _candidates(req, draft is not None)]
+    fitting = [t for t in tries if t.fits]
+    if not fitting:
+        raise PlanError(_no_fit_message(target, draft, req, budget, tries))
+    # auto: the mode whose weights come from VRAM the most (full mode's KV may push layers off the GPU);
+    # ties keep the order dsbd, dsbd-mem.
+    chosen = min(fitting, key=_slow_bytes)
+    full_mode = "dsbd" if draft is not None else "beam-sample"
+    full = next((t for t in tries if t.mode == full_mode), None) or _try(target, draft, req, budget, full_mode)
+    rows_full = _rows(full_mode, req.beams)
+    b = full.target.kv_bytes_per_token
+    notes = []
+    if chosen.mode == "dsbd-mem" and req.mode == "auto":
+        why = (f"would read {fmt_bytes(_slow_bytes(full))} of weights per pass outside VRAM (dsbd-mem: "
+               f"{fmt_bytes(_slow_bytes(chosen))})" if full.fits else
+               f"needs {fmt_bytes(full.vram)} VRAM / {fmt_bytes(full.ram)} RAM")
+        notes.append(f"dsbd full mode {why}; memory-reduced mode carries one beam between iterations")
+    if chosen.target.streamed_layers:
+        notes.append(f"{chosen.target.streamed_layers} target layers stream from pinned RAM every pass "
+                     f"({fmt_bytes(chosen.target.h2d_bytes)} per pass)")
+    llama = [p for p in (chosen.target, chosen.draft) if p is not None and p.runtime == "llamacpp"]
+    if llama and budget.has_gpu:
+        notes.append("llama.cpp: load " + " and ".join(f"the {p.role} with n_gpu_layers={p.n_gpu_layers}"
+                                                       for p in llama))
+    if req.target_backend == "llamacpp" and _rows(chosen.mode, req.beams) > 1:
+        notes.append("llama.cpp's unified cache stores shared prefixes once: its real KV use is lower than planned")
+    return Plan(
+        mode=chosen.mode, context=req.context, beams=req.beams, draft_beams=req.draft_beams, gamma=req.gamma,
+        budget=budget, target=chosen.target, draft=chosen.draft, vram_bytes=chosen.vram, ram_bytes=chosen.ram,
+        kv_full_bytes=b * rows_full * req.context, kv_mem_bytes=b * req.context,
+        dsbd_full_fits=full.fits if draft is not None else None,
+        max_beams=max_beams(target, draft, req, budget, full_mode),
+        max_context=max_context(target, draft, req, budget, chosen.mode),
+        notes=tuple(notes),
+    )
+
+
+def plan_for(target_spec, draft_spec=None, params=None, *, mode: str = "auto", budget: Budget | None = None,
+             ring: int = 2) -> Plan:
+    """Plan for app.config.ModelSpec-like specs (source, backend, dtype, n_ctx, device) and DecodeParams-like
+    params (beams, draft_beams, gamma); files are resolved with backends.registry, never loaded."""
+    from backends.registry import resolve  # lazy: the registry pulls in download code
+    from offload.geometry import read_geometry
+
+    def geometry(spec, role):
+        r = resolve(spec.source, role=role)
+        return read_geometry(r.path, name=r.name)
+
+    tgt = geometry(target_spec, "target")
+    dft = geometry(draft_spec, "draft") if draft_spec is not None else None
+    req = PlanRequest(
+        context=target_spec.n_ctx, mode=mode, ring=ring,
+        beams=getattr(params, "beams", 4), draft_beams=getattr(params, "draft_beams", None),
+        gamma=getattr(params, "gamma", 3), target_backend=target_spec.backend,
+        draft_backend=draft_spec.backend if draft_spec is not None else "llamacpp",
+        dtype=getattr(target_spec, "dtype", "float32"),
+    )
+    if budget is None:  # the machine's free VRAM (0 without CUDA) and available RAM
+        device = getattr(target_spec, "device", "cuda")
+        budget = Budget.detect(device=device if str(device).startswith("cuda") else "cuda")
+    return plan(tgt, dft, req, budget)
+
+
+# ---------------------------------------------------------------- messages
+
+
+def _no_fit_message(tgt, dft, req: PlanRequest, budget: Budget, tries: list[_Try]) -> str:
+    t = tries[-1]  # the least demanding mode we tried
+    short = []
+    if t.vram > budget.vram_avail:
+        short.append(f"{fmt_bytes(t.vram)} VRAM but {fmt_bytes(budget.vram_avail)} is usable "
+                     f"({fmt_bytes(budget.vram)} - {fmt_bytes(budget.vram_reserve)} reserve)")
+    if t.ram > budget.ram_avail:
+        short.append(f"{fmt_bytes(t.ram)} RAM but {fmt_bytes(budget.ram_avail)} is usable "
+                     f"({fmt_bytes(budget.ram)} - {fmt_bytes(budget.ram_reserve)} reserve)")
+    head = (f"{' / '.join(x.mode for x in tries)} at context {req.context}, W={req.beams}, W_S={req.draft_beams}, "
+            f"gamma={req.gamma} does not fit: {t.mode} needs {' and '.join(short)}")
+    fixes = []
+    if req.mode == "dsbd" and dft is not None and _try(tgt, dft, req, budget, "dsbd-mem").fits:
+        mem = _try(tgt, dft, req, budget, "dsbd-mem")
+        fixes.append(f"memory-reduced mode --mode dsbd-mem (target KV {fmt_bytes(mem.target.kv_bytes)} instead of "
+                     f"{fmt_bytes(t.target.kv_bytes)})")
+    for m in dict.fromkeys(x.mode for x in reversed(tries)):
+        if (c := max_context(tgt, dft, req, budget, m)) > 0:
+            fixes.append(f"a smaller context: --context {c} (the largest that fits {m})")
+            break
+    if t.mode in BEAM_ROWS and req.beams > 1 and (w := max_beams(tgt, dft, req, budget, t.mode)) > 0:
+        fixes.append(f"fewer beams: --beams {w}")
+    fixes += _smaller_weights(tgt, dft, req, budget, t.mode)
+    if not fixes:
+        need = [f"{fmt_bytes(t.vram - budget.vram_avail)} more VRAM" if t.vram > budget.vram_avail else "",
+                f"{fmt_bytes(t.ram - budget.ram_avail)} more RAM" if t.ram > budget.ram_avail else ""]
+        return (f"{head}. Free {' and '.join(x for x in need if x)}: no smaller context, beam count, mode, "
+                "dtype or quant fits")
+    return head + ". To make it fit, use " + "; or ".join(fixes)
+
+
+def _smaller_weights(tgt, dft, req: PlanRequest, budget: Budget, mode: str) -> list[str]:
+    """Hints for a lighter dtype (PyTorch) or a smaller GGUF quant (llama.cpp), checked by re-planning."""
+    out = []
+    if "pytorch" in (req.target_backend, req.draft_backend) and req.dtype == "float32":
+        if _try(tgt, dft, replace(req, dtype="bfloat16"), budget, mode).fits:
+            out.append("--dtype bfloat16 (halves PyTorch weights and KV)")
+    for role in ("target", "draft"):
+        geo = tgt if role == "target" else dft
+        backend = req.target_backend if role == "target" else req.draft_backend
+        if geo is None or backend != "llamacpp" or (role == "draft" and mode not in DRAFT_MODES):
+            continue
+        for quant, bpw in SMALLER_QUANTS:
+            if bpw >= geo.bits_per_weight - 0.3:
+                continue
+            small = geo.with_bits_per_weight(bpw, quant)
+            pair = (small, dft) if role == "target" else (tgt, small)
+            if _try(*pair, req, budget, mode).fits:
+                out.append(f"a {quant} quant of the {role} (~{fmt_bytes(small.weight_bytes)} instead of "
+                           f"{fmt_bytes(geo.weight_bytes)} at {geo.quant})")
+                break
+    return out
+
+
+def format_plan(p: Plan) -> str:
+    """A human-readable table of the plan."""
+    b = p.budget
+    gpu = (f"VRAM {fmt_bytes(b.vram)} (usable {fmt_bytes(b.vram_avail)})" if b.has_gpu else "no GPU")
+    lines = [
+        f"budget ({b.source}): {gpu}, RAM {fmt_bytes(b.ram)} (usable {fmt_bytes(b.ram_avail)})",
+        f"request: context {p.context}, W={p.beams}, W_S={p.draft_beams}, gamma={p.gamma}",
+        f"mode: {p.mode}" + ("" if p.dsbd_full_fits is None else
+                             f"  (dsbd full mode {'fits' if p.dsbd_full_fits else 'does not fit'})"),
+        "",
+    ]
+    head = ("model", "runtime", "layers", "gpu", "streamed", "cpu", "n_gpu_layers", "weights GPU", "KV", "KV GPU",
+            "VRAM", "RAM")
+    rows = [head]
+    for pl in filter(None, (p.target, p.draft)):
+        rows.append((f"{pl.role}: {pl.name}"[:50], pl.runtime, str(pl.n_layers), str(pl.gpu_layers),
+                     f"{pl.streamed_layers}" + (f" (ring {pl.ring})" if pl.ring else ""), str(pl.cpu_layers),
+                     "-" if pl.n_gpu_layers is None else str(pl.n_gpu_layers), fmt_bytes(pl.weight_gpu_bytes),
+                     fmt_bytes(pl.kv_bytes), fmt_bytes(pl.kv_gpu_bytes), fmt_bytes(pl.vram_bytes),
+                     fmt_bytes(pl.ram_bytes)))
+    rows.append(("total", "", "", "", "", "", "", "", "", "", fmt_bytes(p.vram_bytes), fmt_bytes(p.ram_bytes)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    kv_b = p.target.kv_bytes_per_token
+    lines += [
+        "",
+        f"target KV: b = {fmt_bytes(kv_b)}/token/row; full mode b*W*context = {fmt_bytes(p.kv_full_bytes)}, "
+        f"memory mode b*context = {fmt_bytes(p.kv_mem_bytes)}",
+        f"max beams (full mode, context {p.context}): {p.max_beams}",
+        f"max context ({p.mode}, W={p.beams}): {p.max_context}",
+    ]
+    lines += [f"note: {n}" for n in p.notes]
+    return "\n".join(lines)

@@ -1,0 +1,369 @@
+"""offload: geometry from headers, the memory planner, layer streaming (CPU path), the cost model, `plan` CLI.
+
+Oracles: streamed logits == resident logits bit for bit (same dtype, same device kind); plan numbers against
+hand arithmetic on a synthetic geometry; GGUF header scan against gguf.GGUFReader.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from app.cli import main
+from app.config import ModelSpec
+from backends.base import ROOT, BackendError, Forest, Path
+from backends.pytorch.model import ModelArgs, init_random
+from backends.pytorch.runtime import PyTorchModel, model_info
+from offload.cost import HardwareProfile, assumed_stats, pass_cost, profile, project, read_bench
+from offload.geometry import ModelGeometry, read_geometry
+from offload.plan import GiB, MiB, Budget, PlanError, PlanRequest, parse_size, plan, plan_for, resident_mask
+from offload.stream import LayerStreamer, offload_model
+
+ARGS = ModelArgs(arch="llama", vocab_size=97, dim=64, n_layers=5, n_heads=4, n_kv_heads=2, hidden_dim=96,
+                 max_seq_len=256)
+
+
+def synthetic(n_layers=10, layer=100 * MiB, params=None, name="t", vocab=1000, kv_heads=2, head_dim=64,
+              quant="Q8_0") -> ModelGeometry:
+    """A model with round sizes: layer_bytes stored, params = bytes (1 B/param) unless given."""
+    p = params or layer
+    return ModelGeometry(name=name, format="gguf", arch="llama", quant=quant, n_layers=n_layers, dim=512,
+                         n_heads=8, n_kv_heads=kv_heads, head_dim=head_dim, hidden_dim=1024, vocab_size=vocab,
+                         n_ctx_train=32768, layer_bytes=(layer,) * n_layers, layer_params=(p,) * n_layers,
+                         embed_bytes=50 * MiB, embed_params=50 * MiB, head_bytes=50 * MiB, head_params=50 * MiB,
+                         tied_embeddings=False)
+
+
+# ---------------------------------------------------------------- sizes and geometry
+
+
+@pytest.mark.parametrize("text, want", [
+    ("8GiB", 8 << 30), ("8GB", 8 * 10**9), ("512MiB", 512 << 20), ("8G", 8 << 30), ("1.5 gib", 3 << 29),
+    ("1024", 1024), ("64kb", 64_000), ("2TiB", 2 << 40),
+])
+def test_parse_size(text, want):
+    assert parse_size(text) == want
+
+
+@pytest.mark.parametrize("bad", ["", "GiB", "8 GiX", "8iB", "-1GB", "eight"])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ValueError, match="like 8GiB"):
+        parse_size(bad)
+
+
+def test_gguf_header_scan_matches_gguf_reader(tiny_gguf_path):
+    import gguf
+
+    g = read_geometry(tiny_gguf_path)
+    reader = gguf.GGUFReader(tiny_gguf_path)
+    per_layer = [0] * g.n_layers
+    for t in reader.tensors:
+        if t.name.startswith("blk."):
+            per_layer[int(t.name.split(".")[1])] += int(t.n_bytes)
+    assert list(g.layer_bytes) == per_layer
+    assert g.weight_bytes == sum(int(t.n_bytes) for t in reader.tensors if not t.name.startswith("rope"))
+    assert (g.arch, g.n_layers, g.n_heads, g.n_kv_heads, g.head_dim, g.dim) == ("llama", 30, 9, 3, 64, 576)
+    assert g.vocab_size == 49152 and g.tied_embeddings and g.quant == "Q4_1"
+    assert g.kv_elems_per_token() == 2 * 30 * 3 * 64
+
+
+def test_safetensors_geometry_from_headers(tmp_path):
+    from safetensors.torch import save_file
+
+    from backends.pytorch.safetensors_loader import hf_config, hf_name
+
+    src = init_random(ARGS, seed=1, dtype=torch.bfloat16)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(ARGS)))
+    save_file({hf_name(k): v.contiguous() for k, v in src.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    g = read_geometry(tmp_path)
+    layer0 = sum(p.numel() for p in src.layers[0].parameters())
+    assert g.layer_params == (layer0,) * 5 and g.layer_bytes == (2 * layer0,) * 5
+    assert g.embed_params == 97 * 64 and g.quant == "BF16" and g.n_kv_heads == 2 and g.head_dim == 16
+    assert g.n_params == sum(p.numel() for p in src.parameters())
+
+
+def test_geometry_errors(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x01")  # header cut short
+    with pytest.raises(BackendError, match="truncated"):
+        read_geometry(tmp_path / "x.gguf")
+    (tmp_path / "y.gguf").write_bytes(b"NOPE" * 8)
+    with pytest.raises(BackendError, match="not a GGUF"):
+        read_geometry(tmp_path / "y.gguf")
+    with pytest.raises(BackendError, match="config.json"):
+        read_geometry(tmp_path)
+
+
+# ---------------------------------------------------------------- planner
+
+
+def test_resident_mask_spreads_streamed_layers():
+    assert resident_mask(4, 4) == (True,) * 4 and resident_mask(4, 0) == (False,) * 4
+    m = resident_mask(10, 5)
+    assert sum(m) == 5 and m != (True,) * 5 + (False,) * 5  # interleaved, not a block
+    assert all(sum(resident_mask(n, k)) == k for n in range(1, 12) for k in range(n + 1))
+
+
+def test_kv_accounting_follows_spec_section_9():
+    t, d = synthetic(), synthetic(n_layers=4, layer=10 * MiB, name="d")
+    req = PlanRequest(context=4096, beams=4, gamma=3, target_backend="pytorch", draft_backend="pytorch",
+                      dtype="bfloat16")
+    p = plan(t, d, req, Budget(vram=64 * GiB, ram=64 * GiB))
+    b = 2 * 10 * 2 * 64 * 2  # 2 x layers x kv_heads x head_dim x bf16
+    assert p.target.kv_bytes_per_token == b
+    assert p.kv_full_bytes == b * 4 * 4096 and p.kv_mem_bytes == b * 4096
+    assert p.mode == "dsbd" and p.dsbd_full_fits and p.target.kv_rows == 4
+    assert p.target.kv_bytes == b * 4 * 4097  # static cache: context + 1 scratch slot per row
+    assert p.draft.kv_rows == 4 and p.target.streamed_layers == 0 and p.target.gpu_layers == 10
+
+
+def test_pytorch_streams_what_does_not_fit():
+    t = synthetic(n_layers=10, layer=100 * MiB, params=50 * MiB)  # bf16: 100 MiB per layer on the GPU
+    req = PlanRequest(context=1024, beams=1, mode="sample", target_backend="pytorch", dtype="bfloat16", ring=2)
+    whole = plan(t, None, req, Budget(vram=64 * GiB, ram=64 * GiB))
+    fixed = whole.target.vram_bytes - 10 * 100 * MiB  # embeddings, head, KV, activations
+    budget = Budget(vram=fixed + 6 * 100 * MiB + 512 * MiB + MiB, ram=64 * GiB)  # room for 6 layers
+    p = plan(t, None, req, budget)
+    assert (p.target.gpu_layers, p.target.streamed_layers, p.target.ring) == (4, 6, 2)  # 4 resident + 2 ring
+    assert p.target.h2d_bytes == 6 * 100 * MiB and p.vram_bytes <= budget.vram_avail
+    assert p.target.ram_bytes == 10 * 100 * MiB + 200 * MiB  # loaded on the CPU first
+
+
+def test_llamacpp_n_gpu_layers():
+    t = synthetic(n_layers=10, layer=100 * MiB)
+    req = PlanRequest(context=512, beams=1, mode="sample")
+    all_in = plan(t, None, req, Budget(vram=64 * GiB, ram=64 * GiB))
+    assert all_in.target.n_gpu_layers == 11 and all_in.target.cpu_layers == 0  # + the output layer
+    cpu = plan(t, None, req, Budget(vram=0, ram=64 * GiB))
+    assert cpu.target.n_gpu_layers == 0 and cpu.target.cpu_layers == 10 and cpu.vram_bytes == 0
+    kv_layer = 512 * 2 * 2 * 64 * 4  # f32 cache, one row
+    act = all_in.target.vram_bytes - 10 * (100 * MiB + kv_layer) - 50 * MiB
+    some = plan(t, None, req, Budget(vram=act + 3 * (100 * MiB + kv_layer) + 512 * MiB + 1, ram=64 * GiB))
+    assert some.target.n_gpu_layers == 3 and some.target.cpu_layers == 7 and some.target.kv_gpu_bytes == 3 * kv_layer
+
+
+def test_auto_falls_back_to_memory_mode():
+    t, d = synthetic(kv_heads=8, head_dim=128), synthetic(n_layers=4, layer=10 * MiB, name="d")
+    req = PlanRequest(context=8192, beams=8, target_backend="pytorch", draft_backend="pytorch", dtype="bfloat16")
+    full = plan(t, d, req, Budget(vram=64 * GiB, ram=64 * GiB))
+    assert full.mode == "dsbd" and full.target.streamed_layers == 0
+    # Full mode's KV would push layers off the GPU (it still fits, streaming): memory mode keeps them resident.
+    roomy = Budget(vram=full.vram_bytes - full.kv_full_bytes + full.kv_mem_bytes + 2 * GiB, ram=64 * GiB)
+    p = plan(t, d, req, roomy)
+    assert p.mode == "dsbd-mem" and p.dsbd_full_fits and p.target.kv_rows == 1 and p.target.streamed_layers == 0
+    assert "dsbd full mode would read" in p.notes[0] and "outside VRAM" in p.notes[0]
+    assert plan(t, d, replace(req, mode="dsbd"), roomy).target.streamed_layers > 0
+    # Full mode's KV alone exceeds the GPU: only memory mode fits.
+    tight = Budget(vram=full.vram_bytes - full.kv_full_bytes + full.kv_mem_bytes + 10 * MiB, ram=64 * GiB)
+    p = plan(t, d, req, tight)
+    assert p.mode == "dsbd-mem" and p.dsbd_full_fits is False and 1 <= p.max_beams < 8 and p.max_context >= 8192
+    with pytest.raises(PlanError, match="--mode dsbd-mem"):
+        plan(t, d, replace(req, mode="dsbd"), tight)
+
+
+def test_max_context_and_max_beams_are_tight():
+    t, d = synthetic(), synthetic(n_layers=4, layer=10 * MiB, name="d")
+    req = PlanRequest(context=2048, beams=4)
+    budget = Budget(vram=0, ram=4 * GiB)
+    p = plan(t, d, req, budget)
+    more = replace(req, context=p.max_context + 256)
+    assert plan(t, d, replace(req, context=p.max_context), budget).mode == p.mode
+    with pytest.raises(PlanError):
+        plan(t, d, replace(more, mode=p.mode), budget)
+    with pytest.raises(PlanError):
+        plan(t, d, replace(req, mode="dsbd", beams=p.max_beams + 1), budget)
+
+
+def test_no_fit_error_says_what_would_fit():
+    t, d = synthetic(), synthetic(n_layers=4, layer=10 * MiB, name="d")
+    req = PlanRequest(context=32768, beams=8)
+    with pytest.raises(PlanError) as e:
+        plan(t, d, req, Budget(vram=0, ram=4 * GiB))
+    msg = str(e.value)
+    assert isinstance(e.value, BackendError)
+    assert "does not fit" in msg and "GiB RAM but 2.00 GiB is usable" in msg
+    c = int(msg.split("--context ")[1].split(" ")[0])
+    assert 0 < c < 32768 and plan(t, d, replace(req, context=c), Budget(vram=0, ram=4 * GiB))
+    with pytest.raises(PlanError, match=r"a Q\d_K\w* quant of the target"):  # 8-bit weights: a smaller quant fits
+        plan(t, d, PlanRequest(context=512, beams=1), Budget(vram=0, ram=2 * GiB + 700 * MiB))
+    with pytest.raises(PlanError, match="--dtype bfloat16"):
+        plan(synthetic(params=100 * MiB), None, PlanRequest(context=512, beams=1, target_backend="pytorch"),
+             Budget(vram=0, ram=2 * GiB + 3 * GiB))
+    with pytest.raises(PlanError, match="Free .* more RAM"):
+        plan(t, d, PlanRequest(context=512, beams=1), Budget(vram=0, ram=2 * GiB + 10 * MiB))
+
+
+def test_plan_for_specs_and_detected_budget():
+    from app.config import DecodeParams
+
+    p = plan_for(ModelSpec(source="tiny", backend="pytorch", dtype="bfloat16", n_ctx=1024), ModelSpec(source="tiny"),
+                 DecodeParams(mode="dsbd", beams=2).validated(), budget=Budget(vram=2 * GiB, ram=8 * GiB))
+    assert (p.context, p.beams, p.draft_beams, p.gamma) == (1024, 2, 3, 3)
+    assert p.target.runtime == "pytorch" and p.draft.runtime == "llamacpp" and p.target.gpu_layers == 30
+    b = Budget.detect(vram=None, ram=None)  # no CUDA here: 0 VRAM; RAM from psutil
+    assert b.source == "detected" and b.ram > 0 and (b.vram > 0) == torch.cuda.is_available()
+
+
+def test_plan_is_printable_and_serialisable():
+    t, d = synthetic(), synthetic(n_layers=4, layer=10 * MiB, name="d")
+    p = plan(t, d, PlanRequest(), Budget(vram=8 * GiB, ram=32 * GiB))
+    text = p.format()
+    assert "mode: dsbd" in text and "n_gpu_layers" in text and "max context" in text
+    back = json.loads(json.dumps(p.as_dict()))
+    assert back["target"]["n_gpu_layers"] == 11 and back["budget"]["vram"] == 8 * GiB
+    with pytest.raises(PlanError, match="draft beams"):
+        plan(t, d, PlanRequest(beams=4, draft_beams=3), Budget(vram=0, ram=32 * GiB))
+
+
+# ---------------------------------------------------------------- streaming (CPU path)
+
+
+def _wrap(transformer, dtype) -> PyTorchModel:
+    dev = torch.device("cpu")
+    return PyTorchModel(transformer, info=model_info(transformer, name="r", dtype=dtype, device=dev),
+                        device=dev, dtype=dtype)
+
+
+def _session(model: PyTorchModel) -> list[np.ndarray]:
+    """Prefill, a forest, a commit that reorders/duplicates rows, another forest: every logit returned."""
+    ctx = model.context(rows=3, max_tokens=48)
+    ctx.prefill([1, 5, 9, 13, 17, 21, 25])
+    a = ctx.evaluate(Forest(suffix=((29,),), tokens=(3, 4, 7, 8), parents=(ROOT, ROOT, 0, 1), rows=(0,) * 4))
+    ctx.commit([Path(0, (0, 2)), Path(0, (1,)), Path(0, ())])
+    b = ctx.evaluate(Forest(suffix=((11,), (12,), (13,)), tokens=(40, 41), parents=(ROOT, ROOT), rows=(0, 2)))
+    return [a.roots, a.nodes, b.roots, b.nodes]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gpu_layers, ring", [(0, 2), (2, 2), (1, 1), (0, 3)])
+def test_streamed_equals_resident_random_model(dtype, gpu_layers, ring):
+    resident = _session(_wrap(init_random(ARGS, seed=4, dtype=dtype), dtype))
+    model = _wrap(init_random(ARGS, seed=4, dtype=dtype), dtype)
+    streamer = offload_model(model, gpu_layers=gpu_layers, device="cpu", ring=ring)
+    assert streamer.ring == ring < ARGS.n_layers and len(streamer.streamed_layers) == 5 - gpu_layers
+    got = _session(model)
+    for want, out in zip(resident, got):
+        assert np.array_equal(want, out)  # bit for bit
+    assert streamer.loads > len(streamer.streamed_layers) > ring  # the ring is reloaded every pass
+    assert streamer.bytes_copied == streamer.loads * streamer.streamed_bytes // len(streamer.streamed_layers)
+    assert model.info.extra["offload"]["streamed_layers"] == 5 - gpu_layers
+
+
+def test_streaming_keeps_the_state_dict():
+    src = init_random(ARGS, seed=5, dtype=torch.float32)
+    want = {k: v.clone() for k, v in src.state_dict().items()}
+    streamer = offload_model(_wrap(src, torch.float32), gpu_layers=1, device="cpu")
+    got = src.state_dict()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    layer_bytes = sum(p.numel() * 4 for p in src.layers[0].parameters())
+    assert layer_bytes <= streamer.streamed_bytes / 4 < layer_bytes + 256 * 10  # one flat, aligned buffer per layer
+
+
+def test_prefetch_order():
+    layers = init_random(replace(ARGS, n_layers=4), seed=6, dtype=torch.float32).layers
+    trace: list = []
+    s = LayerStreamer(layers, resident=(False,) * 4, device="cpu", ring=2, trace=trace)
+    list(s), list(s)  # two passes
+    L, C = "load", "compute"
+    first = [(L, 0), (L, 1), (C, 0), (L, 2), (C, 1), (L, 3), (C, 2), (C, 3), (L, 0), (L, 1)]  # + next pass's head
+    second = [(C, 0), (L, 2), (C, 1), (L, 3), (C, 2), (C, 3), (L, 0), (L, 1)]  # 0 and 1 were prefetched
+    assert trace == first + second
+    trace.clear()
+    one = LayerStreamer(layers, resident=(True, False, True, False), device="cpu", ring=1, trace=trace)
+    list(one)
+    assert trace == [(C, 0), (L, 1), (C, 1), (C, 2), (L, 3), (C, 3), (L, 1)]  # ring 1: no overlap
+
+
+def test_streamed_equals_resident_tiny_gguf(tiny_gguf_path):
+    from backends.pytorch import load
+
+    model = load(tiny_gguf_path, ModelSpec(source=str(tiny_gguf_path), backend="pytorch"))
+    want = _session(model)
+    streamer = offload_model(model, gpu_layers=10, device="cpu", ring=2)
+    assert len(streamer.streamed_layers) == 20 and streamer.ring == 2
+    for w, g in zip(want, _session(model)):
+        assert np.array_equal(w, g)
+
+
+# ---------------------------------------------------------------- cost model
+
+
+def test_pass_cost_roofline_and_overlap():
+    t = synthetic(n_layers=10, layer=100 * MiB, params=50 * MiB)
+    req = PlanRequest(context=1024, beams=1, mode="sample", target_backend="pytorch", dtype="bfloat16")
+    budget = Budget(vram=int(1.2 * GiB), ram=64 * GiB)
+    p = plan(t, None, req, budget).target
+    assert p.streamed_layers > 0
+    hw = HardwareProfile("x", vram_gb=2, h2d_gbps=10, tflops=100, mem_gbps=1000, overhead_ms=0)
+    c = pass_cost(p, hw, 1)
+    assert c.copy_s == pytest.approx(p.h2d_bytes / 10e9) and c.bound == "h2d"
+    assert c.seconds == pytest.approx(max(c.copy_s, c.gpu_s))
+    assert pass_cost(replace(p, ring=1), hw, 1).seconds == pytest.approx(c.copy_s + c.gpu_s)
+    big = pass_cost(p, replace(hw, h2d_gbps=1e6, tflops=0.01), 64)
+    assert big.bound == "gpu-compute" and big.gpu_s == pytest.approx(2 * p.gpu_params * 64 / 0.01e12)
+
+
+def test_bench_file_and_projection(tmp_path):
+    bench = {
+        "config": {"base": {"beams": 4, "draft_beams": None, "gamma": 3}},
+        "runs": [{"mode": "dsbd:gamma=2", "stats": {"target_passes": 10, "draft_passes": 20}},
+                 {"mode": "sps", "stats": {"target_passes": 30, "draft_passes": 90}}],
+        "summary": {"dsbd:gamma=2": {"target_passes_per_token": 0.4, "steps_per_target_pass": 2.5},
+                    "sps": {"target_passes_per_token": 0.5, "steps_per_target_pass": 2.0},
+                    "beam-sample": {"target_passes_per_token": 1.0, "steps_per_target_pass": 1.0}},
+    }
+    f = tmp_path / "bench.json"
+    f.write_text(json.dumps(bench))
+    stats = {s.label: s for s in read_bench(f)}
+    assert stats["dsbd:gamma=2"].tokens_per_target_pass == pytest.approx(2.5)
+    assert stats["dsbd:gamma=2"].gamma == 2 and stats["dsbd:gamma=2"].draft_passes_per_target_pass == 2
+    assert stats["sps"].draft_beams == 1 and stats["beam-sample"].draft_passes_per_target_pass == 0
+    t, d = synthetic(), synthetic(n_layers=4, layer=10 * MiB, name="d")
+    hw = profile("rtx3060-12gb")
+    rows = {r.label: r for r in project(t, d, PlanRequest(), Budget(vram=12 * GiB, ram=64 * GiB), hw,
+                                        list(stats.values()))}
+    r = rows["dsbd:gamma=2"]
+    assert r.fits and r.target_tokens == 4 + 5 * 2
+    assert r.tokens_per_s == pytest.approx(2.5 / (r.target_pass_ms + 2 * r.draft_pass_ms) * 1e3)
+    assert r.as_dict()["kind"] == "projection"
+    tight = project(t, d, PlanRequest(), Budget(vram=0, ram=2 * GiB + 300 * MiB), hw, list(stats.values()))
+    assert not any(x.fits for x in tight) and "does not fit" in tight[0].why
+    with pytest.raises(PlanError, match="summary"):
+        (tmp_path / "bad.json").write_text("[1]")
+        read_bench(tmp_path / "bad.json")
+
+
+def test_assumed_stats_and_profiles():
+    s = assumed_stats("sps", beams=4, draft_beams=5, gamma=3, acceptance=0.5)
+    assert s.tokens_per_target_pass == pytest.approx(1 + 0.5 + 0.25 + 0.125) and (s.beams, s.draft_beams) == (1, 1)
+    assert assumed_stats("beam-sample", beams=4, draft_beams=5, gamma=3).tokens_per_target_pass == 1
+    assert profile("cpu-only").vram_gb == 0 and profile(h2d_gbps=1, tflops=2, mem_gbps=3).name == "custom"
+    with pytest.raises(PlanError, match="unknown hardware profile"):
+        profile("rtx9090")
+    with pytest.raises(PlanError, match="--mem-gbps"):
+        profile(h2d_gbps=1, tflops=2)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_cli_plan_table_and_json(capsys):
+    assert main(["plan", "--vram", "8GiB", "--ram", "32GiB", "--context", "2048", "--beams", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "mode: dsbd" in out and "request: context 2048, W=2, W_S=3" in out
+    assert main(["plan", "--ram", "32GiB", "--profile", "laptop-8gb", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan"]["budget"]["vram"] == 8 * GiB and data["plan"]["budget"]["source"].startswith("VRAM profile")
+    assert {p["mode"] for p in data["projections"]} == {"sample", "beam-sample", "sps", "dsbd", "dsbd-mem"}
+    assert all(p["kind"] == "projection" for p in data["projections"])
+
+
+def test_cli_plan_errors(capsys):
+    assert main(["plan", "--vram", "8 bananas", "--ram", "1GiB"]) == 2
+    assert "--vram: cannot read size" in capsys.readouterr().err
+    assert main(["plan", "--vram", "0", "--ram", "2100MiB", "--context", "8192"]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit" in err and "RAM" in err

@@ -44,11 +44,12 @@ def _decode_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None)
 
 
-def _params(a) -> DecodeParams:
-    return DecodeParams(mode=a.mode, max_new_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k,
-                        top_p=a.top_p, beams=a.beams, draft_beams=a.draft_beams, gamma=a.gamma,
-                        threshold=a.threshold, min_beams=a.min_beams, select=a.select,
-                        length_penalty=a.length_penalty, seed=a.seed, stop=tuple(a.stop)).validated()
+def _params(a, *, validate: bool = True) -> DecodeParams:
+    p = DecodeParams(mode=a.mode, max_new_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k,
+                     top_p=a.top_p, beams=a.beams, draft_beams=a.draft_beams, gamma=a.gamma,
+                     threshold=a.threshold, min_beams=a.min_beams, select=a.select,
+                     length_penalty=a.length_penalty, seed=a.seed, stop=tuple(a.stop))
+    return p.validated() if validate else p
 
 
 def _specs(a, *, need_draft: bool) -> tuple[ModelSpec, ModelSpec | None]:
@@ -146,7 +147,7 @@ def cmd_bench(a) -> int:
 
     from . import bench
 
-    base = _params(a)
+    base = _params(a, validate=False)  # each bench mode resolves its own defaults (W_S = W + 1 for dsbd)
     prompts = bench.load_suite(a.suite)[: a.prompts or None]
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     for m in modes:

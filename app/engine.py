@@ -52,7 +52,7 @@ class Engine:
         self.target, self.draft = target, draft
         self.n_ctx = min(n_ctx, target.info.n_ctx_train or n_ctx)
         self.tokenizer = target.tokenizer
-        self._ctx: dict[str, tuple[int, object]] = {}  # role -> (rows, context)
+        self._ctx: dict[str, tuple[int, object, int]] = {}  # role -> (rows, context, KV cells)
         self.lock = threading.Lock()
         if draft is not None:
             from backends.tokenizer import check_compatible
@@ -72,7 +72,7 @@ class Engine:
             raise
 
     def close(self) -> None:
-        for _, ctx in self._ctx.values():
+        for _, ctx, _ in self._ctx.values():
             ctx.close()
         self._ctx.clear()
         for m in {id(self.target): self.target, id(self.draft): self.draft}.values():
@@ -86,15 +86,18 @@ class Engine:
         return d
 
     # -- contexts ------------------------------------------------------------------------------
-    def _context(self, role: str, rows: int):
+    def _context(self, role: str, rows: int, cells: int):
+        """A context with >= rows rows; llama.cpp's unified cache also needs >= cells KV cells in all."""
         model = self.target if role == "target" else self.draft
+        unified = model.info.backend == "llamacpp"
+        size = max(self.n_ctx, -(-cells // 512) * 512) if unified else self.n_ctx
         have = self._ctx.get(role)
-        if have is not None and have[0] >= rows:
+        if have is not None and have[0] >= rows and have[2] >= size:
             return have[1]
         if have is not None:
             have[1].close()
-        ctx = model.context(rows=rows, max_tokens=self.n_ctx)
-        self._ctx[role] = (rows, ctx)
+        ctx = model.context(rows=rows, max_tokens=size)
+        self._ctx[role] = (rows, ctx, size)
         return ctx
 
     # -- generation ----------------------------------------------------------------------------
@@ -123,13 +126,16 @@ class Engine:
     def _run(self, prompt, params, cancel) -> Iterator[Event]:
         memory = params.mode in ("dsbd-mem", "greedy", "sample", "sps")
         rows = 1 if memory else params.beams
+        # Rows of a unified cache share the prompt but each holds its own answer (worst case).
+        tree = params.draft_beams * params.gamma + 1 if params.needs_draft else 1
+        cells = len(prompt) + rows * params.max_new_tokens + tree
         with self.lock:
             if cancel is not None and cancel.is_set():  # cancelled while waiting for the lock
                 yield Event(text="", tokens=0, live_beams=0, done=True,
                             stats={"mode": params.mode, "finish_reason": "cancelled", "new_tokens": 0})
                 return
-            target = self._context("target", rows)
-            draft = self._context("draft", rows) if params.needs_draft else None
+            target = self._context("target", rows, cells)
+            draft = self._context("draft", rows, cells) if params.needs_draft else None
             tok = self.tokenizer
             stopper = Stopper(eos_ids=tok.eos_ids, stop=params.stop, decode=tok.decode)
             metrics = Metrics(mode=params.mode, prompt_tokens=len(prompt))

@@ -48,6 +48,8 @@ class Event:
 class Engine:
     """Loaded target (+ draft) and their contexts; thread-safe with one generation at a time."""
 
+    specs: tuple[ModelSpec | None, ModelSpec | None] = (None, None)  # (target, draft) as loaded; for the UI
+
     def __init__(self, target, draft=None, *, n_ctx: int = 4096) -> None:
         self.target, self.draft = target, draft
         self.n_ctx = min(n_ctx, target.info.n_ctx_train or n_ctx)
@@ -64,12 +66,65 @@ class Engine:
         from backends.registry import load_model
 
         t = load_model(target.validated(), role="target")
+        d = None
         try:
             d = load_model(draft.validated(), role="draft") if draft is not None else None
-            return cls(t, d, n_ctx=target.n_ctx)
+            engine = cls(t, d, n_ctx=target.n_ctx)
         except BaseException:
-            t.close()
+            for m in (d, t):
+                if m is not None:
+                    m.close()
             raise
+        engine.specs = (target, draft)
+        return engine
+
+    def swap(self, target: ModelSpec, draft: ModelSpec | None = None, *, progress=None) -> dict:
+        """Replace the models; returns describe(). On any failure the old models stay loaded and serving.
+
+        New models load beside the old ones, outside the lock, so answers keep streaming meanwhile; a spec
+        equal to the one already serving that role is kept, not reloaded. Only the switch itself waits
+        for the running generation. `progress(fraction, desc=...)` (a gr.Progress fits) hears each step.
+        """
+        from backends.registry import load_model
+
+        note = progress or (lambda *a, **k: None)
+        target = target.validated()
+        draft = draft.validated() if draft is not None else None
+        fresh = []  # loaded by this call: closed again if anything fails
+        try:
+            models = []
+            for i, (role, spec) in enumerate((("target", target), ("draft", draft))):
+                m = self._serving(role, spec)
+                if m is None and spec is not None:
+                    note(i / 2, desc=f"loading {role} {spec.source} ({spec.backend})")
+                    m = load_model(spec, role=role)
+                    fresh.append(m)
+                models.append(m)
+            note(0.95, desc="checking vocabularies")
+            staged = type(self)(*models, n_ctx=target.n_ctx)  # the same checks and n_ctx as at startup
+            note(0.97, desc="switching (waits for the running answer)")
+        except BaseException:
+            for m in fresh:
+                m.close()
+            raise
+        keep = {id(m) for m in models}
+        with self.lock:
+            stale = [ctx for _, ctx, _ in self._ctx.values()]
+            old = {id(m): m for m in (self.target, self.draft) if m is not None and id(m) not in keep}
+            # The new state first, so a failing close below cannot leave the engine half switched.
+            self._ctx.clear()
+            self.target, self.draft = staged.target, staged.draft
+            self.n_ctx, self.tokenizer, self.specs = staged.n_ctx, staged.tokenizer, (target, draft)
+            for ctx in stale:
+                ctx.close()
+            for m in old.values():
+                m.close()
+        return self.describe()
+
+    def _serving(self, role: str, spec: ModelSpec | None):
+        """The model now serving `role` if it was loaded from `spec` (None: load it, or no such role)."""
+        i = 0 if role == "target" else 1
+        return (self.target, self.draft)[i] if spec is not None and self.specs[i] == spec else None
 
     def close(self) -> None:
         for _, ctx, _ in self._ctx.values():
@@ -121,9 +176,9 @@ class Engine:
         tree = params.draft_beams * params.gamma + 1 if params.needs_draft else 1
         if len(prompt) + params.max_new_tokens + tree > self.n_ctx:
             raise PromptTooLong(prompt=len(prompt), max_new=params.max_new_tokens, tree=tree, n_ctx=self.n_ctx)
-        return self._run(prompt, params, cancel)
+        return self._run(prompt, params, cancel, self.target)
 
-    def _run(self, prompt, params, cancel) -> Iterator[Event]:
+    def _run(self, prompt, params, cancel, encoded_for) -> Iterator[Event]:
         memory = params.mode in ("dsbd-mem", "greedy", "sample", "sps")
         rows = 1 if memory else params.beams
         # Rows of a unified cache share the prompt but each holds its own answer (worst case).
@@ -134,6 +189,8 @@ class Engine:
                 yield Event(text="", tokens=0, live_beams=0, done=True,
                             stats={"mode": params.mode, "finish_reason": "cancelled", "new_tokens": 0})
                 return
+            if self.target is not encoded_for:  # a model swap went through while this request waited
+                raise BackendError("the models changed while this request waited; send it again")
             target = self._context("target", rows, cells)
             draft = self._context("draft", rows, cells) if params.needs_draft else None
             tok = self.tokenizer

@@ -26,7 +26,7 @@ class FakeTokenizer:
 
 
 class FakeEngine:
-    """Engine stand-in: `chat(messages, params, cancel=)` -> Iterator[Event]."""
+    """Engine stand-in: `chat(messages, params, cancel=)` -> Iterator[Event]; `swap(target, draft)`."""
 
     def __init__(self, *, n_ctx: int = 200, delay: float = 0.0, answer_words: int = 12, draft: bool = True) -> None:
         self.n_ctx, self.delay, self.answer_words, self.has_draft = n_ctx, delay, answer_words, draft
@@ -34,10 +34,28 @@ class FakeEngine:
         self.lock = threading.Lock()
         self.calls: list[tuple[list[dict], DecodeParams]] = []
         self.fail_with: Exception | None = None  # raise this from the next chat() call
+        self.swap_fails_with: Exception | None = None  # raise this from the next swap() call
+        self.specs = (None, None)  # (target, draft) ModelSpecs, set by swap()
+        self.names = ("fake-target", "fake-draft")
+        self.backends = ("fake", "fake")
 
     def describe(self) -> dict:
-        d = {"target": "fake-target", "target_backend": "fake", "n_ctx": self.n_ctx}
-        return d | ({"draft": "fake-draft", "draft_backend": "fake"} if self.has_draft else {})
+        d = {"target": self.names[0], "target_backend": self.backends[0], "n_ctx": self.n_ctx}
+        return d | ({"draft": self.names[1], "draft_backend": self.backends[1]} if self.has_draft else {})
+
+    def swap(self, target, draft=None, *, progress=None) -> dict:
+        """Pretend to load: the names become the specs' sources; `swap_fails_with` fails it, keeping the old."""
+        target, draft = target.validated(), draft.validated() if draft is not None else None
+        if progress is not None:
+            progress(0.0, desc=f"loading target {target.source}")
+        if self.swap_fails_with is not None:
+            err, self.swap_fails_with = self.swap_fails_with, None
+            raise err
+        with self.lock:
+            self.specs, self.has_draft = (target, draft), draft is not None
+            self.names = (target.source, draft.source if draft else None)
+            self.backends = (target.backend, draft.backend if draft else None)
+        return self.describe()
 
     def check_params(self, params: DecodeParams) -> DecodeParams:
         params = params.validated()

@@ -89,8 +89,11 @@ class ChatUI:
     def __init__(self, engine, store: HistoryStore, panel_updates=widget_updates) -> None:
         self.engine, self.store = engine, store
         self.panel_updates = panel_updates  # settings dict -> one update per decoding-panel widget
-        tok = getattr(engine, "tokenizer", None)
-        self.decode = getattr(tok, "decode", None)
+
+    @property
+    def decode(self):
+        """The engine's current tokenizer's decode: looked up each time, the Models tab can swap models."""
+        return getattr(getattr(self.engine, "tokenizer", None), "decode", None)
 
     # -- rendering -------------------------------------------------------------------------------
     def display(self, session: Session, partial: str | None = None, live: int = 0) -> list[dict]:

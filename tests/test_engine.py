@@ -13,11 +13,13 @@ from app.engine import Engine, PromptTooLong
 MESSAGES = [{"role": "user", "content": "List three colours."}]
 
 
-@pytest.fixture(scope="module", params=["llamacpp", "pytorch"])
+# Every runtime as target and as draft (pairings: target/draft).
+@pytest.fixture(scope="module", params=[("llamacpp", "llamacpp"), ("pytorch", "llamacpp"), ("llamacpp", "pytorch")],
+                ids=["llamacpp", "pytorch", "pytorch-draft"])
 def engine(request, tiny_gguf_path):
-    backend = request.param
-    e = Engine.load(ModelSpec(source="tiny", backend=backend, n_ctx=512),
-                    ModelSpec(source="tiny", backend="llamacpp", n_ctx=512))
+    target, draft = request.param
+    e = Engine.load(ModelSpec(source="tiny", backend=target, n_ctx=512),
+                    ModelSpec(source="tiny", backend=draft, n_ctx=512))
     yield e
     e.close()
 

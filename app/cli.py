@@ -22,7 +22,8 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=DTYPES, default="float32", help="pytorch runtime dtype")
     g.add_argument("--device", default="cpu", help="pytorch runtime device: cpu | cuda | cuda:N")
     g.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: physical cores)")
-    g.add_argument("--n-gpu-layers", type=int, default=0, help="llama.cpp layers on the GPU (-1 = all)")
+    g.add_argument("--n-gpu-layers", type=int, default=None,
+                   help="llama.cpp layers on the GPU (-1 = all; default: from the memory plan)")
     g.add_argument("--ctx", type=int, default=4096, help="context window in tokens (prompt + answer + draft tree)")
 
 
@@ -80,7 +81,9 @@ def cmd_generate(a) -> int:
             prompt = engine.encode(messages)
         if a.n == 1 and not a.json:  # stream to the terminal
             shown = ""
-            for ev in engine.generate(prompt, params):
+            for i, ev in enumerate(engine.generate(prompt, params)):
+                if i == 0 and ev.notice:
+                    print(f"dsbd-chat: {ev.notice}", file=sys.stderr)
                 sys.stdout.write(ev.text[len(shown):])
                 sys.stdout.flush()
                 shown = ev.text
@@ -258,11 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
     _decode_args(bench)
     bench.add_argument("--modes", default="sample,beam-sample,sps,dsbd,dsbd-mem",
                        help="comma-separated modes, each optionally with settings: dsbd:beams=2,gamma=4")
-    bench.add_argument("--suite", default="chat", help="prompt suite in assets/bench (or a .json path)")
+    bench.add_argument("--suite", default="chat",
+                       help="suite in assets/bench: chat (log-prob) or code (pass rate of hidden tests); or a .json path")
     bench.add_argument("--prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--json", help="write all runs + summary here (resumes a partial file)")
-    bench.add_argument("--plot", help="write a speed-vs-quality PNG here")
+    bench.add_argument("--plot", help="write a speed-vs-quality PNG here (and <stem>-acceptance / -widths PNGs)")
     models = sub.add_parser("models", help="list model presets and their install state")
     models.add_argument("--json", action="store_true")
     plan = sub.add_parser("plan", help="memory plan for target + draft + beams (and projected speed); loads no weights")

@@ -103,7 +103,7 @@ class ModelSpec:
     dtype: str = "float32"  # pytorch only
     device: str = "cpu"  # pytorch only: cpu | cuda | cuda:N
     n_threads: int | None = None  # llama.cpp; None = physical cores
-    n_gpu_layers: int = 0  # llama.cpp
+    n_gpu_layers: int | None = None  # llama.cpp; None = from the memory plan (0 without a GPU)
     n_ctx: int = 4096
 
     def validated(self) -> "ModelSpec":
@@ -112,7 +112,8 @@ class ModelSpec:
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of: {', '.join(DTYPES)}")
         _int("n_ctx", self.n_ctx, 16, 1 << 20)
-        _int("n_gpu_layers", self.n_gpu_layers, -1, 100_000)
+        if self.n_gpu_layers is not None:
+            _int("n_gpu_layers", self.n_gpu_layers, -1, 100_000)
         if self.n_threads is not None:
             _int("n_threads", self.n_threads, 1, 1024)
         return self

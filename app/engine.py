@@ -6,6 +6,8 @@ limit (never truncating silently), and honours a per-request cancel event.
 
 from __future__ import annotations
 
+import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -14,10 +16,12 @@ from typing import Iterator, Sequence
 from backends.base import BackendError, ContextFull
 
 from .chat import encode_chat
-from .config import ConfigError, DecodeParams, ModelSpec
+from .config import BEAM_MODES, ConfigError, DecodeParams, ModelSpec
 from .decoding import decoder, derive_seed
 from .decoding.beams import Stopper
 from .decoding.metrics import Metrics
+
+log = logging.getLogger(__name__)
 
 
 class PromptTooLong(ConfigError):
@@ -43,12 +47,14 @@ class Event:
     stats: dict | None = None
     forest: dict | None = None
     error: str | None = None
+    notice: str | None = None  # the engine changed the request to fit memory (first and last event)
 
 
 class Engine:
     """Loaded target (+ draft) and their contexts; thread-safe with one generation at a time."""
 
     specs: tuple[ModelSpec | None, ModelSpec | None] = (None, None)  # (target, draft) as loaded; for the UI
+    plan = None  # offload.plan.Plan the models were loaded with (None: not planned)
 
     def __init__(self, target, draft=None, *, n_ctx: int = 4096) -> None:
         self.target, self.draft = target, draft
@@ -62,20 +68,23 @@ class Engine:
             check_compatible(draft.tokenizer, target.tokenizer)
 
     @classmethod
-    def load(cls, target: ModelSpec, draft: ModelSpec | None = None) -> "Engine":
-        from backends.registry import load_model
-
-        t = load_model(target.validated(), role="target")
-        d = None
+    def load(cls, target: ModelSpec, draft: ModelSpec | None = None, *, budget=None) -> "Engine":
+        """Plan memory (offload.plan), then load both models as planned. A plan that cannot fit raises
+        PlanError, saying what would, before any weights are read."""
+        target = target.validated()
+        draft = draft.validated() if draft is not None else None
+        plan = memory_plan(target, draft, budget=budget)
+        t = d = None
         try:
-            d = load_model(draft.validated(), role="draft") if draft is not None else None
+            t = load_planned(target, "target", plan)
+            d = load_planned(draft, "draft", plan) if draft is not None else None
             engine = cls(t, d, n_ctx=target.n_ctx)
         except BaseException:
             for m in (d, t):
                 if m is not None:
                     m.close()
             raise
-        engine.specs = (target, draft)
+        engine.specs, engine.plan = (target, draft), plan
         return engine
 
     def swap(self, target: ModelSpec, draft: ModelSpec | None = None, *, progress=None) -> dict:
@@ -85,11 +94,10 @@ class Engine:
         equal to the one already serving that role is kept, not reloaded. Only the switch itself waits
         for the running generation. `progress(fraction, desc=...)` (a gr.Progress fits) hears each step.
         """
-        from backends.registry import load_model
-
         note = progress or (lambda *a, **k: None)
         target = target.validated()
         draft = draft.validated() if draft is not None else None
+        plan = memory_plan(target, draft)
         fresh = []  # loaded by this call: closed again if anything fails
         try:
             models = []
@@ -97,7 +105,7 @@ class Engine:
                 m = self._serving(role, spec)
                 if m is None and spec is not None:
                     note(i / 2, desc=f"loading {role} {spec.source} ({spec.backend})")
-                    m = load_model(spec, role=role)
+                    m = load_planned(spec, role, plan)
                     fresh.append(m)
                 models.append(m)
             note(0.95, desc="checking vocabularies")
@@ -115,6 +123,7 @@ class Engine:
             self._ctx.clear()
             self.target, self.draft = staged.target, staged.draft
             self.n_ctx, self.tokenizer, self.specs = staged.n_ctx, staged.tokenizer, (target, draft)
+            self.plan = plan
             for ctx in stale:
                 ctx.close()
             for m in old.values():
@@ -157,11 +166,22 @@ class Engine:
 
     # -- generation ----------------------------------------------------------------------------
     def check_params(self, params: DecodeParams) -> DecodeParams:
+        return self.resolve(params)[0]
+
+    def resolve(self, params: DecodeParams) -> tuple[DecodeParams, str | None]:
+        """Validated params, switched to memory-reduced DSBD when full mode does not fit the memory plan."""
         params = params.validated()
         if params.needs_draft and self.draft is None:
             raise ConfigError(f"mode {params.mode!r} needs a draft model: load one (--draft) or pick "
                               "greedy / sample / beam / beam-sample / beam-sample-repl")
-        return params
+        plan = self.plan
+        if params.mode == "dsbd" and plan is not None and plan.dsbd_full_fits is not None \
+                and params.beams > plan.max_beams:
+            notice = (f"dsbd with {params.beams} beams needs more KV memory than the plan allows (at most "
+                      f"{plan.max_beams} beams in full mode at a {plan.context}-token context): running dsbd-mem, "
+                      "which carries one beam between iterations")
+            return replace(params, mode="dsbd-mem"), notice
+        return params, None
 
     def encode(self, messages: list[dict]) -> list[int]:
         return encode_chat(messages, self.tokenizer)
@@ -169,16 +189,51 @@ class Engine:
     def generate(self, prompt: Sequence[int], params: DecodeParams, *,
                  cancel: threading.Event | None = None) -> Iterator[Event]:
         """Stream one completion of `prompt` (token ids). Raises ConfigError before any work."""
-        params = self.check_params(params)
+        params, notice = self.resolve(params)
         prompt = list(prompt)
         if not prompt:
             raise ConfigError("the prompt is empty")
         tree = params.draft_beams * params.gamma + 1 if params.needs_draft else 1
         if len(prompt) + params.max_new_tokens + tree > self.n_ctx:
             raise PromptTooLong(prompt=len(prompt), max_new=params.max_new_tokens, tree=tree, n_ctx=self.n_ctx)
-        return self._run(prompt, params, cancel, self.target)
+        return self._run(prompt, params, cancel, self.target, notice)
 
-    def _run(self, prompt, params, cancel, encoded_for) -> Iterator[Event]:
+    def _run(self, prompt, params, cancel, encoded_for, notice) -> Iterator[Event]:
+        """Decode; an out-of-memory error before the first event frees the caches and retries once with a
+        lighter setting (memory-reduced DSBD, fewer beams), telling the user."""
+        started = False
+        try:
+            for ev in self._decode(prompt, params, cancel, encoded_for, notice):
+                started = True
+                yield ev
+        except Exception as e:
+            if not _is_oom(e):
+                raise
+            self._free()
+            lighter = _lighter(params)
+            if started or lighter is None:
+                raise _oom_error(params, e) from e
+            why = (f"out of memory with {params.mode} and {params.beams} beams: retried with "
+                   f"{lighter.mode} and {lighter.beams} beams")
+            try:
+                yield from self._decode(prompt, lighter, cancel, encoded_for, f"{notice}; {why}" if notice else why)
+            except Exception as again:
+                if not _is_oom(again):
+                    raise
+                self._free()
+                raise _oom_error(lighter, again, retried=True) from again
+
+    def _free(self) -> None:
+        """Drop every KV context (they are rebuilt on demand) and return cached device memory."""
+        with self.lock:
+            for _, ctx, _ in self._ctx.values():
+                ctx.close()
+            self._ctx.clear()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _decode(self, prompt, params, cancel, encoded_for, notice) -> Iterator[Event]:
         memory = params.mode in ("dsbd-mem", "greedy", "sample", "sps")
         rows = 1 if memory else params.beams
         # Rows of a unified cache share the prompt but each holds its own answer (worst case).
@@ -208,11 +263,14 @@ class Engine:
                         return
                     text = stopper.visible_text(step.final, final=step.done)
                     if step.done:
+                        stats = self._stats(metrics, step.output.tokens, step.output.score)
+                        if notice:
+                            stats["notice"] = notice
                         yield Event(text=text, tokens=len(step.output.tokens), live_beams=0, done=True,
-                                    stats=self._stats(metrics, step.output.tokens, step.output.score),
-                                    forest=step.forest)
+                                    stats=stats, forest=step.forest, notice=notice)
                         return
-                    yield Event(text=text, tokens=len(step.final), live_beams=step.live, forest=step.forest)
+                    yield Event(text=text, tokens=len(step.final), live_beams=step.live, forest=step.forest,
+                                notice=notice)
             except ContextFull as e:
                 raise BackendError(f"the context filled up during generation: {e}") from e
             finally:
@@ -240,3 +298,66 @@ class Engine:
                 pass
             out.append({"text": last.text, "tokens": last.tokens, "stats": last.stats})
         return out
+
+
+def memory_plan(target: ModelSpec, draft: ModelSpec | None, *, budget=None):
+    """The offload plan for these models at default decoding settings; PlanError when nothing fits.
+    Files the planner cannot read (an unknown architecture, say) load unplanned, as before."""
+    from offload.plan import PlanError, plan_for
+
+    try:
+        return plan_for(target, draft, DecodeParams(mode="dsbd" if draft is not None else "beam-sample"),
+                        budget=budget)
+    except PlanError:
+        raise
+    except Exception as e:  # the plan is advice; a model it cannot size still loads
+        log.warning("no memory plan for %s: %s", target.source, e)
+        return None
+
+
+def load_planned(spec: ModelSpec, role: str, plan):
+    """Load one model as `plan` places it: llama.cpp's n_gpu_layers, or PyTorch layers streamed to the GPU."""
+    from backends.registry import load_model
+
+    place = None if plan is None else (plan.target if role == "target" else plan.draft)
+    if place is None:
+        return load_model(spec, role=role)
+    if place.runtime == "llamacpp":
+        if spec.n_gpu_layers is None:
+            spec = replace(spec, n_gpu_layers=place.n_gpu_layers or 0)
+        return load_model(spec, role=role)
+    if not spec.device.startswith("cuda") or place.streamed_layers == 0:
+        return load_model(spec, role=role)
+    from offload.stream import offload_model
+
+    model = load_model(replace(spec, device="cpu"), role=role)  # then stream what VRAM cannot hold
+    try:
+        offload_model(model, gpu_layers=place.gpu_layers, device=spec.device, ring=place.ring or 2)
+    except BaseException:
+        model.close()
+        raise
+    return model
+
+
+def _is_oom(e: BaseException) -> bool:
+    # torch.cuda.OutOfMemoryError and MemoryError by type; llama.cpp reports allocation failures in text.
+    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or (
+        isinstance(e, BackendError) and "out of memory" in str(e).lower())
+
+
+def _oom_error(params: DecodeParams, e: BaseException, *, retried: bool = False) -> BackendError:
+    again = " (already retried with a lighter setting)" if retried else ""
+    return BackendError(f"out of memory during {params.mode} with {params.beams} beams{again} "
+                        f"({e.__class__.__name__}): try dsbd-mem, fewer beams, a shorter context or more "
+                        "offloading (see dsbd-chat plan)")
+
+
+def _lighter(params: DecodeParams) -> DecodeParams | None:
+    """One step down in memory: full DSBD -> memory-reduced; otherwise half the beams; None at the floor."""
+    if params.mode == "dsbd":
+        return replace(params, mode="dsbd-mem")
+    if params.mode in BEAM_MODES and params.beams > 1:
+        w = params.beams // 2
+        return replace(params, beams=w, min_beams=min(params.min_beams, w),
+                       draft_beams=max(w, params.draft_beams or w) if params.mode == "dsbd-mem" else None).validated()
+    return None

@@ -257,6 +257,8 @@ class ChatUI:
                   else f"Done: {last.tokens} tokens in {time.perf_counter() - t0:.1f} s.")
         if dropped:
             status = f"Dropped the {dropped} oldest turn(s) from the context. " + status
+        if stats.get("notice"):  # the engine changed the request to fit memory: say so
+            status = f"Note: {stats['notice']}. " + status
         yield self.view(session, status=status + saved, stats=stats_markdown(stats),
                         forest=forest_svg(forest, self.decode), chats=self.chat_list(session))
 

@@ -1,0 +1,96 @@
+"""Memory planning in the engine (issue #4): a plan that cannot fit refuses before loading, full DSBD
+switches to memory-reduced mode when its KV does not fit, and an out-of-memory error frees the caches and
+retries once with a lighter setting, or fails with a message, never aborting the process."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.config import DecodeParams, ModelSpec
+from app.engine import Engine
+from backends.base import BackendError
+from offload.plan import Budget, PlanError, plan_for
+
+MESSAGES = [{"role": "user", "content": "Name a colour."}]
+TINY = ModelSpec(source="tiny", n_ctx=1024)
+
+
+def final(events):
+    last = None
+    for last in events:
+        pass
+    return last
+
+
+def test_plan_that_cannot_fit_refuses_before_loading(tiny_gguf_path, monkeypatch):
+    import backends.registry as registry
+
+    monkeypatch.setattr(registry, "load_model", lambda *a, **k: pytest.fail("weights were loaded"))
+    with pytest.raises(PlanError, match=r"does not fit: dsbd-mem needs \d+ MiB RAM but 64 MiB is usable"):
+        Engine.load(TINY, TINY, budget=Budget(vram=0, ram=64 << 20, ram_reserve=0))
+
+
+def test_full_dsbd_switches_to_memory_mode_when_its_kv_does_not_fit(tiny_gguf_path):
+    params = DecodeParams(mode="dsbd")
+    full = plan_for(TINY, TINY, params, mode="dsbd", budget=Budget(vram=0, ram=1 << 40, ram_reserve=0))
+    mem = plan_for(TINY, TINY, params, mode="dsbd-mem", budget=Budget(vram=0, ram=1 << 40, ram_reserve=0))
+    between = Budget(vram=0, ram=(full.ram_bytes + mem.ram_bytes) // 2, ram_reserve=0)
+    engine = Engine.load(TINY, TINY, budget=between)
+    try:
+        assert engine.plan.mode == "dsbd-mem" and engine.plan.max_beams < 4
+        ev = final(engine.chat(MESSAGES, DecodeParams(mode="dsbd", beams=4, max_new_tokens=6, seed=1)))
+        assert ev.stats["mode"] == "dsbd-mem"
+        assert "running dsbd-mem" in ev.notice and ev.stats["notice"] == ev.notice
+        small = final(engine.chat(MESSAGES, DecodeParams(mode="dsbd", beams=1, max_new_tokens=6, seed=1)))
+        assert small.stats["mode"] == "dsbd" and small.notice is None
+    finally:
+        engine.close()
+
+
+class OutOfMemoryError(RuntimeError):
+    """Named like torch.cuda.OutOfMemoryError, which the engine recognises by name."""
+
+
+class Starved:
+    """A real model whose contexts fail to allocate above `max_rows` rows (an injected OOM)."""
+
+    def __init__(self, model, max_rows: int) -> None:
+        self._m, self.max_rows = model, max_rows
+        self.info, self.tokenizer = model.info, model.tokenizer
+
+    def context(self, *, rows: int, max_tokens: int):
+        if rows > self.max_rows:
+            raise OutOfMemoryError(f"CUDA out of memory: {rows} rows")
+        return self._m.context(rows=rows, max_tokens=max_tokens)
+
+    def close(self) -> None:
+        self._m.close()
+
+
+@pytest.fixture(scope="module")
+def starved(tiny_gguf_path):
+    from backends.registry import load_model
+
+    t, d = load_model(TINY), load_model(TINY, role="draft")
+    engine = Engine(Starved(t, 1), Starved(d, 1), n_ctx=1024)
+    yield engine
+    engine.close()
+
+
+def test_oom_retries_once_with_memory_reduced_dsbd(starved):
+    ev = final(starved.chat(MESSAGES, DecodeParams(mode="dsbd", beams=3, max_new_tokens=6, seed=2)))
+    assert ev.done and ev.text
+    assert ev.stats["mode"] == "dsbd-mem"
+    assert "out of memory with dsbd and 3 beams: retried with dsbd-mem" in ev.notice
+
+
+def test_oom_halves_beams_for_beam_search(starved):
+    ev = final(starved.chat(MESSAGES, DecodeParams(mode="beam", beams=2, max_new_tokens=4)))
+    assert ev.done and "retried with beam and 1 beams" in ev.notice
+
+
+def test_oom_that_persists_is_a_clear_error_and_the_engine_survives(starved):
+    # 4 beams -> 2 beams still exceeds the injected limit: one retry only, then a message
+    with pytest.raises(BackendError, match=r"out of memory during beam with 2 beams \(already retried.*dsbd-chat plan"):
+        final(starved.chat(MESSAGES, DecodeParams(mode="beam", beams=4, max_new_tokens=4)))
+    assert final(starved.chat(MESSAGES, DecodeParams(mode="greedy", max_new_tokens=4))).text

@@ -1,11 +1,23 @@
 """Benchmark harness: decoding modes run interleaved (A B C A B C ...) on one loaded engine, so ratios hold
-on a noisy machine. Writes JSON after every run (resumable) and optionally a speed-vs-quality plot."""
+on a noisy machine. Writes JSON after every run (resumable) and optionally plots (speed vs quality,
+acceptance per depth, widths).
+
+A suite is {"prompts": [str, ...]} (quality = mean target log-prob) or {"tasks": [{"prompt", "entry_point",
+"tests": [assert lines], "reference"}, ...]} (quality also = pass rate of the hidden tests, see `grade`).
+Mode `auto[:level=fast|beam|dynamic]` is resolved per run by app.auto.AutoPolicy, calibrated on the loaded
+models; the policy observes every run of every mode, as it would observe earlier turns of a chat.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
+import subprocess
+import sys
+import tempfile
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,18 +26,78 @@ from .config import ConfigError, DecodeParams
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "bench"
 
 
-def load_suite(name: str) -> list[str]:
-    """Prompts of a suite in assets/bench/<name>.json, or of a JSON file path."""
+def load_suite(name: str) -> list:
+    """Items of a suite in assets/bench/<name>.json (or a JSON file path): prompt strings or task dicts."""
     path = Path(name) if name.endswith(".json") else ASSETS / f"{name}.json"
     if not path.is_file():
         known = sorted(p.stem for p in ASSETS.glob("*.json"))
         raise ConfigError(f"unknown bench suite {name!r}: use one of {known} or a .json file path")
-    return json.loads(path.read_text())["prompts"]
+    data = json.loads(path.read_text())
+    return data["tasks"] if "tasks" in data else data["prompts"]
+
+
+def _prompt(item) -> str:
+    return item["prompt"] if isinstance(item, dict) else item
+
+
+# ---------------------------------------------------------------- code grading
+
+_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.S)
+
+
+def extract_code(text: str) -> str:
+    """The first ```python (or bare ```) block; an unclosed last block counts; else the whole answer."""
+    m = _BLOCK.search(text)
+    if m:
+        return m.group(1)
+    start = re.search(r"```(?:python|py)?[ \t]*\n", text)  # cut off by max_tokens mid-block
+    return text[start.end():] if start else text
+
+
+def _limits() -> None:  # runs in the child before exec: caps memory and CPU time, no core files
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+    resource.setrlimit(resource.RLIMIT_CPU, (10, 10))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def grade(answer: str, task: dict, *, timeout: float = 5.0) -> bool:
+    """Run the answer's code plus the task's hidden asserts in a fresh `python -I`; True when all pass.
+
+    A subprocess with a timeout and rlimits, a minimal environment and a temporary working folder: enough
+    for our own short tasks, not a sandbox for untrusted code.
+    """
+    program = extract_code(answer) + "\n\n" + "\n".join(task["tests"]) + "\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "solution.py"
+        path.write_text(program)
+        try:
+            done = subprocess.run([sys.executable, "-I", str(path)], cwd=tmp, env={"PATH": os.defpath},
+                                  stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,
+                                  preexec_fn=_limits if os.name == "posix" else None)
+        except subprocess.TimeoutExpired:
+            return False
+    return done.returncode == 0
+
+
+# ---------------------------------------------------------------- modes
 
 
 def parse_mode(spec: str, base: DecodeParams) -> tuple[str, DecodeParams]:
-    """'dsbd' or 'dsbd:beams=2,gamma=4' -> (label, params)."""
+    """'dsbd' or 'dsbd:beams=2,gamma=4' -> (label, params).
+
+    'auto[:level=L]' gets placeholder params (sps: it needs the draft model) checked like any other mode;
+    the real setting is chosen per run.
+    """
     mode, _, opts = spec.partition(":")
+    if mode == "auto":
+        level = _auto_level(spec)
+        from .auto import LEVELS
+
+        if level not in LEVELS:
+            raise ConfigError(f"unknown auto level in {spec!r}; choose one of: {', '.join(LEVELS)}")
+        return spec, replace(base, mode="sps", draft_beams=None).validated()
     kw: dict = {"mode": mode}
     for item in filter(None, opts.split(",")):
         key, _, value = item.partition("=")
@@ -36,9 +108,21 @@ def parse_mode(spec: str, base: DecodeParams) -> tuple[str, DecodeParams]:
     return spec, replace(base, **kw).validated()
 
 
-def run_bench(engine, *, modes: list[str], prompts: list[str], base: DecodeParams, repeats: int = 1,
-              out: Path | None = None, progress: bool = True) -> dict:
-    """Run every (repeat, prompt, mode) once, modes innermost; returns {config, runs, summary}."""
+def _auto_level(spec: str) -> str:
+    opts = dict(item.partition("=")[::2] for item in filter(None, spec.partition(":")[2].split(",")))
+    unknown = set(opts) - {"level"}
+    if unknown:
+        raise ConfigError(f"auto takes only level=..., got {sorted(unknown)} in {spec!r}")
+    return opts.get("level", "fast")
+
+
+def run_bench(engine, *, modes: list[str], prompts: list, base: DecodeParams, repeats: int = 1,
+              out: Path | None = None, progress: bool = True, policy=None) -> dict:
+    """Run every (repeat, prompt, mode) once, modes innermost; returns {config, runs, summary}.
+
+    `prompts`: strings or task dicts (graded: runs get `passed`). `policy`: an AutoPolicy for auto modes
+    (default: calibrated here on the engine's models when any mode is auto).
+    """
     settings = [parse_mode(m, base) for m in modes]
     for _, p in settings:
         engine.check_params(p)
@@ -49,6 +133,16 @@ def run_bench(engine, *, modes: list[str], prompts: list[str], base: DecodeParam
         old = json.loads(out.read_text())
         if old.get("config") == config:
             runs = old["runs"]
+    extra: dict = {}
+    if policy is None and any(label.partition(":")[0] == "auto" for label, _ in settings):
+        from .auto import AutoPolicy
+
+        policy = AutoPolicy.calibrate(engine)
+    if policy is not None:
+        extra["auto_calibration"] = {"target": dict(policy.target_cost.points),
+                                     "draft": dict(policy.draft_cost.points) if policy.draft_cost else None}
+        for r in runs:  # a resumed bench: the policy relearns from the runs already done
+            policy.observe(parse_mode(r.get("setting", r["mode"]), base)[1], r["stats"])
     done = {(r["repeat"], r["prompt"], r["mode"]) for r in runs}
     todo = [(r, i, label, p) for r in range(repeats) for i in range(len(prompts)) for label, p in settings
             if (r, i, label) not in done]
@@ -56,13 +150,25 @@ def run_bench(engine, *, modes: list[str], prompts: list[str], base: DecodeParam
 
     for r, i, label, params in tqdm(todo, desc="bench", disable=not progress):
         seed = (base.seed or 0) + 1000 * r + i
+        run: dict = {"repeat": r, "prompt": i, "mode": label}
+        if label.partition(":")[0] == "auto":
+            from .auto import describe
+
+            params = policy.choose(base, _auto_level(label))
+            run["setting"] = describe(params)  # what auto picked, in parse_mode syntax
+            run["projected_tokens_per_s"] = policy.projected_tps(params)
         last = None
-        for last in engine.chat([{"role": "user", "content": prompts[i]}], replace(params, seed=seed)):
+        for last in engine.chat([{"role": "user", "content": _prompt(prompts[i])}], replace(params, seed=seed)):
             pass
-        runs.append({"repeat": r, "prompt": i, "mode": label, "text": last.text, "stats": last.stats})
+        run |= {"text": last.text, "stats": last.stats}
+        if isinstance(prompts[i], dict):
+            run["passed"] = grade(last.text, prompts[i])
+        if policy is not None:
+            policy.observe(params, last.stats)
+        runs.append(run)
         if out is not None:
-            _write(out, {"config": config, "runs": runs})
-    result = {"config": config, "runs": runs, "summary": summarize(runs, [m for m, _ in settings])}
+            _write(out, {"config": config, "runs": runs, **extra})
+    result = {"config": config, "runs": runs, **extra, "summary": summarize(runs, [m for m, _ in settings])}
     if out is not None:
         _write(out, result)
     return result
@@ -78,7 +184,8 @@ def summarize(runs: list[dict], modes: list[str]) -> dict:
     """Per mode: medians and spreads, acceptance per depth, widths, memory, quality; ratios from this run."""
     summary = {}
     for mode in modes:
-        stats = [r["stats"] for r in runs if r["mode"] == mode]
+        mine = [r for r in runs if r["mode"] == mode]
+        stats = [r["stats"] for r in mine]
         if not stats:
             continue
         tps = [s["tokens_per_s"] for s in stats]
@@ -108,6 +215,11 @@ def summarize(runs: list[dict], modes: list[str]) -> dict:
             "mean_target_logprob_stdev": statistics.stdev(lp) if len(lp) > 1 else None,
             "new_tokens": tokens,
         }
+        graded = [r["passed"] for r in mine if "passed" in r]
+        if graded:
+            summary[mode]["pass_rate"] = sum(graded) / len(graded)
+        if any("setting" in r for r in mine):  # auto: how often it picked each concrete setting
+            summary[mode]["settings"] = dict(Counter(r["setting"] for r in mine if "setting" in r).most_common())
     for ref in ("beam-sample", "sps"):
         base = next((m for m in summary if m.split(":")[0] == ref), None)
         if base is None:
@@ -117,24 +229,93 @@ def summarize(runs: list[dict], modes: list[str]) -> dict:
     return summary
 
 
-def plot(result: dict, path: Path) -> None:
-    """Speed vs quality per mode (PNG)."""
+def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The non-dominated (speed, quality) points, fastest first: none is both faster and better."""
+    front: list[tuple[float, float]] = []
+    for x, y in sorted(points, key=lambda p: (-p[0], -p[1])):
+        if not front or y > front[-1][1]:
+            front.append((x, y))
+    return front
+
+
+def _quality(summary: dict) -> tuple[str, str]:
+    """Pass rate when every mode was graded (a code suite), else the mean target log-prob."""
+    if summary and all(s.get("pass_rate") is not None for s in summary.values()):
+        return "pass_rate", "pass rate of the hidden tests"
+    return "mean_target_logprob", "mean target log-prob per token (higher = better)"
+
+
+def plot(result: dict, path: Path) -> list[Path]:
+    """Three PNGs: speed vs quality with its Pareto front at `path`, acceptance per depth at
+    <stem>-acceptance.png, chosen widths of the DSBD modes at <stem>-widths.png. Returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    path = Path(path)
+    summary = result["summary"]
+    title = f"dsbd-chat bench: {result['config']['models'].get('target', '')}"
+    key, label = _quality(summary)
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mode, s in result["summary"].items():
-        if s["mean_target_logprob"] is None:
+    pts = {}
+    for mode, s in summary.items():
+        if s.get(key) is None:
             continue
-        ax.scatter(s["tokens_per_s_median"], s["mean_target_logprob"], s=40)
-        ax.annotate(mode, (s["tokens_per_s_median"], s["mean_target_logprob"]), fontsize=8,
-                    xytext=(4, 4), textcoords="offset points")
+        pts[mode] = (s["tokens_per_s_median"], s[key])
+        ax.scatter(*pts[mode], s=40)
+        ax.annotate(mode, pts[mode], fontsize=8, xytext=(4, 4), textcoords="offset points")
+    front = pareto(list(pts.values()))
+    if len(front) > 1:
+        ax.plot(*zip(*front), "--", color="gray", lw=1, label="Pareto front")
+        ax.legend(fontsize=8)
     ax.set_xlabel("tokens/s (median)")
-    ax.set_ylabel("mean target log-prob per token (higher = better)")
-    ax.set_title(f"dsbd-chat bench: {result['config']['models'].get('target', '')}")
+    ax.set_ylabel(label)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
+    written = [_save(fig, path)]
+
+    # Acceptance per depth: one group per depth, one bar per drafted mode.
+    acc = {m: s["acceptance_by_depth"] for m, s in summary.items() if s.get("acceptance_by_depth")}
+    depths = sorted({int(d) for a in acc.values() for d in a})
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    bar = 0.8 / max(1, len(acc))
+    for j, (mode, a) in enumerate(acc.items()):
+        ax.bar([d + (j - (len(acc) - 1) / 2) * bar for d in depths], [a.get(str(d)) or 0 for d in depths],
+               width=bar, label=mode)
+    ax.set_xticks(depths or [1])
+    ax.set_xlabel("draft depth")
+    ax.set_ylabel("acceptance rate (accepted / tested)")
+    ax.set_ylim(0, 1)
+    ax.set_title(title)
+    if acc:
+        ax.legend(fontsize=8)
+    written.append(_save(fig, path.with_name(f"{path.stem}-acceptance{path.suffix}")))
+
+    # Widths: the share of layers run at each width W_L, per DSBD mode.
+    wid = {m: s["widths_histogram"] for m, s in summary.items() if s.get("widths_histogram")}
+    widths = sorted({int(w) for h in wid.values() for w in h})
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    bar = 0.8 / max(1, len(wid))
+    for j, (mode, h) in enumerate(wid.items()):
+        total = sum(h.values())
+        ax.bar([w + (j - (len(wid) - 1) / 2) * bar for w in widths], [h.get(str(w), 0) / total for w in widths],
+               width=bar, label=mode)
+    ax.set_xticks(widths or [1])
+    ax.set_xlabel("layer width W_L chosen")
+    ax.set_ylabel("share of layers")
+    ax.set_title(title)
+    if wid:
+        ax.legend(fontsize=8)
+    written.append(_save(fig, path.with_name(f"{path.stem}-widths{path.suffix}")))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return path

@@ -1,0 +1,226 @@
+"""`auto` mode: pick the decoding mode and its gamma / W_S with the best projected tokens/s ("goodput")
+at the quality level the user chose.
+
+    projected tok/s = tau / (C_target(n_t) + sum over the iteration's draft passes of C_draft(n_d))
+
+C(n) is the measured time of one pass scoring n tokens (calibrated once at load, piecewise linear between
+1, 2, 4, ..., 64 tokens); n_t and the draft passes follow offload/cost.py's table. tau, the expected tokens
+per target pass, comes from per-depth layer pass rates a_l (spec §11 with one a per depth):
+
+    tau(gamma) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_gamma      (= (1 - a^(gamma+1)) / (1 - a) for equal a)
+
+The a_l are exponential moving averages over finished generations (observe), per (mode, W, W_S, W_min);
+unobserved settings start from a_l = 0.66 (measured for the qwen-coder pair). A second moving average per
+mode, measured / projected tok/s, folds in what the pass model leaves out (sampler and Python time).
+
+Quality levels (what the user trades speed against; every candidate of a level keeps the user's T, top-k,
+top-p, W and t):
+    fast     sample, sps(gamma): exact draws from the target's sampling distribution.
+    beam     beam-sample (W), dsbd with W_min >= 2: at least two beams at every step, so the output is
+             chosen among several sampled continuations. dsbd-mem is NOT here: it carries one beam between
+             iterations (spec §9) and measured at sampling quality (README: log-prob -1.07 vs sample -0.98).
+    dynamic  dsbd, dsbd-mem at the user's t and W_min: beam search where the draft agrees, one beam elsewhere.
+No exploration: a setting never run keeps its prior until observed (a bench observes every mode it runs).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Mapping
+
+from .config import ConfigError, DecodeParams
+
+LEVELS = ("fast", "beam", "dynamic")
+CAL_POINTS = (1, 2, 4, 8, 16, 32, 64)
+PRIOR_ACCEPTANCE = 0.66  # offload.cost.DEFAULT_ACCEPTANCE: the qwen-coder pair on mixed prose/code
+GAMMAS = (1, 2, 3, 4, 5, 6)
+EMA = 0.3  # weight of the newest generation: recent turns matter, one odd answer does not flip the choice
+
+
+def queries(mode: str, w: int, ws: int, g: int) -> tuple[int, list[int]]:
+    """(tokens scored by the target pass, tokens scored by each draft pass) of one iteration."""
+    if mode == "sps":
+        return 1 + g, [1] * g
+    if mode in ("dsbd", "dsbd-mem"):
+        roots = w if mode == "dsbd" else 1
+        return roots + ws * g, ([roots] + [ws] * (g - 1)) if g else []
+    if mode.startswith("beam"):
+        return w, []
+    return 1, []
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Seconds of one pass scoring n tokens: piecewise linear through measured points, linear beyond."""
+
+    points: tuple[tuple[int, float], ...]  # (n, seconds), n ascending
+
+    @classmethod
+    def of(cls, costs: Mapping[int, float]) -> "CostCurve":
+        if not costs:
+            raise ValueError("a cost curve needs at least one measured point")
+        pts, best = [], float("inf")
+        # A pass scoring more tokens never costs less, and other processes only ever add time: clip each
+        # point to the cheapest one at or above its n, so one disturbed measurement cannot lift the curve.
+        for n, s in sorted(((int(n), float(s)) for n, s in costs.items()), reverse=True):
+            best = min(best, s)
+            pts.append((n, best))
+        return cls(tuple(reversed(pts)))
+
+    def __call__(self, n: int) -> float:
+        pts = self.points
+        if len(pts) == 1:
+            return pts[0][1] * n / pts[0][0]  # one point: assume proportional
+        if n <= pts[0][0]:
+            return pts[0][1]
+        # Beyond the last point: extend the last segment's slope (compute-bound growth).
+        for (n0, s0), (n1, s1) in zip(pts, pts[1:]):
+            if n <= n1 or (n1, s1) == pts[-1]:
+                return s0 + (s1 - s0) * (n - n0) / (n1 - n0)
+        raise AssertionError("unreachable")
+
+
+def measure_costs(model, ns=CAL_POINTS, *, context: int = 128, repeats: int = 3) -> dict[int, float]:
+    """Min seconds of one evaluate() of a flat n-node forest after `context` tokens (scoring_cost's method)."""
+    from backends.base import ROOT, Forest
+
+    vocab = model.info.vocab_size
+    ids = [(i * 7919) % (vocab - 200) + 100 for i in range(context)]  # arbitrary but fixed tokens
+    out = {}
+    with model.context(rows=1, max_tokens=context + max(ns) + 8) as ctx:
+        ctx.prefill(ids)
+        for n in ns:
+            forest = Forest(tokens=tuple(ids[(i * 13) % context] for i in range(n)), parents=(ROOT,) * n,
+                            rows=(0,) * n)
+            times = []
+            for _ in range(repeats + 1):  # the first run warms caches and is dropped
+                t = time.perf_counter()
+                ctx.evaluate(forest)
+                times.append(time.perf_counter() - t)
+                ctx.truncate(context)
+            out[n] = min(times[1:])  # min: other processes on a shared machine only ever add time
+    return out
+
+
+def _key(p: DecodeParams) -> tuple:
+    return (p.mode, p.beams, p.draft_beams, p.min_beams)
+
+
+@dataclass
+class AutoPolicy:
+    """Calibrated pass costs + running acceptance estimates -> the fastest setting of a quality level."""
+
+    target_cost: CostCurve
+    draft_cost: CostCurve | None
+    rates: dict[tuple, list[float]] = field(default_factory=dict)  # _key -> EMA of pass rate per depth
+    efficiency: dict[str, float] = field(default_factory=dict)  # mode -> EMA of measured / projected tok/s
+
+    @classmethod
+    def from_costs(cls, target_costs: Mapping[int, float], draft_costs: Mapping[int, float] | None = None):
+        return cls(CostCurve.of(target_costs), CostCurve.of(draft_costs) if draft_costs else None)
+
+    @classmethod
+    def calibrate(cls, engine, ns=CAL_POINTS, **kw) -> "AutoPolicy":
+        """Measure the engine's loaded target (and draft) through the backend protocol (seconds, at load)."""
+        draft = measure_costs(engine.draft, ns, **kw) if engine.draft is not None else None
+        return cls.from_costs(measure_costs(engine.target, ns, **kw), draft)
+
+    # -- estimates ---------------------------------------------------------------------------------
+    def pass_rates(self, p: DecodeParams, depth: int) -> list[float]:
+        """a_1..a_depth for params p: observed where known, the deepest observed (else the prior) beyond."""
+        seen = self.rates.get(_key(p), [])
+        fill = seen[-1] if seen else PRIOR_ACCEPTANCE
+        return [seen[i] if i < len(seen) else fill for i in range(depth)]
+
+    def tokens_per_pass(self, p: DecodeParams) -> float:
+        """tau: expected tokens per target pass (1 without a draft)."""
+        if not p.needs_draft:
+            return 1.0
+        tau, run = 1.0, 1.0
+        for a in self.pass_rates(p, p.gamma):
+            run *= a
+            tau += run
+        return tau
+
+    def iteration_s(self, p: DecodeParams) -> float:
+        n_t, drafts = queries(p.mode, p.beams, p.draft_beams, p.gamma)
+        if drafts and self.draft_cost is None:
+            raise ConfigError(f"mode {p.mode!r} needs a draft model")
+        return self.target_cost(n_t) + sum(self.draft_cost(n) for n in drafts)
+
+    def projected_tps(self, p: DecodeParams) -> float:
+        return self.efficiency.get(p.mode, 1.0) * self.tokens_per_pass(p) / self.iteration_s(p)
+
+    def observe(self, params: DecodeParams, stats: Mapping) -> None:
+        """Fold one finished generation's stats into the estimates (params as run, validated)."""
+        params = params.validated()
+        if params.needs_draft:
+            layers = stats.get("acceptance_by_depth") or {}
+            new = []
+            for d in sorted(layers, key=int):
+                L = layers[d]
+                if not L.get("attempted"):
+                    break
+                new.append(L["passed"] / L["attempted"])
+            old = self.rates.get(_key(params), [])
+            if new:  # average depth by depth; a depth only one side has keeps that side's value
+                self.rates[_key(params)] = [
+                    (1 - EMA) * old[i] + EMA * new[i] if i < len(old) and i < len(new) else
+                    (new[i] if i < len(new) else old[i]) for i in range(max(len(old), len(new)))]
+        tps = stats.get("tokens_per_s")
+        if tps and stats.get("new_tokens", 0) >= 8:  # a few tokens say little about speed
+            ratio = tps * self.iteration_s(params) / self.tokens_per_pass(params)
+            old = self.efficiency.get(params.mode)
+            self.efficiency[params.mode] = ratio if old is None else (1 - EMA) * old + EMA * ratio
+
+    # -- choice --------------------------------------------------------------------------------------
+    def candidates(self, base: DecodeParams, level: str) -> list[DecodeParams]:
+        """Every setting of a level, validated; drafted modes only with a draft model."""
+        if level not in LEVELS:
+            raise ConfigError(f"unknown auto level {level!r}; choose one of: {', '.join(LEVELS)}")
+        w = base.beams
+        drafted = self.draft_cost is not None
+
+        def ws_options(mode: str, min_beams: int) -> list[int]:
+            # W_S is only offered where it was seen (or is the default W + 1): its acceptance is not modelled.
+            seen = {k[2] for k in self.rates if k[0] == mode and k[1] == w and k[3] == min_beams}
+            return sorted(seen | {w + 1})
+
+        out: list[DecodeParams] = []
+        if level == "fast":
+            out.append(replace(base, mode="sample", draft_beams=None))
+            if drafted:
+                out += [replace(base, mode="sps", gamma=g, draft_beams=None) for g in GAMMAS]
+        elif level == "beam":
+            wmin = max(2, base.min_beams) if w >= 2 else 1
+            out.append(replace(base, mode="beam-sample", draft_beams=None))
+            if drafted and w >= 2:
+                out += [replace(base, mode="dsbd", gamma=g, draft_beams=ws, min_beams=wmin)
+                        for ws in ws_options("dsbd", wmin) for g in GAMMAS]
+        elif drafted:
+            out += [replace(base, mode=m, gamma=g, draft_beams=ws)
+                    for m in ("dsbd", "dsbd-mem") for ws in ws_options(m, base.min_beams) for g in GAMMAS]
+        else:
+            out.append(replace(base, mode="beam-sample", draft_beams=None))
+        return [p.validated() for p in out]
+
+    def choose(self, base: DecodeParams, level: str = "fast") -> DecodeParams:
+        """The candidate with the best projected tok/s (ties: the earlier, i.e. simpler, one)."""
+        return max(self.candidates(base, level), key=self.projected_tps)
+
+    def explain(self, base: DecodeParams, level: str = "fast") -> list[tuple[str, float]]:
+        """(setting, projected tok/s) per candidate, best first: for logs and the bench JSON."""
+        rows = [(describe(p), self.projected_tps(p)) for p in self.candidates(base, level)]
+        return sorted(rows, key=lambda r: -r[1])
+
+
+def describe(p: DecodeParams) -> str:
+    """A bench-style label: 'sps:gamma=4', 'dsbd:gamma=3,draft_beams=5,min_beams=2'."""
+    if not p.needs_draft:
+        return p.mode
+    opts = f"gamma={p.gamma}"
+    if p.mode != "sps":
+        opts += f",draft_beams={p.draft_beams},min_beams={p.min_beams}"
+    return f"{p.mode}:{opts}"
+

@@ -1,0 +1,83 @@
+"""AutoPolicy: cost curves, acceptance estimates and the choice per quality level (pure: no models)."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.auto import PRIOR_ACCEPTANCE, AutoPolicy, CostCurve, describe
+from app.bench import parse_mode
+from app.config import ConfigError, DecodeParams
+
+BASE = DecodeParams(mode="sample", temperature=1.0, top_k=20, beams=4)
+CPU = ({1: 0.080, 8: 0.25, 32: 0.60, 64: 1.0}, {1: 0.045, 8: 0.11, 32: 0.36, 64: 0.76})  # compute-bound
+GPU = ({1: 0.020, 8: 0.020, 32: 0.022, 64: 0.026}, {1: 0.006, 8: 0.006, 32: 0.007, 64: 0.008})  # flat
+
+
+def test_cost_curve_interpolates_and_extends_the_last_slope():
+    c = CostCurve.of({1: 1.0, 4: 4.0, 8: 6.0})
+    assert c(1) == 1.0 and c(2) == 2.0 and c(6) == 5.0
+    assert c(12) == 8.0  # slope 0.5 of the last segment
+    assert c(0) == 1.0
+    spiked = CostCurve.of({1: 1.0, 2: 9.0, 4: 4.0})  # n = 2 measured while another process ran
+    assert spiked.points == ((1, 1.0), (2, 4.0), (4, 4.0))
+
+
+def test_tau_follows_the_spec_formula_for_equal_acceptance():
+    p = AutoPolicy.from_costs(*CPU)
+    sps = DecodeParams(mode="sps", gamma=4).validated()
+    a = PRIOR_ACCEPTANCE
+    assert p.tokens_per_pass(sps) == pytest.approx((1 - a ** 5) / (1 - a))
+    assert p.tokens_per_pass(BASE.validated()) == 1.0
+
+
+def test_compute_bound_cpu_picks_sample_and_beam_sample():
+    p = AutoPolicy.from_costs(*CPU)
+    assert p.choose(BASE, "fast").mode == "sample"
+    assert p.choose(BASE, "beam").mode == "beam-sample"
+
+
+def test_flat_gpu_pass_picks_drafting_and_long_drafts_with_high_acceptance():
+    p = AutoPolicy.from_costs(*GPU)
+    fast = p.choose(BASE, "fast")
+    assert fast.mode == "sps"
+    beam = p.choose(BASE, "beam")
+    assert beam.mode == "dsbd" and beam.min_beams == 2  # the beam level keeps >= 2 beams
+    for _ in range(20):  # the draft agrees almost always: deeper drafts pay
+        p.observe(fast, {"acceptance_by_depth": {d: {"attempted": 10, "passed": 10} for d in "123456"},
+                         "tokens_per_s": None})
+    assert p.choose(BASE, "fast").gamma > fast.gamma
+
+
+def test_observe_lowers_acceptance_and_the_choice_follows():
+    p = AutoPolicy.from_costs(*GPU)
+    sps = p.choose(BASE, "fast")
+    for _ in range(30):  # the draft never agrees: drafting is pure cost
+        p.observe(sps, {"acceptance_by_depth": {"1": {"attempted": 10, "passed": 0}}, "tokens_per_s": None})
+    assert p.pass_rates(sps, 3) == pytest.approx([0, 0, 0], abs=1e-3)
+    assert p.choose(BASE, "fast").mode == "sample"
+
+
+def test_measured_speed_corrects_the_projection_per_mode():
+    p = AutoPolicy.from_costs(*CPU)
+    s = BASE.validated()
+    assert p.projected_tps(s) == pytest.approx(12.5)
+    p.observe(s, {"tokens_per_s": 10.0, "new_tokens": 50})  # sampler time the pass model leaves out
+    assert p.projected_tps(s) == pytest.approx(10.0)
+
+
+def test_levels_offer_only_their_modes_and_validate():
+    p = AutoPolicy.from_costs(*CPU)
+    assert {c.mode for c in p.candidates(BASE, "fast")} == {"sample", "sps"}
+    assert {c.mode for c in p.candidates(BASE, "beam")} == {"beam-sample", "dsbd"}
+    assert {c.mode for c in p.candidates(BASE, "dynamic")} == {"dsbd", "dsbd-mem"}
+    no_draft = AutoPolicy.from_costs(CPU[0])
+    assert {c.mode for c in no_draft.candidates(BASE, "fast")} == {"sample"}
+    with pytest.raises(ConfigError):
+        p.choose(BASE, "best")
+
+
+def test_describe_round_trips_through_the_bench_syntax():
+    p = AutoPolicy.from_costs(*GPU)
+    for level in ("fast", "beam", "dynamic"):
+        for c in p.candidates(BASE, level):
+            assert parse_mode(describe(c), BASE)[1] == c

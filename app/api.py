@@ -10,6 +10,8 @@ and its settings ({"mode": "dsbd", "beams": 2, "gamma": 3, ...}); each choice ca
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import logging
 import math
@@ -99,8 +101,10 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         # Retry-After: OpenAI clients retry a 503 on their own after that many seconds.
-        headers = {401: {"WWW-Authenticate": "Bearer"}, 503: {"Retry-After": "1"}}.get(self.status)
+        headers = {401: {"WWW-Authenticate": self.challenge}, 503: {"Retry-After": "1"}}.get(self.status)
         return JSONResponse({"error": self.body}, status_code=self.status, headers=headers)
+
+    challenge = "Bearer"  # 401's WWW-Authenticate; 'Bearer, Basic realm="dsbd-chat"' when a login is accepted
 
 
 _DSBD_FIELDS = set(DsbdOptions.model_fields)
@@ -285,17 +289,44 @@ def model_id(engine) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", engine.describe()["target"].lower()).strip("-") or "dsbd-chat"
 
 
-def build_api(engine, *, api_key: str | None = None, max_waiting: int = 16) -> FastAPI:
-    """The OpenAI-compatible API over `engine` under /v1; with `api_key`, requests need `Bearer <key>`."""
+def _basic(header: str) -> tuple[bytes, bytes] | None:
+    """'Basic base64(user:pass)' -> (user, pass) as bytes; None if it is not that."""
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        user, sep, password = base64.b64decode(token.strip(), validate=True).partition(b":")
+    except (binascii.Error, ValueError):
+        return None
+    return (user, password) if sep else None
+
+
+def build_api(engine, *, api_key: str | None = None, auth: tuple[str, str] | None = None,
+              max_waiting: int = 16) -> FastAPI:
+    """The OpenAI-compatible API over `engine` under /v1. With `api_key` and/or `auth` (user, password) a
+    request needs `Authorization: Bearer <key>` or HTTP basic auth with that login; with neither it is open."""
     gate, name = _Gate(max_waiting), model_id(engine)
 
     def check_key(request: Request) -> None:
-        if api_key is None:
+        if api_key is None and auth is None:
             return
         got = request.headers.get("authorization", "")
-        if not secrets.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+        # compare_digest on both parts every time: no early exit that would time which part was wrong.
+        key_ok = api_key is not None and secrets.compare_digest(got.encode(), f"Bearer {api_key}".encode())
+        login_ok = False
+        if auth is not None:
+            user, password = _basic(got) or (b"", b"")
+            login_ok = secrets.compare_digest(user, auth[0].encode()) & \
+                secrets.compare_digest(password, auth[1].encode())
+        if key_ok or login_ok:
+            return
+        want = " or ".join(x for x in ("'Authorization: Bearer <key>'" if api_key is not None else "",
+                                       "HTTP basic auth with the --auth login" if auth is not None else "") if x)
+        err = ApiError(401, f"missing or wrong credentials: send {want}",
+                       code="invalid_api_key" if api_key is not None else "invalid_login")
+        if auth is not None:
+            err.challenge = 'Bearer, Basic realm="dsbd-chat"' if api_key is not None else 'Basic realm="dsbd-chat"'
+        raise err
 
     router = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
@@ -439,27 +470,30 @@ def _data(obj: dict) -> str:
     return f"data: {json.dumps(obj, allow_nan=False)}\n\n"
 
 
-def build_server(engine, *, api_key: str | None = None, max_waiting: int = 16, data_dir=None,
-                 host: str = HOST, port: int = 7860) -> FastAPI:
-    """The API at /v1 with the Gradio chat UI (queued like `app.ui.serve`) mounted at "/"."""
+def build_server(engine, *, api_key: str | None = None, auth: tuple[str, str] | None = None, max_waiting: int = 16,
+                 data_dir=None, host: str = HOST, port: int = 7860) -> FastAPI:
+    """The API at /v1 with the Gradio chat UI (queued like `app.ui.serve`) mounted at "/".
+    `auth` (user, password): the UI asks for that login, and the API accepts it as HTTP basic auth."""
     import gradio as gr
 
     from .ui import QUEUE_KWARGS, build_app, launch_kwargs
 
-    app = build_api(engine, api_key=api_key, max_waiting=max_waiting)
+    app = build_api(engine, api_key=api_key, auth=auth, max_waiting=max_waiting)
     blocks = build_app(engine, data_dir=data_dir)
     blocks.queue(**QUEUE_KWARGS)
-    # Gradio 6 takes css / theme / allowed_paths at mount time, as it does at launch.
-    return gr.mount_gradio_app(app, blocks, path="/", server_name=host, server_port=port, **launch_kwargs(blocks))
+    # Gradio 6 takes css / theme / allowed_paths / auth at mount time, as it does at launch.
+    return gr.mount_gradio_app(app, blocks, path="/", server_name=host, server_port=port, auth=auth,
+                               **launch_kwargs(blocks))
 
 
-def serve(engine, *, host: str = HOST, port: int = 7860, api_key: str | None = None, inbrowser: bool = True,
-          data_dir=None) -> None:
+def serve(engine, *, host: str = HOST, port: int = 7860, api_key: str | None = None,
+          auth: tuple[str, str] | None = None, inbrowser: bool = True, data_dir=None) -> None:
     """Run the UI and the API on one uvicorn server until Ctrl+C."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(build_server(engine, api_key=api_key, data_dir=data_dir, host=host,
-                                                       port=port), host=host, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_server(engine, api_key=api_key, auth=auth, data_dir=data_dir,
+                                                       host=host, port=port),
+                                           host=host, port=port, log_level="warning"))
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}/"
     print(f"dsbd-chat: chat UI at {url} · OpenAI-compatible API at {url}v1", flush=True)

@@ -48,7 +48,7 @@ def render(messages: list[dict], template: str | None, *, bos: str = "", eos: st
     try:
         text = _compile(template or CHATML).render(messages=safe, add_generation_prompt=True,
                                                    bos_token=bos, eos_token=eos)
-    except TemplateError as e:  # SecurityError is a TemplateError too
+    except Exception as e:  # SecurityError is a TemplateError; the sandbox also raises OverflowError & co.
         raise ChatError(f"the model's chat template failed: {e}") from e
     return text, pieces
 

@@ -124,24 +124,47 @@ def cmd_models(a) -> int:
     return 0
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def bind_address(a) -> str:
+    """The chat server's address: --host if given, else 0.0.0.0 with --listen, else loopback.
+    Anything but loopback prints a warning (with whether a login protects it)."""
+    host = a.host or ("0.0.0.0" if a.listen else "127.0.0.1")
+    if host not in LOOPBACK:
+        guard = "the UI and API need the --auth login" if a.auth else \
+            "no login is set (add --auth USER:PASS)" + ("" if a.api_key else " and the API is open (add --api-key)")
+        print(f"dsbd-chat: warning: listening on {host}: anyone who can reach this machine can use your models; "
+              f"{guard}", file=sys.stderr)
+    return host
+
+
+def parse_auth(text: str | None) -> tuple[str, str] | None:
+    """'user:pass' -> (user, pass); the password may contain ':'."""
+    if not text:
+        return None
+    user, sep, password = text.partition(":")
+    if not sep or not user or not password:
+        raise ConfigError("--auth needs USER:PASS (both non-empty), e.g. --auth alice:correct-horse")
+    return user, password
+
+
 def cmd_chat(a) -> int:
+    host, auth = bind_address(a), parse_auth(a.auth)  # before the (slow) model load
     target, draft = _specs(a, need_draft=False)
     from .engine import Engine
     from .ui import QUEUE_KWARGS, build_app, launch_kwargs
 
     engine = Engine.load(target, draft)
     print(f"dsbd-chat: {engine.describe()}", file=sys.stderr)
-    if a.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"dsbd-chat: warning: listening on {a.host}: anyone who can reach it can use your models",
-              file=sys.stderr)
     if a.share:  # a Gradio share tunnel needs Gradio's own launch; the API stays off the public link
         app = build_app(engine)
-        app.queue(**QUEUE_KWARGS).launch(server_name=a.host, server_port=a.port, share=True,
+        app.queue(**QUEUE_KWARGS).launch(server_name=host, server_port=a.port, share=True, auth=auth,
                                          inbrowser=not a.no_browser, **launch_kwargs(app))
         return 0
     from .api import serve
 
-    serve(engine, host=a.host, port=a.port, api_key=a.api_key, inbrowser=not a.no_browser)
+    serve(engine, host=host, port=a.port, api_key=a.api_key, auth=auth, inbrowser=not a.no_browser)
     return 0
 
 
@@ -241,13 +264,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command")
     chat = sub.add_parser("chat", help="open the chat app in the browser (default)")
     _model_args(chat)
-    chat.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    chat.add_argument("--listen", action="store_true",
+                      help="serve on every network interface (0.0.0.0), not only this machine; prints a warning")
+    chat.add_argument("--host", default=None, help="bind address (default 127.0.0.1, loopback only; "
+                                                   "0.0.0.0 with --listen)")
     chat.add_argument("--port", type=int, default=7860)
     chat.add_argument("--no-browser", action="store_true", help="don't open a browser tab")
     chat.add_argument("--share", action="store_true", help="create a public Gradio share link (off by default)")
     chat.add_argument("--api-key", default=os.environ.get("DSBD_CHAT_API_KEY"),
                       help="require 'Authorization: Bearer KEY' on the OpenAI-compatible API at /v1 "
                            "(default: $DSBD_CHAT_API_KEY; none = open, fine on loopback)")
+    chat.add_argument("--auth", default=os.environ.get("DSBD_CHAT_AUTH"), metavar="USER:PASS",
+                      help="require this login for the UI, and for the API as HTTP basic auth (or the "
+                           "--api-key) (default: $DSBD_CHAT_AUTH, which keeps the password out of `ps`)")
     gen = sub.add_parser("generate", help="generate one answer in the terminal")
     _model_args(gen)
     _decode_args(gen)

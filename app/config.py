@@ -12,6 +12,7 @@ BACKENDS = ("llamacpp", "pytorch")
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_BEAMS = 16
 MAX_GAMMA = 16
+MIN_TEMPERATURE = 1e-6  # below this sampling is argmax anyway
 
 
 class ConfigError(ValueError):
@@ -57,8 +58,8 @@ class DecodeParams:
             raise ConfigError(f"unknown mode {self.mode!r}; choose one of: {', '.join(MODES)}")
         _int("max_new_tokens", self.max_new_tokens, 1, 1_000_000)
         t = _finite("temperature", self.temperature)
-        if t <= 0:
-            raise ConfigError(f"temperature must be > 0 (use mode 'greedy' for argmax), got {t}")
+        if t < MIN_TEMPERATURE:  # logits / T must stay finite: a subnormal T turns the warp into NaN
+            raise ConfigError(f"temperature must be >= {MIN_TEMPERATURE:g} (use mode 'greedy' for argmax), got {t}")
         _int("top_k", self.top_k, 0, 1_000_000)
         p = _finite("top_p", self.top_p)
         if not 0 < p <= 1:
@@ -77,11 +78,14 @@ class DecodeParams:
         _int("min_beams", self.min_beams, 1, w)
         if self.select not in ("best", "sample"):
             raise ConfigError(f"select must be 'best' or 'sample', got {self.select!r}")
-        _finite("length_penalty", self.length_penalty)
+        lp = _finite("length_penalty", self.length_penalty)
+        if not -10 <= lp <= 10:  # S(y) = s(y) / n^lambda: beyond this n^lambda overflows a float
+            raise ConfigError(f"length_penalty must be between -10 and 10, got {lp}")
         if self.seed is not None:
             _int("seed", self.seed, 0, 2**63 - 1)
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ConfigError("stop strings must be non-empty strings")
+        # A bare string would iterate as characters, and None or a number would not iterate at all.
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ConfigError(f"stop must be a list of non-empty strings, got {self.stop!r:.80}")
         return replace(self, draft_beams=ws, temperature=t, top_p=p, threshold=th, stop=tuple(self.stop))
 
     @property

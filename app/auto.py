@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
+from offload.cost import queries
+
 from .config import ConfigError, DecodeParams
 
 LEVELS = ("fast", "beam", "dynamic")
@@ -36,18 +38,6 @@ CAL_POINTS = (1, 2, 4, 8, 16, 32, 64)
 PRIOR_ACCEPTANCE = 0.66  # offload.cost.DEFAULT_ACCEPTANCE: the qwen-coder pair on mixed prose/code
 GAMMAS = (1, 2, 3, 4, 5, 6)
 EMA = 0.3  # weight of the newest generation: recent turns matter, one odd answer does not flip the choice
-
-
-def queries(mode: str, w: int, ws: int, g: int) -> tuple[int, list[int]]:
-    """(tokens scored by the target pass, tokens scored by each draft pass) of one iteration."""
-    if mode == "sps":
-        return 1 + g, [1] * g
-    if mode in ("dsbd", "dsbd-mem"):
-        roots = w if mode == "dsbd" else 1
-        return roots + ws * g, ([roots] + [ws] * (g - 1)) if g else []
-    if mode.startswith("beam"):
-        return w, []
-    return 1, []
 
 
 @dataclass(frozen=True)

@@ -214,7 +214,7 @@ class Projection:
         return {"kind": "projection", **asdict(self)}
 
 
-def _queries(mode: str, w: int, ws: int, g: int) -> tuple[int, list[int]]:
+def queries(mode: str, w: int, ws: int, g: int) -> tuple[int, list[int]]:
     """(target tokens scored per pass, tokens scored by each draft pass)."""
     if mode == "sps":
         return 1 + g, [1] * g
@@ -235,7 +235,7 @@ def project(target, draft, request: PlanRequest, budget: Budget, hw: HardwarePro
             continue
         req = replace(request, mode=st.mode, beams=st.beams, gamma=st.gamma,
                       draft_beams=max(st.draft_beams, st.beams))
-        n_t, n_d = _queries(st.mode, st.beams, req.draft_beams, st.gamma)
+        n_t, n_d = queries(st.mode, st.beams, req.draft_beams, st.gamma)
         common = dict(label=st.label, mode=st.mode, beams=st.beams, draft_beams=req.draft_beams, gamma=st.gamma,
                       target_tokens=n_t, draft_passes=st.draft_passes_per_target_pass,
                       tokens_per_target_pass=st.tokens_per_target_pass, stats_source=st.source)

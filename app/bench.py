@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .config import ConfigError, DecodeParams
+from .engine import final_event
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "bench"
 
@@ -157,9 +158,7 @@ def run_bench(engine, *, modes: list[str], prompts: list, base: DecodeParams, re
             params = policy.choose(base, _auto_level(label))
             run["setting"] = describe(params)  # what auto picked, in parse_mode syntax
             run["projected_tokens_per_s"] = policy.projected_tps(params)
-        last = None
-        for last in engine.chat([{"role": "user", "content": _prompt(prompts[i])}], replace(params, seed=seed)):
-            pass
+        last = final_event(engine.chat([{"role": "user", "content": _prompt(prompts[i])}], replace(params, seed=seed)))
         run |= {"text": last.text, "stats": last.stats}
         if isinstance(prompts[i], dict):
             run["passed"] = grade(last.text, prompts[i])

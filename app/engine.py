@@ -293,11 +293,19 @@ class Engine:
         out = []
         for i in range(n):
             p = replace(params, seed=derive_seed(params.seed, i)) if n > 1 else params
-            last = None
-            for last in self.generate(prompt, p):
-                pass
+            last = final_event(self.generate(prompt, p))
             out.append({"text": last.text, "tokens": last.tokens, "stats": last.stats})
         return out
+
+
+def final_event(events: Iterator[Event]) -> Event:
+    """Drain a generation's stream; its last event carries the final text and stats."""
+    last = None
+    for last in events:
+        pass
+    if last is None:
+        raise BackendError("the engine returned no events")
+    return last
 
 
 def memory_plan(target: ModelSpec, draft: ModelSpec | None, *, budget=None):

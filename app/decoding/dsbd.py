@@ -166,7 +166,7 @@ def dsbd(*, target: Context, draft: Context, prompt: Sequence[int], params, stop
             # accepted, unfinished nodes parent the next layer; keyed by their draft slot
             parents = [None] * ws
             valid = np.zeros(ws, bool)
-            for (k, i), h, e in zip(picked, beams, ended):
+            for (_, i), h, e in zip(picked, beams, ended):
                 if not e:
                     parents[i], valid[i] = h, True
         else:  # every layer passed: the extra layer from the last layer's logits

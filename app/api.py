@@ -57,6 +57,7 @@ class DsbdOptions(BaseModel):
     select: str | None = None
     top_k: int | None = None
     length_penalty: float | None = None
+    quality: str | None = None  # mode "auto": fast | beam | dynamic
 
 
 class _Sampling(BaseModel):
@@ -305,7 +306,7 @@ def build_api(engine, *, api_key: str | None = None, auth: tuple[str, str] | Non
               max_waiting: int = 16) -> FastAPI:
     """The OpenAI-compatible API over `engine` under /v1. With `api_key` and/or `auth` (user, password) a
     request needs `Authorization: Bearer <key>` or HTTP basic auth with that login; with neither it is open."""
-    gate, name = _Gate(max_waiting), model_id(engine)
+    gate = _Gate(max_waiting)  # the model id is read per request: the Models tab can swap models
 
     def check_key(request: Request) -> None:
         if api_key is None and auth is None:
@@ -332,14 +333,15 @@ def build_api(engine, *, api_key: str | None = None, auth: tuple[str, str] | Non
 
     @router.get("/models")
     def list_models() -> dict:
-        return {"object": "list", "data": [_model_card(engine, name)]}
+        return {"object": "list", "data": [_model_card(engine)]}
 
     @router.get("/models/{model:path}")
     def get_model(model: str) -> dict:
+        name = model_id(engine)
         if model != name:
             raise ApiError(404, f"model {model!r} is not served here; this server has {name!r}",
                            param="model", code="model_not_found")
-        return _model_card(engine, name)
+        return _model_card(engine)
 
     @router.post("/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request) -> Response:
@@ -375,7 +377,7 @@ def build_api(engine, *, api_key: str | None = None, auth: tuple[str, str] | Non
         run = _Run(streams, cancel, leave)
         head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}",
                 "object": "chat.completion" if kind == "chat" else "text_completion",
-                "created": int(time.time()), "model": name}
+                "created": int(time.time()), "model": model_id(engine)}
         if req.stream:
             usage = bool((req.stream_options or {}).get("include_usage"))
             return StreamingResponse(_sse(run, request, kind, head, prompt_param, usage, req.n),
@@ -393,8 +395,8 @@ def build_api(engine, *, api_key: str | None = None, auth: tuple[str, str] | Non
     return app
 
 
-def _model_card(engine, name: str) -> dict:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "dsbd-chat", "dsbd": engine.describe()}
+def _model_card(engine) -> dict:
+    return {"id": model_id(engine), "object": "model", "created": 0, "owned_by": "dsbd-chat", "dsbd": engine.describe()}
 
 
 def _usage(done: dict[int, Any], per_prompt: int) -> dict:

@@ -3,7 +3,8 @@ at the quality level the user chose.
 
     projected tok/s = tau / (C_target(n_t) + sum over the iteration's draft passes of C_draft(n_d))
 
-C(n) is the measured time of one pass scoring n tokens (calibrated once at load, piecewise linear between
+C(n) is the measured time of one pass scoring n tokens (timed once per model load, on the engine's first
+auto request, so users who never pick auto pay nothing; piecewise linear between
 1, 2, 4, ..., 64 tokens); n_t and the draft passes follow offload/cost.py's table. tau, the expected tokens
 per target pass, comes from per-depth layer pass rates a_l (spec §11 with one a per depth):
 
@@ -11,16 +12,20 @@ per target pass, comes from per-depth layer pass rates a_l (spec §11 with one a
 
 The a_l are exponential moving averages over finished generations (observe), per (mode, W, W_S, W_min);
 unobserved settings start from a_l = 0.66 (measured for the qwen-coder pair). A second moving average per
-mode, measured / projected tok/s, folds in what the pass model leaves out (sampler and Python time).
+mode, projected / measured seconds per target pass, folds in what the pass model leaves out (sampler and
+Python time, fewer live beams). It is per pass, not per returned token, on purpose: a beam mode's answer can
+be much shorter than the beam steps it took to settle (on the code suite a 21-token beam-sample answer ran at
+1.2 tok/s, a fifth of that mode's median), and that overrun depends on the prompt, not on the mode, so it would only add noise to the choice between modes of a level.
 
-Quality levels (what the user trades speed against; every candidate of a level keeps the user's T, top-k,
-top-p, W and t):
+Quality levels (config.QUALITY_LEVELS; every candidate of a level keeps the user's T, top-k, top-p, W and t):
     fast     sample, sps(gamma): exact draws from the target's sampling distribution.
     beam     beam-sample (W), dsbd with W_min >= 2: at least two beams at every step, so the output is
              chosen among several sampled continuations. dsbd-mem is NOT here: it carries one beam between
              iterations (spec §9) and measured at sampling quality (README: log-prob -1.07 vs sample -0.98).
     dynamic  dsbd, dsbd-mem at the user's t and W_min: beam search where the draft agrees, one beam elsewhere.
-No exploration: a setting never run keeps its prior until observed (a bench observes every mode it runs).
+    Without a draft model every level falls back to its draft-free mode (sample, beam-sample).
+No exploration: a setting never run keeps its prior until observed (the engine observes every finished
+generation, whatever its mode, so earlier turns and bench runs teach it).
 """
 
 from __future__ import annotations
@@ -31,9 +36,9 @@ from typing import Mapping
 
 from offload.cost import queries
 
+from .config import QUALITY_LEVELS as LEVELS
 from .config import ConfigError, DecodeParams
 
-LEVELS = ("fast", "beam", "dynamic")
 CAL_POINTS = (1, 2, 4, 8, 16, 32, 64)
 PRIOR_ACCEPTANCE = 0.66  # offload.cost.DEFAULT_ACCEPTANCE: the qwen-coder pair on mixed prose/code
 GAMMAS = (1, 2, 3, 4, 5, 6)
@@ -71,7 +76,7 @@ class CostCurve:
         raise AssertionError("unreachable")
 
 
-def measure_costs(model, ns=CAL_POINTS, *, context: int = 128, repeats: int = 3) -> dict[int, float]:
+def measure_costs(model, ns=CAL_POINTS, *, context: int = 128, repeats: int = 2) -> dict[int, float]:
     """Min seconds of one evaluate() of a flat n-node forest after `context` tokens (scoring_cost's method)."""
     from backends.base import ROOT, Forest
 
@@ -104,7 +109,7 @@ class AutoPolicy:
     target_cost: CostCurve
     draft_cost: CostCurve | None
     rates: dict[tuple, list[float]] = field(default_factory=dict)  # _key -> EMA of pass rate per depth
-    efficiency: dict[str, float] = field(default_factory=dict)  # mode -> EMA of measured / projected tok/s
+    efficiency: dict[str, float] = field(default_factory=dict)  # mode -> EMA of projected / measured s per pass
 
     @classmethod
     def from_costs(cls, target_costs: Mapping[int, float], draft_costs: Mapping[int, float] | None = None):
@@ -143,8 +148,10 @@ class AutoPolicy:
         return self.efficiency.get(p.mode, 1.0) * self.tokens_per_pass(p) / self.iteration_s(p)
 
     def observe(self, params: DecodeParams, stats: Mapping) -> None:
-        """Fold one finished generation's stats into the estimates (params as run, validated)."""
+        """Fold one finished generation's stats into the estimates (params as run: a concrete mode)."""
         params = params.validated()
+        if params.mode == "auto":
+            raise ValueError("observe() takes the setting auto picked, not 'auto'")
         if params.needs_draft:
             layers = stats.get("acceptance_by_depth") or {}
             new = []
@@ -158,9 +165,9 @@ class AutoPolicy:
                 self.rates[_key(params)] = [
                     (1 - EMA) * old[i] + EMA * new[i] if i < len(old) and i < len(new) else
                     (new[i] if i < len(new) else old[i]) for i in range(max(len(old), len(new)))]
-        tps = stats.get("tokens_per_s")
-        if tps and stats.get("new_tokens", 0) >= 8:  # a few tokens say little about speed
-            ratio = tps * self.iteration_s(params) / self.tokens_per_pass(params)
+        passes, seconds = stats.get("target_passes") or 0, stats.get("decode_s") or 0.0
+        if passes >= 4 and seconds > 0:  # a few passes say little about speed
+            ratio = self.iteration_s(params) * passes / seconds
             old = self.efficiency.get(params.mode)
             self.efficiency[params.mode] = ratio if old is None else (1 - EMA) * old + EMA * ratio
 

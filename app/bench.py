@@ -4,8 +4,8 @@ acceptance per depth, widths).
 
 A suite is {"prompts": [str, ...]} (quality = mean target log-prob) or {"tasks": [{"prompt", "entry_point",
 "tests": [assert lines], "reference"}, ...]} (quality also = pass rate of the hidden tests, see `grade`).
-Mode `auto[:level=fast|beam|dynamic]` is resolved per run by app.auto.AutoPolicy, calibrated on the loaded
-models; the policy observes every run of every mode, as it would observe earlier turns of a chat.
+Mode `auto[:quality=fast|beam|dynamic]` is the engine's auto mode (app/auto.py): it picks per run, having
+observed every earlier run of every mode, as it would observe earlier turns of a chat.
 """
 
 from __future__ import annotations
@@ -86,43 +86,23 @@ def grade(answer: str, task: dict, *, timeout: float = 5.0) -> bool:
 
 
 def parse_mode(spec: str, base: DecodeParams) -> tuple[str, DecodeParams]:
-    """'dsbd' or 'dsbd:beams=2,gamma=4' -> (label, params).
-
-    'auto[:level=L]' gets placeholder params (sps: it needs the draft model) checked like any other mode;
-    the real setting is chosen per run.
-    """
+    """'dsbd' or 'dsbd:beams=2,gamma=4' or 'auto:quality=beam' -> (label, params)."""
     mode, _, opts = spec.partition(":")
-    if mode == "auto":
-        level = _auto_level(spec)
-        from .auto import LEVELS
-
-        if level not in LEVELS:
-            raise ConfigError(f"unknown auto level in {spec!r}; choose one of: {', '.join(LEVELS)}")
-        return spec, replace(base, mode="sps", draft_beams=None).validated()
     kw: dict = {"mode": mode}
     for item in filter(None, opts.split(",")):
         key, _, value = item.partition("=")
-        field = key.strip().replace("-", "_")
+        field = {"level": "quality"}.get(key.strip(), key.strip().replace("-", "_"))  # auto:level= (older runs)
         if field not in DecodeParams.__dataclass_fields__:
             raise ConfigError(f"unknown setting {key!r} in bench mode {spec!r}")
         kw[field] = type(getattr(base, field) if getattr(base, field) is not None else 0)(value)
     return spec, replace(base, **kw).validated()
 
 
-def _auto_level(spec: str) -> str:
-    opts = dict(item.partition("=")[::2] for item in filter(None, spec.partition(":")[2].split(",")))
-    unknown = set(opts) - {"level"}
-    if unknown:
-        raise ConfigError(f"auto takes only level=..., got {sorted(unknown)} in {spec!r}")
-    return opts.get("level", "fast")
-
-
 def run_bench(engine, *, modes: list[str], prompts: list, base: DecodeParams, repeats: int = 1,
-              out: Path | None = None, progress: bool = True, policy=None) -> dict:
+              out: Path | None = None, progress: bool = True) -> dict:
     """Run every (repeat, prompt, mode) once, modes innermost; returns {config, runs, summary}.
 
-    `prompts`: strings or task dicts (graded: runs get `passed`). `policy`: an AutoPolicy for auto modes
-    (default: calibrated here on the engine's models when any mode is auto).
+    `prompts`: strings or task dicts (graded: runs get `passed`). Auto runs record the `setting` they ran.
     """
     settings = [parse_mode(m, base) for m in modes]
     for _, p in settings:
@@ -134,16 +114,8 @@ def run_bench(engine, *, modes: list[str], prompts: list, base: DecodeParams, re
         old = json.loads(out.read_text())
         if old.get("config") == config:
             runs = old["runs"]
-    extra: dict = {}
-    if policy is None and any(label.partition(":")[0] == "auto" for label, _ in settings):
-        from .auto import AutoPolicy
-
-        policy = AutoPolicy.calibrate(engine)
-    if policy is not None:
-        extra["auto_calibration"] = {"target": dict(policy.target_cost.points),
-                                     "draft": dict(policy.draft_cost.points) if policy.draft_cost else None}
-        for r in runs:  # a resumed bench: the policy relearns from the runs already done
-            policy.observe(parse_mode(r.get("setting", r["mode"]), base)[1], r["stats"])
+    for r in runs:  # a resumed bench: the engine relearns from the runs already done, as auto would have
+        engine.observe(parse_mode(r.get("setting", r["mode"]), base)[1], r["stats"])
     done = {(r["repeat"], r["prompt"], r["mode"]) for r in runs}
     todo = [(r, i, label, p) for r in range(repeats) for i in range(len(prompts)) for label, p in settings
             if (r, i, label) not in done]
@@ -152,25 +124,28 @@ def run_bench(engine, *, modes: list[str], prompts: list, base: DecodeParams, re
     for r, i, label, params in tqdm(todo, desc="bench", disable=not progress):
         seed = (base.seed or 0) + 1000 * r + i
         run: dict = {"repeat": r, "prompt": i, "mode": label}
-        if label.partition(":")[0] == "auto":
-            from .auto import describe
-
-            params = policy.choose(base, _auto_level(label))
-            run["setting"] = describe(params)  # what auto picked, in parse_mode syntax
-            run["projected_tokens_per_s"] = policy.projected_tps(params)
         last = final_event(engine.chat([{"role": "user", "content": _prompt(prompts[i])}], replace(params, seed=seed)))
         run |= {"text": last.text, "stats": last.stats}
+        if "auto" in last.stats:  # what auto picked, in parse_mode syntax
+            run["setting"] = last.stats["auto"]["setting"]
         if isinstance(prompts[i], dict):
             run["passed"] = grade(last.text, prompts[i])
-        if policy is not None:
-            policy.observe(params, last.stats)
         runs.append(run)
         if out is not None:
-            _write(out, {"config": config, "runs": runs, **extra})
-    result = {"config": config, "runs": runs, **extra, "summary": summarize(runs, [m for m, _ in settings])}
+            _write(out, {"config": config, "runs": runs, **_calibration(engine)})
+    result = {"config": config, "runs": runs, **_calibration(engine), "summary": summarize(runs, [m for m, _ in settings])}
     if out is not None:
         _write(out, result)
     return result
+
+
+def _calibration(engine) -> dict:
+    """The pass costs auto was timed with (seconds per pass by tokens scored), once it has run."""
+    policy = engine.policy
+    if policy is None:
+        return {}
+    return {"auto_calibration": {"target": dict(policy.target_cost.points),
+                                 "draft": dict(policy.draft_cost.points) if policy.draft_cost else None}}
 
 
 def _write(path: Path, data: dict) -> None:

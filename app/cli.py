@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from .config import BACKENDS, DTYPES, MODES, ConfigError, DecodeParams, ModelSpec
+from .config import BACKENDS, DTYPES, MODES, QUALITY_LEVELS, ConfigError, DecodeParams, ModelSpec
 
 PRESET_DEFAULT = "tiny"
 
@@ -29,7 +29,10 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
 
 def _decode_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("decoding")
-    g.add_argument("--mode", choices=MODES, default="greedy")
+    g.add_argument("--mode", choices=MODES, default="greedy",
+                   help="auto: the fastest setting of --quality, from timed passes and measured acceptance")
+    g.add_argument("--quality", choices=QUALITY_LEVELS, default="fast",
+                   help="auto only: fast = sample/sps, beam = beam-sample/dsbd (W_min >= 2), dynamic = dsbd/dsbd-mem")
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 = off; counts (beam, token) pairs")
@@ -49,7 +52,7 @@ def _params(a, *, validate: bool = True) -> DecodeParams:
     p = DecodeParams(mode=a.mode, max_new_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k,
                      top_p=a.top_p, beams=a.beams, draft_beams=a.draft_beams, gamma=a.gamma,
                      threshold=a.threshold, min_beams=a.min_beams, select=a.select,
-                     length_penalty=a.length_penalty, seed=a.seed, stop=tuple(a.stop))
+                     length_penalty=a.length_penalty, seed=a.seed, stop=tuple(a.stop), quality=a.quality)
     return p.validated() if validate else p
 
 
@@ -70,7 +73,7 @@ def cmd_generate(a) -> int:
     target, draft = _specs(a, need_draft=params.needs_draft)
     from .engine import Engine
 
-    engine = Engine.load(target, draft if params.needs_draft else None)
+    engine = Engine.load(target, draft if params.needs_draft or params.mode == "auto" else None)
     try:
         tok = engine.tokenizer
         if a.raw:
@@ -302,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(plan)
     plan.add_argument("--context", dest="ctx", type=int, default=argparse.SUPPRESS,
                       help="tokens per sequence: prompt + answer + draft tree (same as --ctx; default 4096)")
-    plan.add_argument("--mode", choices=("auto",) + MODES, default="auto",
+    plan.add_argument("--mode", choices=MODES, default="auto",
                       help="decoding mode to plan for; auto: dsbd or dsbd-mem, whichever keeps more weights in "
                            "VRAM (beam-sample without a draft)")
     plan.add_argument("--beams", type=int, default=4, help="W: beams carried between steps")

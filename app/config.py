@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-MODES = ("greedy", "sample", "beam", "beam-sample", "beam-sample-repl", "sps", "dsbd", "dsbd-mem")
+MODES = ("greedy", "sample", "beam", "beam-sample", "beam-sample-repl", "sps", "dsbd", "dsbd-mem", "auto")
+# auto's quality levels (app/auto.py): fast = sample | sps, beam = beam-sample | dsbd with W_min >= 2,
+# dynamic = dsbd | dsbd-mem at the user's t and W_min.
+QUALITY_LEVELS = ("fast", "beam", "dynamic")
 DRAFT_MODES = ("sps", "dsbd", "dsbd-mem")
 BEAM_MODES = ("beam", "beam-sample", "beam-sample-repl", "dsbd", "dsbd-mem")
 BACKENDS = ("llamacpp", "pytorch")
@@ -51,6 +54,7 @@ class DecodeParams:
     length_penalty: float = 1.0  # lambda
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    quality: str = "fast"  # auto mode only: which modes it may pick (QUALITY_LEVELS)
 
     def validated(self) -> "DecodeParams":
         """Check every field; return a copy with defaults resolved. Raises ConfigError."""
@@ -76,6 +80,9 @@ class DecodeParams:
         if self.mode in ("dsbd", "dsbd-mem") and ws < w:
             raise ConfigError(f"draft_beams (W_S={ws}) must be >= beams (W={w})")
         _int("min_beams", self.min_beams, 1, w)
+        if self.quality not in QUALITY_LEVELS:
+            raise ConfigError(f"unknown quality level {self.quality!r} for auto; choose one of: "
+                              f"{', '.join(QUALITY_LEVELS)}")
         if self.select not in ("best", "sample"):
             raise ConfigError(f"select must be 'best' or 'sample', got {self.select!r}")
         lp = _finite("length_penalty", self.length_penalty)

@@ -10,6 +10,7 @@ import logging
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
@@ -62,6 +63,8 @@ class Engine:
         self.tokenizer = target.tokenizer
         self._ctx: dict[str, tuple[int, object, int]] = {}  # role -> (rows, context, KV cells)
         self.lock = threading.Lock()
+        self.policy = None  # app.auto.AutoPolicy: timed on the first auto request, dropped on a model swap
+        self._finished: deque = deque(maxlen=64)  # (params, stats) of recent answers, taught to a new policy
         if draft is not None:
             from backends.tokenizer import check_compatible
 
@@ -123,7 +126,8 @@ class Engine:
             self._ctx.clear()
             self.target, self.draft = staged.target, staged.draft
             self.n_ctx, self.tokenizer, self.specs = staged.n_ctx, staged.tokenizer, (target, draft)
-            self.plan = plan
+            self.plan, self.policy = plan, None  # pass costs and acceptance belong to the old models
+            self._finished.clear()
             for ctx in stale:
                 ctx.close()
             for m in old.values():
@@ -166,11 +170,15 @@ class Engine:
 
     # -- generation ----------------------------------------------------------------------------
     def check_params(self, params: DecodeParams) -> DecodeParams:
-        return self.resolve(params)[0]
+        """Validated params as they would run; auto stays auto (it picks when its generation starts)."""
+        params = params.validated()
+        return params if params.mode == "auto" else self.resolve(params)[0]
 
     def resolve(self, params: DecodeParams) -> tuple[DecodeParams, str | None]:
         """Validated params, switched to memory-reduced DSBD when full mode does not fit the memory plan."""
         params = params.validated()
+        if params.mode == "auto":
+            raise ConfigError("auto picks a concrete mode first: call Engine.pick")
         if params.needs_draft and self.draft is None:
             raise ConfigError(f"mode {params.mode!r} needs a draft model: load one (--draft) or pick "
                               "greedy / sample / beam / beam-sample / beam-sample-repl")
@@ -183,27 +191,55 @@ class Engine:
             return replace(params, mode="dsbd-mem"), notice
         return params, None
 
+    def pick(self, params: DecodeParams) -> tuple[DecodeParams, dict]:
+        """Auto mode: the setting of params.quality with the best projected tok/s, and what it was based on.
+        The first call after a load times the models' passes (seconds; waits for a running answer)."""
+        from .auto import AutoPolicy, describe
+
+        params = params.validated()
+        info = {"quality": params.quality}
+        with self.lock:  # timing evaluates the models: never beside a running generation
+            if self.policy is None:
+                t0 = time.perf_counter()
+                policy = AutoPolicy.calibrate(self)
+                for seen in self._finished:  # answers given before auto was first asked for
+                    policy.observe(*seen)
+                self.policy, info["calibration_s"] = policy, round(time.perf_counter() - t0, 2)
+                log.info("auto: timed the passes in %.1f s", info["calibration_s"])
+            chosen = self.policy.choose(params, params.quality)
+            info |= {"setting": describe(chosen), "projected_tokens_per_s": self.policy.projected_tps(chosen)}
+        return chosen, info
+
+    def observe(self, params: DecodeParams, stats: dict) -> None:
+        """Learn from a finished answer (auto's acceptance and speed estimates); params as it ran."""
+        self._finished.append((params, stats))
+        if self.policy is not None:
+            self.policy.observe(params, stats)
+
     def encode(self, messages: list[dict]) -> list[int]:
         return encode_chat(messages, self.tokenizer)
 
     def generate(self, prompt: Sequence[int], params: DecodeParams, *,
                  cancel: threading.Event | None = None) -> Iterator[Event]:
         """Stream one completion of `prompt` (token ids). Raises ConfigError before any work."""
-        params, notice = self.resolve(params)
         prompt = list(prompt)
         if not prompt:
             raise ConfigError("the prompt is empty")
+        auto = None
+        if params.validated().mode == "auto":
+            params, auto = self.pick(params)
+        params, notice = self.resolve(params)
         tree = params.draft_beams * params.gamma + 1 if params.needs_draft else 1
         if len(prompt) + params.max_new_tokens + tree > self.n_ctx:
             raise PromptTooLong(prompt=len(prompt), max_new=params.max_new_tokens, tree=tree, n_ctx=self.n_ctx)
-        return self._run(prompt, params, cancel, self.target, notice)
+        return self._run(prompt, params, cancel, self.target, notice, auto)
 
-    def _run(self, prompt, params, cancel, encoded_for, notice) -> Iterator[Event]:
+    def _run(self, prompt, params, cancel, encoded_for, notice, auto=None) -> Iterator[Event]:
         """Decode; an out-of-memory error before the first event frees the caches and retries once with a
         lighter setting (memory-reduced DSBD, fewer beams), telling the user."""
         started = False
         try:
-            for ev in self._decode(prompt, params, cancel, encoded_for, notice):
+            for ev in self._decode(prompt, params, cancel, encoded_for, notice, auto):
                 started = True
                 yield ev
         except Exception as e:
@@ -216,7 +252,8 @@ class Engine:
             why = (f"out of memory with {params.mode} and {params.beams} beams: retried with "
                    f"{lighter.mode} and {lighter.beams} beams")
             try:
-                yield from self._decode(prompt, lighter, cancel, encoded_for, f"{notice}; {why}" if notice else why)
+                yield from self._decode(prompt, lighter, cancel, encoded_for, f"{notice}; {why}" if notice else why,
+                                        auto)
             except Exception as again:
                 if not _is_oom(again):
                     raise
@@ -233,7 +270,7 @@ class Engine:
         if torch is not None and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def _decode(self, prompt, params, cancel, encoded_for, notice) -> Iterator[Event]:
+    def _decode(self, prompt, params, cancel, encoded_for, notice, auto=None) -> Iterator[Event]:
         memory = params.mode in ("dsbd-mem", "greedy", "sample", "sps")
         rows = 1 if memory else params.beams
         # Rows of a unified cache share the prompt but each holds its own answer (worst case).
@@ -264,8 +301,11 @@ class Engine:
                     text = stopper.visible_text(step.final, final=step.done)
                     if step.done:
                         stats = self._stats(metrics, step.output.tokens, step.output.score)
+                        self.observe(params, stats)
                         if notice:
                             stats["notice"] = notice
+                        if auto:
+                            stats["auto"] = auto
                         yield Event(text=text, tokens=len(step.output.tokens), live_beams=0, done=True,
                                     stats=stats, forest=step.forest, notice=notice)
                         return

@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Iterator
 
+from app.auto import AutoPolicy, describe
 from app.config import BEAM_MODES, ConfigError, DecodeParams
 from app.decoding.metrics import LayerStats, Metrics
 from app.engine import Event, PromptTooLong
@@ -38,6 +39,9 @@ class FakeEngine:
         self.specs = (None, None)  # (target, draft) ModelSpecs, set by swap()
         self.names = ("fake-target", "fake-draft")
         self.backends = ("fake", "fake")
+        # auto mode: fixed pass costs instead of timing (the README's qwen-coder ones on a 2-core CPU)
+        self.policy = AutoPolicy.from_costs({1: 0.080, 8: 0.25, 64: 1.0}, {1: 0.045, 8: 0.11, 64: 0.76})
+        self.observed: list[tuple[DecodeParams, dict]] = []
 
     def describe(self) -> dict:
         d = {"target": self.names[0], "target_backend": self.backends[0], "n_ctx": self.n_ctx}
@@ -73,9 +77,19 @@ class FakeEngine:
         if prompt + params.max_new_tokens > self.n_ctx:
             raise PromptTooLong(prompt=prompt, max_new=params.max_new_tokens, tree=0, n_ctx=self.n_ctx)
         self.calls.append((messages, params))
-        return self._run(messages, params, cancel, len(self.calls))
+        auto = None
+        if params.mode == "auto":
+            chosen = self.policy.choose(params, params.quality)
+            auto = {"quality": params.quality, "setting": describe(chosen),
+                    "projected_tokens_per_s": self.policy.projected_tps(chosen)}
+            params = chosen
+        return self._run(messages, params, cancel, len(self.calls), auto)
 
-    def _run(self, messages, params, cancel, call_no) -> Iterator[Event]:
+    def observe(self, params: DecodeParams, stats: dict) -> None:
+        self.observed.append((params, stats))
+        self.policy.observe(params, stats)
+
+    def _run(self, messages, params, cancel, call_no, auto=None) -> Iterator[Event]:
         with self.lock:
             last_user = next(m["content"] for m in reversed(messages) if m["role"] == "user")
             words = [f"Answer {call_no} to {last_user.split()[0]}:"] + \
@@ -107,7 +121,11 @@ class FakeEngine:
                     time.sleep(self.delay)
             m.finish_reason = "stop"
             m.score = -0.5 * len(words)
-            yield self._done(m, words)
+            done = self._done(m, words)
+            self.observe(params, done.stats)
+            if auto:
+                done.stats["auto"] = auto
+            yield done
 
     @staticmethod
     def _done(m: Metrics, words: list[str]) -> Event:

@@ -161,6 +161,15 @@ def test_dsbd_extension_parameters(client):
     assert r.choices[0].message.content.strip()
 
 
+def test_auto_mode_says_what_it_picked(client, tiny):
+    r = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=12, temperature=0.8, seed=2,
+                                       extra_body={"dsbd": {"mode": "auto", "quality": "beam", "beams": 2}})
+    stats = r.choices[0].model_extra["dsbd_stats"]
+    auto = stats["auto"]
+    assert auto["quality"] == "beam" and auto["setting"].split(":")[0] == stats["mode"]
+    assert stats["mode"] in ("beam-sample", "dsbd") and auto["projected_tokens_per_s"] > 0
+
+
 def test_raw_completions(client, tiny):
     r = client.completions.create(model="any", prompt=["1, 2, 3, 4,", "Colours: red,"], max_tokens=6,
                                   temperature=0, stop=["\n"])
@@ -174,6 +183,7 @@ def test_raw_completions(client, tiny):
 @pytest.mark.parametrize("body, param", [
     ({"extra_body": {"dsbd": {"mode": "dsbd", "threshold": 1.5}}}, "dsbd.threshold"),
     ({"extra_body": {"dsbd": {"mode": "turbo"}}}, "dsbd.mode"),
+    ({"extra_body": {"dsbd": {"mode": "auto", "quality": "best"}}}, "dsbd.quality"),
     ({"extra_body": {"dsbd": {"beamz": 2}}}, "dsbd.beamz"),
     ({"extra_body": {"dsbd": {"mode": "dsbd"}}, "temperature": 0}, "temperature"),
     ({"n": 0}, "n"),

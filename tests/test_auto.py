@@ -61,8 +61,23 @@ def test_measured_speed_corrects_the_projection_per_mode():
     p = AutoPolicy.from_costs(*CPU)
     s = BASE.validated()
     assert p.projected_tps(s) == pytest.approx(12.5)
-    p.observe(s, {"tokens_per_s": 10.0, "new_tokens": 50})  # sampler time the pass model leaves out
+    p.observe(s, {"target_passes": 50, "decode_s": 5.0})  # 0.1 s per pass: sampler time the model leaves out
     assert p.projected_tps(s) == pytest.approx(10.0)
+    p.observe(s, {"target_passes": 2, "decode_s": 5.0})  # too few passes to say anything
+    assert p.projected_tps(s) == pytest.approx(10.0)
+
+
+def test_a_short_beam_answer_after_many_steps_does_not_flip_the_beam_level():
+    # The code-suite case: a 21-token beam-sample answer that took 100 beam steps (1.2 tok/s against a
+    # usual 6). Each pass took as long as projected, so beam sampling stays the CPU's beam-level choice.
+    p = AutoPolicy.from_costs(*CPU)
+    beam = p.choose(BASE, "beam")
+    assert beam.mode == "beam-sample"
+    per_pass = p.iteration_s(beam)
+    p.observe(beam, {"target_passes": 100, "decode_s": 100 * per_pass, "new_tokens": 21,
+                     "tokens_per_s": 21 / (100 * per_pass)})
+    assert p.choose(BASE, "beam") == beam
+    assert p.projected_tps(beam) == pytest.approx(1 / per_pass)
 
 
 def test_levels_offer_only_their_modes_and_validate():
@@ -74,6 +89,8 @@ def test_levels_offer_only_their_modes_and_validate():
     assert {c.mode for c in no_draft.candidates(BASE, "fast")} == {"sample"}
     with pytest.raises(ConfigError):
         p.choose(BASE, "best")
+    with pytest.raises(ValueError, match="the setting auto picked"):
+        p.observe(DecodeParams(mode="auto"), {})
 
 
 def test_describe_round_trips_through_the_bench_syntax():

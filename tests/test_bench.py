@@ -7,7 +7,6 @@ import json
 import pytest
 
 from app import bench
-from app.auto import AutoPolicy
 from app.config import ConfigError, DecodeParams
 from tests.fake_engine import FakeEngine
 
@@ -45,36 +44,33 @@ def test_code_suite_loads_and_every_reference_passes_its_tests():
         assert t["entry_point"] in t["reference"]
 
 
-def test_parse_mode_accepts_auto_with_a_level():
+def test_parse_mode_accepts_auto_with_a_quality_level():
     base = DecodeParams(max_new_tokens=8)
-    label, placeholder = bench.parse_mode("auto:level=beam", base)
-    assert label == "auto:level=beam" and placeholder.needs_draft  # auto may pick a drafted mode
-    with pytest.raises(ConfigError):
-        bench.parse_mode("auto:level=best", base)
-    with pytest.raises(ConfigError):
-        bench.parse_mode("auto:gamma=3", base)
-
-
-def _policy() -> AutoPolicy:
-    # The README's qwen-coder llama.cpp costs on this CPU: sample is the fastest sampler here.
-    return AutoPolicy.from_costs({1: 0.080, 8: 0.25, 64: 1.0}, {1: 0.045, 8: 0.11, 64: 0.76})
+    label, p = bench.parse_mode("auto:quality=beam", base)
+    assert label == "auto:quality=beam" and (p.mode, p.quality) == ("auto", "beam")
+    assert bench.parse_mode("auto:level=dynamic", base)[1].quality == "dynamic"  # the older spelling
+    with pytest.raises(ConfigError, match="quality level 'best'"):
+        bench.parse_mode("auto:quality=best", base)
 
 
 def test_run_bench_resolves_auto_records_passes_and_summarizes(tmp_path):
     tasks = [TASK, {**TASK, "prompt": "Again add(a, b)."}]
     out = tmp_path / "b.json"
     res = bench.run_bench(FakeEngine(n_ctx=400), modes=["sample", "dsbd", "auto"], prompts=tasks,
-                          base=DecodeParams(max_new_tokens=12, seed=0), out=out, progress=False, policy=_policy())
+                          base=DecodeParams(max_new_tokens=12, seed=0), out=out, progress=False)
     auto_runs = [r for r in res["runs"] if r["mode"] == "auto"]
     assert [r["setting"] for r in auto_runs] == ["sample", "sample"]
     assert all(r["passed"] is False for r in res["runs"])  # the fake answers words, not code
     s = res["summary"]
     assert s["sample"]["pass_rate"] == 0.0 and s["auto"]["settings"] == {"sample": 2}
     assert json.loads(out.read_text())["summary"]["auto"]["runs"] == 2
-    # A finished file resumes to the same runs without running anything again.
-    again = bench.run_bench(FakeEngine(n_ctx=400), modes=["sample", "dsbd", "auto"], prompts=tasks,
-                            base=DecodeParams(max_new_tokens=12, seed=0), out=out, progress=False, policy=_policy())
+    # A finished file resumes to the same runs without running anything again; the engine relearns from
+    # them, auto's runs as the setting it picked.
+    fresh = FakeEngine(n_ctx=400)
+    again = bench.run_bench(fresh, modes=["sample", "dsbd", "auto"], prompts=tasks,
+                            base=DecodeParams(max_new_tokens=12, seed=0), out=out, progress=False)
     assert again["runs"] == json.loads(json.dumps(res["runs"]))  # JSON turns int keys into strings
+    assert fresh.calls == [] and [p.mode for p, _ in fresh.observed] == ["sample", "dsbd", "sample"] * 2
 
 
 def test_pareto_keeps_only_non_dominated_points():

@@ -4,9 +4,12 @@ token for token, cancellation that leaves both runtimes' caches consistent, and 
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 
+from app.auto import describe
+from app.bench import parse_mode
 from app.config import MODES, ConfigError, DecodeParams, ModelSpec
 from app.engine import Engine, PromptTooLong
 
@@ -80,3 +83,25 @@ def test_bad_parameters_fail_before_work(engine):
         engine.chat(MESSAGES, DecodeParams(mode="dsbd", beams=4, draft_beams=2))
     with pytest.raises(ConfigError, match="threshold"):
         engine.chat(MESSAGES, DecodeParams(mode="dsbd", threshold=1.5))
+
+
+def test_auto_runs_what_it_names_learns_from_every_answer_and_forgets_on_swap(tiny_gguf_path):
+    e = Engine.load(ModelSpec(source="tiny", n_ctx=512), ModelSpec(source="tiny", n_ctx=512))
+    try:
+        base = DecodeParams(max_new_tokens=12, seed=4, temperature=0.8, beams=2)
+        final(e.chat(MESSAGES, replace(base, mode="sps")))  # given before auto is first asked for
+        assert e.policy is None  # users who never pick auto never pay for timing the passes
+        first = final(e.chat(MESSAGES, replace(base, mode="auto", quality="dynamic")))
+        info = first.stats["auto"]
+        assert info["quality"] == "dynamic" and info["calibration_s"] > 0 and e.policy is not None
+        assert ("sps", 2, 1, 1) in e.policy.rates  # the earlier sps answer was replayed into the new policy
+        chosen = parse_mode(info["setting"], base)[1]
+        assert first.stats["mode"] == chosen.mode and chosen.mode in ("dsbd", "dsbd-mem")
+        assert final(e.chat(MESSAGES, chosen)).text == first.text  # auto is exactly the setting it names
+        expect = describe(e.policy.choose(replace(base, mode="auto"), "dynamic"))
+        again = final(e.chat(MESSAGES, replace(base, mode="auto", quality="dynamic")))
+        assert "calibration_s" not in again.stats["auto"] and again.stats["auto"]["setting"] == expect
+        e.swap(*e.specs)
+        assert e.policy is None  # pass costs and acceptance belonged to the models before the swap
+    finally:
+        e.close()

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from app.chat import ChatError  # noqa: E402
-from app.config import MODES, ConfigError, DecodeParams, ModelSpec  # noqa: E402
+from app.config import MODES, QUALITY_LEVELS, ConfigError, DecodeParams, ModelSpec  # noqa: E402
 from app.engine import Engine, PromptTooLong  # noqa: E402
 
 # 2,000 runs take ~65 s on the 2-core dev CPU (most invalid sets fail fast; valid ones decode <= 4 tokens).
@@ -56,6 +56,7 @@ WILD = {
     "threshold": FLOATS,
     "min_beams": st.one_of(st.integers(-1, 20), JUNK),
     "select": st.one_of(st.sampled_from(["best", "sample"]), JUNK),
+    "quality": st.one_of(st.sampled_from(QUALITY_LEVELS), JUNK),
     "length_penalty": FLOATS,
     "seed": st.one_of(st.none(), st.integers(-2**70, 2**70), st.sampled_from([-1, 0, 2**63 - 1, 2**63, 2**64]), JUNK),
     "stop": st.one_of(st.lists(st.text(max_size=3), max_size=3).map(tuple), st.lists(st.text(max_size=3), max_size=3),
@@ -76,6 +77,7 @@ VALID = {
     "threshold": st.one_of(st.floats(0.0, 1.0), st.sampled_from([0.0, 1.0])),
     "min_beams": st.one_of(st.just(1), st.integers(1, 4)),
     "select": st.sampled_from(["best", "sample"]),
+    "quality": st.sampled_from(QUALITY_LEVELS),
     "length_penalty": st.one_of(st.floats(-10.0, 10.0), st.sampled_from([0.0, -10.0, 10.0])),
     "seed": st.one_of(st.none(), st.integers(0, 2**63 - 1), st.sampled_from([0, 2**63 - 1])),
     "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2).map(tuple),

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import gradio as gr
 
-from ..config import BEAM_MODES, MAX_BEAMS, MAX_GAMMA, MODES, DecodeParams
+from ..config import BEAM_MODES, MAX_BEAMS, MAX_GAMMA, MODES, QUALITY_LEVELS, DecodeParams
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
-SAMPLING_MODES = ("sample", "beam-sample", "beam-sample-repl", "sps", "dsbd", "dsbd-mem")
-FIELDS = ("preset", "mode", "max_new_tokens", "seed", "temperature", "top_k", "top_p", "beams",
+SAMPLING_MODES = ("sample", "beam-sample", "beam-sample-repl", "sps", "dsbd", "dsbd-mem", "auto")
+FIELDS = ("preset", "mode", "quality", "max_new_tokens", "seed", "temperature", "top_k", "top_p", "beams",
           "draft_beams", "gamma", "threshold", "min_beams", "select", "length_penalty")
+QUALITY_INFO = "fast: sample / sps · beam: beam-sample / dsbd with ≥ 2 beams · dynamic: dsbd / dsbd-mem"
 _INTS = ("max_new_tokens", "top_k", "beams", "draft_beams", "gamma", "min_beams")
 _FLOATS = ("temperature", "top_p", "threshold", "length_penalty")
 CUSTOM = "Custom"
@@ -29,6 +30,8 @@ def relevant(mode: str) -> set[str]:
         names |= {"temperature", "top_k", "top_p"}
     if mode in BEAM_MODES:
         names |= {"beams", "length_penalty"}
+    if mode == "auto":  # it picks the mode, gamma and W_S; W, t and W_min are the user's
+        names |= {"quality", "beams", "threshold", "min_beams"}
     if mode in ("sps", "dsbd", "dsbd-mem"):
         names.add("gamma")
     if mode in ("dsbd", "dsbd-mem"):
@@ -80,7 +83,7 @@ def params_from(settings: dict) -> DecodeParams:
     s = default_settings() | {k: v for k, v in settings.items() if v is not None or k == "seed"}
     keep, base = relevant(s["mode"]), DecodeParams().as_dict()
     kw = {}
-    for k in _INTS + _FLOATS + ("select",):
+    for k in _INTS + _FLOATS + ("select", "quality"):
         v = s[k] if k in keep else base[k]
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             v = int(round(v)) if k in _INTS else float(v)
@@ -96,6 +99,8 @@ def summary(settings: dict) -> str:
     s = default_settings() | settings
     keep, m = relevant(s["mode"]), s["mode"]
     parts = [m]
+    if m == "auto":
+        parts.append(s["quality"])
     for name, label in (("beams", "W"), ("draft_beams", "W_S"), ("gamma", "γ"), ("temperature", "T")):
         if name in keep and not (name == "draft_beams" and not s[name]):
             v = s[name]
@@ -132,6 +137,8 @@ class DecodingPanel:
             "preset": gr.Radio([*self.presets, CUSTOM], value=s["preset"], label="Preset",
                                info=self._preset_info(s["preset"]), elem_id="preset", **v["preset"]),
             "mode": gr.Dropdown(list(MODES), value=s["mode"], label="Decoding mode", elem_id="mode", **v["mode"]),
+            "quality": gr.Radio(list(QUALITY_LEVELS), value=s["quality"], label="Auto: quality level",
+                                info=QUALITY_INFO, elem_id="quality", **v["quality"]),
             "max_new_tokens": gr.Slider(1, 2048, value=s["max_new_tokens"], step=1, label="Max new tokens",
                                         **v["max_new_tokens"]),
             "seed": gr.Number(value=_seed_widget(s.get("seed")), precision=0, label="Seed (-1 = random)", minimum=-1,

@@ -60,6 +60,10 @@ def stats_markdown(stats: dict | None, *, memory: bool = True) -> str:
             f"| {_num(stats.get('mean_target_logprob'), '.3f')} "
             f"| {stats.get('finish_reason') or '–'} |")
     lines = [head, ""]
+    if auto := stats.get("auto"):
+        timed = f" (timed the passes first: {auto['calibration_s']:.1f} s)" if auto.get("calibration_s") else ""
+        lines.append(f"**Auto ({auto.get('quality')}) picked:** {auto.get('setting')} · projected "
+                     f"{_num(auto.get('projected_tokens_per_s'), '.1f')} tok/s{timed}  ")
     if acc := acceptance_line(stats):
         lines.append(f"**Acceptance by layer:** {acc}  ")
     if widths := widths_line(stats):
@@ -76,7 +80,10 @@ def stats_footer(stats: dict | None) -> str:
     """One short line for under an answer bubble."""
     if not stats:
         return ""
-    bits = [str(stats.get("mode", "")), f"{stats.get('new_tokens', '?')} tokens",
+    mode = str(stats.get("mode", ""))
+    if stats.get("auto"):
+        mode = f"auto → {stats['auto'].get('setting', mode)}"
+    bits = [mode, f"{stats.get('new_tokens', '?')} tokens",
             f"{_num(stats.get('tokens_per_s'), '.1f')} tok/s", f"{stats.get('target_passes', '?')} target passes"]
     if stats.get("finish_reason") == "cancelled":
         bits.append("stopped")

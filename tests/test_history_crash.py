@@ -102,6 +102,19 @@ def test_sigkill_mid_save_never_loses_a_completed_save(tmp_path, history):
     print(f"\n{KILLS} kills: {len(leftovers)} inside a write (temp file left), {torn} after the rename")
 
 
+def test_temp_files_left_by_a_crash_are_swept_once_old(tmp_path, history):
+    store = history.HistoryStore(tmp_path)
+    chat = store.new_chat()
+    store.save(chat)
+    old, fresh = store.chats_dir / f".{chat['id']}.json.abc.tmp", store.chats_dir / f".{chat['id']}.json.def.tmp"
+    for p in (old, fresh):
+        p.write_text('{"half": ')
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    store = history.HistoryStore(tmp_path)  # the app starting again
+    assert not old.exists() and fresh.exists()  # a fresh one may be another process's write in progress
+    assert store.load(chat["id"])["id"] == chat["id"]
+
+
 def test_atomic_write_is_temp_fsync_replace(tmp_path, history, monkeypatch):
     calls = []
     real_fsync, real_replace = os.fsync, os.replace

@@ -116,6 +116,19 @@ class HistoryStore:
         self.corrupt_dir = self.root / "corrupt"
         for d in (self.chats_dir, self.exports_dir):
             d.mkdir(parents=True, exist_ok=True)
+        self._sweep_temp_files()
+
+    def _sweep_temp_files(self, older_than_s: float = 600.0) -> None:
+        """Delete temp files a killed process left mid-write (never read as chats). Only old ones: a second
+        process on the same folder may be writing its newest one right now."""
+        cutoff = time.time() - older_than_s
+        for d in (self.chats_dir, self.exports_dir):
+            for tmp in d.glob(".*.tmp"):
+                try:
+                    if tmp.stat().st_mtime < cutoff:
+                        tmp.unlink()
+                except OSError:  # gone already, or not ours to delete: harmless either way
+                    pass
 
     def new_chat(self, *, system: str = "", settings: dict | None = None) -> dict:
         """A fresh in-memory chat; it reaches the disk on the first `save`."""

@@ -15,7 +15,8 @@ unobserved settings start from a_l = 0.66 (measured for the qwen-coder pair). A 
 mode, projected / measured seconds per target pass, folds in what the pass model leaves out (sampler and
 Python time, fewer live beams). It is per pass, not per returned token, on purpose: a beam mode's answer can
 be much shorter than the beam steps it took to settle (on the code suite a 21-token beam-sample answer ran at
-1.2 tok/s, a fifth of that mode's median), and that overrun depends on the prompt, not on the mode, so it would only add noise to the choice between modes of a level.
+1.2 tok/s, a fifth of that mode's median), and that overrun depends on the prompt, not on the mode, so it
+would only add noise to the choice between the modes of a level.
 
 Quality levels (config.QUALITY_LEVELS; every candidate of a level keeps the user's T, top-k, top-p, W and t):
     fast     sample, sps(gamma): exact draws from the target's sampling distribution.

@@ -133,7 +133,8 @@ def run_bench(engine, *, modes: list[str], prompts: list, base: DecodeParams, re
         runs.append(run)
         if out is not None:
             _write(out, {"config": config, "runs": runs, **_calibration(engine)})
-    result = {"config": config, "runs": runs, **_calibration(engine), "summary": summarize(runs, [m for m, _ in settings])}
+    result = {"config": config, "runs": runs, **_calibration(engine),
+              "summary": summarize(runs, [m for m, _ in settings])}
     if out is not None:
         _write(out, result)
     return result
@@ -239,7 +240,8 @@ def plot(result: dict, path: Path) -> list[Path]:
             continue
         pts[mode] = (s["tokens_per_s_median"], s[key])
         ax.scatter(*pts[mode], s=40)
-        ax.annotate(mode, pts[mode], fontsize=8, xytext=(4, 4), textcoords="offset points")
+    for i, mode in enumerate(sorted(pts, key=pts.get)):  # labels alternate above / below along x
+        ax.annotate(mode, pts[mode], fontsize=8, xytext=(4, 5 if i % 2 == 0 else -12), textcoords="offset points")
     front = pareto(list(pts.values()))
     if len(front) > 1:
         ax.plot(*zip(*front), "--", color="gray", lw=1, label="Pareto front")

@@ -34,7 +34,8 @@ PROMPTS = ["Name three colours.", "What is 2 + 2?", "Write a haiku about rain.",
            "List two prime numbers.", "Describe a cat in one sentence.", "Count from 1 to 10."]
 API_MODES = [{"temperature": 0}, {"temperature": 0.8}, {"temperature": 0.7, "dsbd": {"mode": "dsbd", "beams": 2}},
              {"temperature": 0.7, "dsbd": {"mode": "sps", "gamma": 3}}, {"temperature": 0, "dsbd": {"mode": "beam",
-                                                                                                    "beams": 2}}]
+                                                                                                    "beams": 2}},
+             {"temperature": 0.8, "dsbd": {"mode": "auto", "quality": "beam", "beams": 2}}]
 
 
 class Soak:
@@ -117,7 +118,8 @@ class Soak:
         chat_ui, compare_ui = ChatUI(self.engine, store), CompareUI(self.engine)
         session, turns = Session(), 0
         while self.more():
-            s = default_settings() | {"mode": rng.choice(["greedy", "sample", "dsbd", "dsbd-mem"]), "beams": 2.0,
+            mode = rng.choice(["greedy", "sample", "dsbd", "dsbd-mem", "auto"])
+            s = default_settings() | {"mode": mode, "quality": rng.choice(["fast", "beam", "dynamic"]), "beams": 2.0,
                                       "max_new_tokens": float(rng.randint(4, self.a.max_tokens)),
                                       "seed": float(rng.randrange(1000))}
             values = [s[k] for k in FIELDS]
@@ -137,10 +139,10 @@ class Soak:
                     store.load(session.chat["id"])  # what was saved reads back
                 else:
                     last = None
-                    for last in compare_ui.run(Session(), rng.choice(PROMPTS), ["greedy", "sps", "dsbd"], "",
+                    for last in compare_ui.run(Session(), rng.choice(PROMPTS), ["greedy", "sps", "dsbd", "auto"], "",
                                                *values, progress=lambda *a, **k: None):
                         pass
-                    if last is None or not str(last[2]).startswith("Done: 3"):
+                    if last is None or not str(last[2]).startswith("Done: 4"):
                         raise RuntimeError(f"compare: {last and last[2]}")
                     if "dsbd-card-error" in str(last[0]):
                         raise RuntimeError("a compare card shows an error")

@@ -10,6 +10,7 @@ folder. We only ever read those packages' data files, never import their code.
 
 from __future__ import annotations
 
+
 import hashlib
 import importlib.util
 import json
@@ -17,7 +18,7 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -443,7 +444,10 @@ def load_model(spec: "ModelSpec", *, role: str = "target", verify: bool = False)
             f"{spec.source} is a safetensors checkpoint and llama.cpp reads only GGUF: "
             f"use --{role}-backend pytorch, or pass a .gguf file"
         )
-    return RUNTIMES[spec.backend](resolved.path, spec)
+    model = RUNTIMES[spec.backend](resolved.path, spec)
+    if resolved.preset is not None:  # our name for a preset file reads better than its GGUF general.name
+        model.info = replace(model.info, name=resolved.name)
+    return model
 
 
 # ---------------------------------------------------------------- listing

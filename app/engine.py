@@ -49,6 +49,7 @@ class Event:
     forest: dict | None = None
     error: str | None = None
     notice: str | None = None  # the engine changed the request to fit memory (first and last event)
+    segments: list | None = None  # last event of a drafted mode: [(text, from the draft?)] covering `text`
 
 
 class Engine:
@@ -301,13 +302,17 @@ class Engine:
                     text = stopper.visible_text(step.final, final=step.done)
                     if step.done:
                         stats = self._stats(metrics, step.output.tokens, step.output.score)
+                        drafted, segments = step.output.drafted, None
+                        if drafted:  # how much of the answer the draft wrote (accepted by the target)
+                            stats["draft_tokens"] = sum(drafted)
+                            segments = stopper.runs(step.output.tokens, drafted)
                         self.observe(params, stats)
                         if notice:
                             stats["notice"] = notice
                         if auto:
                             stats["auto"] = auto
                         yield Event(text=text, tokens=len(step.output.tokens), live_beams=0, done=True,
-                                    stats=stats, forest=step.forest, notice=notice)
+                                    stats=stats, forest=step.forest, notice=notice, segments=segments)
                         return
                     yield Event(text=text, tokens=len(step.final), live_beams=step.live, forest=step.forest,
                                 notice=notice)

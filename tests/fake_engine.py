@@ -131,7 +131,11 @@ class FakeEngine:
     def _done(m: Metrics, words: list[str]) -> Event:
         m.t_end = time.perf_counter()
         m.new_tokens = len(words)
-        return Event(text=" ".join(words), tokens=len(words), live_beams=0, done=True, stats=m.as_dict())
+        text, segments, stats = " ".join(words), None, m.as_dict()
+        if m.mode in ("sps", "dsbd", "dsbd-mem") and words:  # every other word "from the draft"
+            segments = [(w if i == 0 else " " + w, i % 2 == 0) for i, w in enumerate(words)]
+            stats["draft_tokens"] = (len(words) + 1) // 2
+        return Event(text=text, tokens=len(words), live_beams=0, done=True, stats=stats, segments=segments)
 
 
 class _KV:

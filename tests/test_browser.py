@@ -147,7 +147,14 @@ def test_chat_stream_stop_regenerate_modes_history(browser, fake_app, artifacts)
     stats = page.inner_text("#stats")
     assert "dsbd" in stats and "Acceptance by layer" in stats and "Widths chosen" in stats
     assert page.locator("#forest svg").count() == 1
+    drafted = page.locator("#forest .dsbd-tok-draft")  # the answer coloured by origin, styled by style.css
+    assert drafted.count() > 1
+    assert drafted.last.evaluate("e => getComputedStyle(e).backgroundColor") not in ("rgba(0, 0, 0, 0)", "transparent")
     page.screenshot(path=str(artifacts / "03-dsbd-stats.png"), full_page=True)
+    pick_mode(page, "auto")  # auto shows its quality level and hides what it picks itself (gamma, W_S)
+    page.get_by_text("Auto: quality level").wait_for(state="visible")
+    page.get_by_text("Draft beams W_S").wait_for(state="hidden")
+    pick_mode(page, "dsbd")
 
     # 5. reload: a fresh session, the chat is in the history list and reopens
     page.reload()

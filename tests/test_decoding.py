@@ -147,6 +147,30 @@ def test_stop_string_ends_beam_and_text_is_cut():
     assert st.visible_text(out[:3], final=False) == "bc", "a possible stop-string start is held back"
 
 
+@pytest.mark.parametrize("mode", ["sps", "dsbd", "dsbd-mem"])
+def test_output_marks_the_tokens_the_draft_wrote(mode):
+    for seed in range(20):
+        out, m, steps, _ = run(mode, TARGET, DRAFT, seed=seed, beams=2, max_new_tokens=12, collect_steps=True)
+        drafted = steps[-1].output.drafted
+        assert len(drafted) == len(out)
+        assert sum(drafted) <= sum(s.accepted for s in m.layers.values())  # only accepted drafts count
+        assert len(out) - sum(drafted) <= m.iterations  # each iteration draws one token from the target
+    # A draft identical to the target is always accepted: gamma drafts, then the target's bonus token.
+    out, _, steps, _ = run("sps", TARGET, TARGET, seed=1, gamma=3, max_new_tokens=12, collect_steps=True)
+    assert steps[-1].output.drafted == tuple(i % 4 != 3 for i in range(len(out)))
+    plain = run("beam-sample", TARGET, seed=1, beams=2, max_new_tokens=12, collect_steps=True)[2][-1].output
+    assert plain.drafted == ()  # no draft involved
+
+
+def test_origin_runs_cover_the_visible_text_and_keep_split_characters_whole():
+    pieces = {1: b"a", 2: b"\xc3", 3: b"\xa9", 4: b"!", 5: b"b"}  # tokens 2 + 3 are one character, e-acute
+    decode = lambda ids: b"".join(pieces[i] for i in ids)  # noqa: E731
+    st = Stopper(eos_ids=frozenset({0}), decode=decode)
+    assert st.runs([1, 2, 3, 4, 0], [True, True, False, False, False]) == [("a", True), ("\u00e9!", False)]
+    cut = Stopper(eos_ids=frozenset({0}), stop=("!",), decode=decode)
+    assert cut.runs([5, 1, 4, 5], [False, True, True, False]) == [("b", False), ("a", True)]  # cut at "!"
+
+
 def test_memory_mode_carries_one_row_and_full_mode_up_to_w():
     _, _, _, ctx = run("dsbd-mem", TARGET, DRAFT, seed=2, beams=3, max_new_tokens=20, collect_steps=True)
     assert ctx.rows == 1

@@ -60,6 +60,14 @@ def test_self_draft_is_almost_always_accepted(engine):
     assert ev.stats["steps_per_target_pass"] > 2
 
 
+@pytest.mark.parametrize("mode", ["sps", "dsbd", "dsbd-mem"])
+def test_answer_says_which_text_the_draft_wrote(engine, mode):
+    ev = final(engine.chat(MESSAGES, DecodeParams(mode=mode, max_new_tokens=24, seed=5, beams=2)))
+    assert "".join(t for t, _ in ev.segments) == ev.text
+    assert 0 < ev.stats["draft_tokens"] <= ev.stats["new_tokens"]
+    assert any(d for _, d in ev.segments)  # the tiny preset drafts for itself: most tokens come from it
+
+
 @pytest.mark.parametrize("mode", ["dsbd", "dsbd-mem", "sps", "beam-sample"])
 def test_cancel_leaves_caches_consistent(engine, mode):
     params = DecodeParams(mode=mode, max_new_tokens=24, seed=7, beams=3, temperature=0.8)

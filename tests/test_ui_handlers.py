@@ -14,7 +14,7 @@ from app.config import MODES, DecodeParams  # noqa: E402
 from app.ui import build_app, launch_kwargs  # noqa: E402
 from app.ui.chat import ChatUI, ChatView, Session, drop_oldest_pair, prompt_messages  # noqa: E402
 from app.ui.compare import CompareUI, cards_html, scatter  # noqa: E402
-from app.ui.forest import COLOURS, forest_svg  # noqa: E402
+from app.ui.forest import COLOURS, forest_svg, origin_html  # noqa: E402
 from app.ui.history import ENV_VAR, HistoryError, HistoryStore, check_id, resolve_data_dir  # noqa: E402
 from app.ui.settings import (FIELDS, default_settings, load_presets, params_from,  # noqa: E402
                              settings_from_values, visibility, widget_updates)
@@ -83,6 +83,8 @@ def test_dsbd_answer_shows_forest_and_acceptance(ui):
     assert "Acceptance by layer" in final.stats and "Widths chosen" in final.stats and "Peak KV" in final.stats
     assert "<svg" in final.forest and COLOURS["accepted"] in final.forest and "L2" in final.forest
     assert any(isinstance(v.forest, str) and "<svg" in v.forest for v in views[:-1])  # live forest
+    assert "Answer by origin" in final.forest and 'class="dsbd-tok-draft">Answer' in final.forest
+    assert "from the draft:** 6 of 12 tokens (50%)" in final.stats
 
 
 def test_stop_ends_only_this_tabs_generation(ui):
@@ -387,6 +389,13 @@ def test_stats_markdown_is_compact_and_complete():
     for bit in ("tok/s", "first token", "target passes", "steps / pass", "mean log-p", "d1:", "W=", "Peak KV", "RAM"):
         assert bit in md
     assert len(md.splitlines()) <= 8
+
+
+def test_origin_html_marks_and_escapes_runs():
+    html = origin_html([("<b>", True), (" & x", False)])
+    assert '<span class="dsbd-tok-draft">&lt;b&gt;</span><span class="dsbd-tok-target"> &amp; x</span>' in html
+    assert "43% of the characters" in html  # 3 of 7
+    assert origin_html(None) == "" and origin_html([]) == ""
 
 
 def test_forest_svg_decodes_tokens():

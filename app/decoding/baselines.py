@@ -132,6 +132,7 @@ def speculative_sampling(*, target, draft, prompt, params, stopper, metrics, voc
     draft.prefill(prompt[:-1])
     metrics.mark_prefilled()
     tokens: list[int] = []
+    drafted: list[bool] = []  # per token: an accepted draft token (else drawn by the target)
     score = 0.0
     t_suffix, d_suffix = (prompt[-1],), (prompt[-1],)
 
@@ -189,6 +190,7 @@ def speculative_sampling(*, target, draft, prompt, params, stopper, metrics, voc
         done = False
         for j, x in enumerate(emitted):
             tokens.append(x)
+            drafted.append(j < accepted)
             score += float(lp[j, x])
             if stopper.finished(tokens) or len(tokens) >= params.max_new_tokens:
                 done = True
@@ -196,7 +198,7 @@ def speculative_sampling(*, target, draft, prompt, params, stopper, metrics, voc
         metrics.mark_first_token()
         metrics.carried.append(1)
         if done:
-            beam = Beam(tuple(tokens), score, stopper.finished(tokens))
+            beam = Beam(tuple(tokens), score, stopper.finished(tokens), tuple(drafted))
             metrics.finish_reason = "stop" if beam.finished else "length"
             yield Step(final=beam.tokens, live=0, done=True, output=beam)
             return

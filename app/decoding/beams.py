@@ -13,6 +13,9 @@ class Beam:
     tokens: tuple[int, ...]
     score: float
     finished: bool = False
+    # Per token: True when it is a draft token the target accepted (drafted modes; () = no draft involved).
+    # Not part of equality: two beams with the same tokens are the same candidate however they were made.
+    drafted: tuple[bool, ...] = field(default=(), compare=False)
 
     def normalized(self, length_penalty: float) -> float:
         """S(y) = s(y) / n^lambda (Hugging Face-style length penalty)."""
@@ -55,6 +58,22 @@ class Stopper:
                         text = text[:-k]
                         break
         return text
+
+
+    def runs(self, tokens: Sequence[int], flags: Sequence[bool]) -> list[tuple[str, bool]]:
+        """The final visible text of `tokens` cut where `flags` (one per token) changes: [(text, flag)].
+        A character split across a boundary goes to the run that completes it."""
+        text, out, pos, i = self.visible_text(tokens, final=True), [], 0, 0
+        while i < len(tokens) and pos < len(text):
+            j = i
+            while j < len(tokens) and flags[j] == flags[i]:
+                j += 1
+            end = len(text) if j == len(tokens) else min(len(self.visible_text(tokens[:j], final=True)), len(text))
+            if end > pos:
+                out.append((text[pos:end], bool(flags[i])))
+                pos = end
+            i = j
+        return out
 
 
 def _complete_utf8(data: bytes) -> str:

@@ -8,7 +8,7 @@ to one beam in memory mode and stream the final prefix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -90,7 +90,8 @@ def _target_forest(suffix, layers: list[DraftLayer], ws: int) -> Forest:
 
 
 def _extend(h: Handle, token: int, node: int | None, node_lp: np.ndarray | None) -> Handle:
-    beam = Beam(h.beam.tokens + (token,), h.beam.score + float(h.lp[token]))
+    beam = Beam(h.beam.tokens + (token,), h.beam.score + float(h.lp[token]),
+                drafted=h.beam.drafted + (node is not None,))
     return Handle(h.root, h.chain + ((node,) if node is not None else ()), beam, node_lp)
 
 
@@ -155,7 +156,7 @@ def dsbd(*, target: Context, draft: Context, prompt: Sequence[int], params, stop
             if not memory:
                 for h, e in zip(beams, ended):
                     if e:
-                        pool.add(Beam(h.beam.tokens, h.beam.score, True))
+                        pool.add(replace(h.beam, finished=True))
             still = [h for h, e in zip(beams, ended) if not e]
             if not still:  # a passed layer that leaves no live beam becomes the output layer
                 output = beams
@@ -188,13 +189,13 @@ def dsbd(*, target: Context, draft: Context, prompt: Sequence[int], params, stop
                 keep = max(range(len(output)), key=lambda i: (output[i].beam.score, -i))
             carried = output[keep]
             if ended[keep]:
-                yield finish([Beam(carried.beam.tokens, carried.beam.score, True)])
+                yield finish([replace(carried.beam, finished=True)])
                 return
             nxt = [carried]
         else:
             for h, e in zip(output, ended):
                 if e:
-                    pool.add(Beam(h.beam.tokens, h.beam.score, True))
+                    pool.add(replace(h.beam, finished=True))
             nxt = [h for h, e in zip(output, ended) if not e]
         live = [h.beam for h in nxt]
         metrics.carried.append(len(live))

@@ -19,7 +19,7 @@ from backends.base import BackendError
 
 from ..config import ConfigError
 from ..engine import PromptTooLong
-from .forest import forest_svg
+from .forest import forest_svg, origin_html
 from .history import CorruptChat, HistoryError, HistoryStore, title_of
 from .settings import (FIELDS, DecodingPanel, default_settings, params_from, settings_from_values, summary,
                        widget_updates)
@@ -260,7 +260,8 @@ class ChatUI:
         if stats.get("notice"):  # the engine changed the request to fit memory: say so
             status = f"Note: {stats['notice']}. " + status
         yield self.view(session, status=status + saved, stats=stats_markdown(stats),
-                        forest=forest_svg(forest, self.decode), chats=self.chat_list(session))
+                        forest=forest_svg(forest, self.decode) + origin_html(last.segments),
+                        chats=self.chat_list(session))
 
     def _open(self, session: Session, chat: dict, settings: dict, cancel: threading.Event):
         """Start the engine stream and take its first event; with auto_drop, drop oldest turns on PromptTooLong."""
@@ -382,7 +383,7 @@ def build(engine, store: HistoryStore, session: gr.State):
                 edit_btn = gr.Button("Edit last", elem_id="edit")
                 drop_btn = gr.Button("Drop oldest turns & retry", visible=False, elem_id="drop-oldest")
             stats = gr.Markdown(memory_line(), elem_id="stats", elem_classes=["dsbd-stats"])
-            with gr.Accordion("Draft forest (latest DSBD iteration)", open=True):
+            with gr.Accordion("Draft forest (latest DSBD iteration) · answer by origin", open=True):
                 forest = gr.HTML(forest_svg(None), elem_id="forest")
         with gr.Column(scale=2, min_width=260, elem_id="settings-column"):
             system = gr.Textbox(label="System prompt", lines=3, placeholder="You are a helpful assistant.",

@@ -1,4 +1,5 @@
-"""The draft forest of the latest DSBD iteration as an inline SVG: one column per layer, nodes by fate.
+"""The draft forest of the latest DSBD iteration as an inline SVG: one column per layer, nodes by fate;
+and the finished answer coloured by where each token came from (draft-accepted or drawn by the target).
 
 Forest shape (from the decoder): {"gamma", "layers": [{"width", "passed", "nodes": [{"parent", "token",
 "status"}], "corrections": [token, ...]}]}. A layer-1 node's parent is a live beam; a deeper node's
@@ -84,3 +85,16 @@ def forest_svg(forest: dict | None, decode: Callable[[list[int]], bytes] | None 
     g = forest.get("gamma")
     caption = f"Latest iteration: γ={g}, {len(layers)} layer(s) verified." if g is not None else ""
     return f'<div class="dsbd-forest">{"".join(parts)}<div class="dsbd-caption">{caption}</div></div>'
+
+
+def origin_html(segments: list | None) -> str:
+    """The answer as text runs marked by origin (Event.segments: [(text, drafted)]); '' when not drafted."""
+    if not segments:
+        return ""
+    total = sum(len(t) for t, _ in segments) or 1
+    share = sum(len(t) for t, d in segments if d) / total
+    spans = "".join(f'<span class="dsbd-tok-{"draft" if d else "target"}">{escape(t)}</span>' for t, d in segments)
+    return (f'<div class="dsbd-origins"><div class="dsbd-caption">Answer by origin: '
+            f'<span class="dsbd-tok-draft">accepted from the draft</span> ({share:.0%} of the characters) · '
+            f'<span class="dsbd-tok-target">drawn by the target</span></div>'
+            f'<div class="dsbd-origin-text">{spans}</div></div>')

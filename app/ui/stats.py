@@ -65,6 +65,9 @@ def stats_markdown(stats: dict | None, *, memory: bool = True) -> str:
         lines.append(f"**Auto ({auto.get('quality')}) picked:** {auto.get('setting')} · projected "
                      f"{_num(auto.get('projected_tokens_per_s'), '.1f')} tok/s{timed}  ")
     if acc := acceptance_line(stats):
+        wrote, n = stats.get("draft_tokens"), stats.get("new_tokens")
+        if isinstance(wrote, int) and n:  # accepted draft tokens in the returned answer
+            acc += f" · **from the draft:** {wrote} of {n} tokens ({wrote / n:.0%})"
         lines.append(f"**Acceptance by layer:** {acc}  ")
     if widths := widths_line(stats):
         lines.append(f"**Widths chosen:** {widths}  ")

@@ -190,6 +190,9 @@ def summarize(runs: list[dict], modes: list[str]) -> dict:
             "mean_target_logprob_stdev": statistics.stdev(lp) if len(lp) > 1 else None,
             "new_tokens": tokens,
         }
+        drafted = [s["draft_tokens"] for s in stats if "draft_tokens" in s]
+        if drafted:  # share of the returned tokens that were accepted draft tokens
+            summary[mode]["draft_token_share"] = sum(drafted) / max(1, tokens)
         graded = [r["passed"] for r in mine if "passed" in r]
         if graded:
             summary[mode]["pass_rate"] = sum(graded) / len(graded)

@@ -63,6 +63,7 @@ def test_run_bench_resolves_auto_records_passes_and_summarizes(tmp_path):
     assert all(r["passed"] is False for r in res["runs"])  # the fake answers words, not code
     s = res["summary"]
     assert s["sample"]["pass_rate"] == 0.0 and s["auto"]["settings"] == {"sample": 2}
+    assert s["dsbd"]["draft_token_share"] == 0.5 and "draft_token_share" not in s["sample"]  # fake: every other word
     assert json.loads(out.read_text())["summary"]["auto"]["runs"] == 2
     # A finished file resumes to the same runs without running anything again; the engine relearns from
     # them, auto's runs as the setting it picked.

@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -124,8 +125,10 @@ def run_bench(engine, *, modes: list[str], prompts: list, base: DecodeParams, re
     for r, i, label, params in tqdm(todo, desc="bench", disable=not progress):
         seed = (base.seed or 0) + 1000 * r + i
         run: dict = {"repeat": r, "prompt": i, "mode": label}
-        last = final_event(engine.chat([{"role": "user", "content": _prompt(prompts[i])}], replace(params, seed=seed)))
-        run |= {"text": last.text, "stats": last.stats}
+        with PeakRSS() as rss:
+            last = final_event(engine.chat([{"role": "user", "content": _prompt(prompts[i])}],
+                                           replace(params, seed=seed)))
+        run |= {"text": last.text, "stats": last.stats, "peak_rss_bytes": rss.peak}
         if "auto" in last.stats:  # what auto picked, in parse_mode syntax
             run["setting"] = last.stats["auto"]["setting"]
         if isinstance(prompts[i], dict):
@@ -138,6 +141,28 @@ def run_bench(engine, *, modes: list[str], prompts: list, base: DecodeParams, re
     if out is not None:
         _write(out, result)
     return result
+
+
+class PeakRSS:
+    """The highest resident set size of this process while the block runs (psutil, sampled every 20 ms)."""
+
+    def __enter__(self) -> "PeakRSS":
+        import psutil
+
+        self._proc, self._stop = psutil.Process(), threading.Event()
+        self.peak = self._proc.memory_info().rss
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
 
 
 def _calibration(engine) -> dict:
@@ -186,6 +211,8 @@ def summarize(runs: list[dict], modes: list[str]) -> dict:
             "widths_histogram": dict(sorted(widths.items())),
             "peak_kv_bytes_target": max(s["peak_kv_bytes_target"] for s in stats),
             "peak_kv_bytes_draft": max(s["peak_kv_bytes_draft"] for s in stats),
+            # the whole process (weights, every context so far) while this mode ran: compare, don't add
+            "peak_rss_bytes": max((r["peak_rss_bytes"] for r in mine if "peak_rss_bytes" in r), default=None),
             "mean_target_logprob": statistics.mean(lp) if lp else None,
             "mean_target_logprob_stdev": statistics.stdev(lp) if len(lp) > 1 else None,
             "new_tokens": tokens,

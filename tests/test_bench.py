@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -63,6 +64,7 @@ def test_run_bench_resolves_auto_records_passes_and_summarizes(tmp_path):
     assert all(r["passed"] is False for r in res["runs"])  # the fake answers words, not code
     s = res["summary"]
     assert s["sample"]["pass_rate"] == 0.0 and s["auto"]["settings"] == {"sample": 2}
+    assert s["sample"]["peak_rss_bytes"] >= max(r["peak_rss_bytes"] for r in res["runs"] if r["mode"] == "sample") > 0
     assert s["dsbd"]["draft_token_share"] == 0.5 and "draft_token_share" not in s["sample"]  # fake: every other word
     assert json.loads(out.read_text())["summary"]["auto"]["runs"] == 2
     # A finished file resumes to the same runs without running anything again; the engine relearns from
@@ -92,3 +94,13 @@ def test_plot_writes_speed_acceptance_and_width_pngs(tmp_path):
     assert [p.name for p in written] == ["out.png", "out-acceptance.png", "out-widths.png"]
     for p in written:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+
+
+def test_peak_rss_sees_a_short_lived_allocation():
+    with bench.PeakRSS() as rss:
+        start = rss.peak
+        block = bytearray(64 << 20)  # 64 MiB, touched, then freed before the block ends
+        block[::4096] = b"x" * len(block[::4096])
+        time.sleep(0.1)
+        del block
+    assert rss.peak - start >= 48 << 20

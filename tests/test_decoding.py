@@ -169,6 +169,9 @@ def test_origin_runs_cover_the_visible_text_and_keep_split_characters_whole():
     assert st.runs([1, 2, 3, 4, 0], [True, True, False, False, False]) == [("a", True), ("\u00e9!", False)]
     cut = Stopper(eos_ids=frozenset({0}), stop=("!",), decode=decode)
     assert cut.runs([5, 1, 4, 5], [False, True, True, False]) == [("b", False), ("a", True)]  # cut at "!"
+    # SentencePiece-style: a lone piece loses its leading space, so runs come from decoded prefixes instead.
+    spm = Stopper(eos_ids=frozenset({0}), decode=lambda ids: b"".join(b" " + pieces[i] for i in ids)[1:])
+    assert spm.runs([1, 5, 5, 1], [True, False, False, True]) == [("a", True), (" b b", False), (" a", True)]
 
 
 def test_memory_mode_carries_one_row_and_full_mode_up_to_w():

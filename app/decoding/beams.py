@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -63,17 +64,47 @@ class Stopper:
     def runs(self, tokens: Sequence[int], flags: Sequence[bool]) -> list[tuple[str, bool]]:
         """The final visible text of `tokens` cut where `flags` (one per token) changes: [(text, flag)].
         A character split across a boundary goes to the run that completes it."""
-        text, out, pos, i = self.visible_text(tokens, final=True), [], 0, 0
-        while i < len(tokens) and pos < len(text):
+        text = self.visible_text(tokens, final=True)
+        keep = [(t, bool(f)) for t, f in zip(tokens, flags) if t not in self.eos_ids]
+        pieces = [self._decode([t]) for t, _ in keep]
+        if b"".join(pieces) == self._decode([t for t, _ in keep]):  # byte-level pieces: one pass, O(n)
+            utf8, out = codecs.getincrementaldecoder("utf-8")("ignore"), []
+            for (_, f), piece in zip(keep, pieces):
+                _append(out, utf8.decode(piece), f)
+            if out:
+                _append(out, utf8.decode(b"", final=True), out[-1][1])
+            return _clip(out, len(text))
+        # Pieces that change when joined (a SentencePiece leading space): decode each run boundary's prefix.
+        out, i = [], 0
+        while i < len(tokens):
             j = i
             while j < len(tokens) and flags[j] == flags[i]:
                 j += 1
-            end = len(text) if j == len(tokens) else min(len(self.visible_text(tokens[:j], final=True)), len(text))
-            if end > pos:
-                out.append((text[pos:end], bool(flags[i])))
-                pos = end
+            done = sum(len(t) for t, _ in out)
+            _append(out, text[done:len(self.visible_text(tokens[:j], final=True)) if j < len(tokens) else None],
+                     bool(flags[i]))
             i = j
-        return out
+        return _clip(out, len(text))
+
+
+def _append(runs: list[tuple[str, bool]], text: str, flag: bool) -> None:
+    if not text:
+        return
+    if runs and runs[-1][1] == flag:
+        runs[-1] = (runs[-1][0] + text, flag)
+    else:
+        runs.append((text, flag))
+
+
+def _clip(runs: list[tuple[str, bool]], n: int) -> list[tuple[str, bool]]:
+    """The runs cut to their first n characters (the text ends before a stop string)."""
+    out, left = [], n
+    for text, flag in runs:
+        if left <= 0:
+            break
+        out.append((text[:left], flag))
+        left -= len(text)
+    return out
 
 
 def _complete_utf8(data: bytes) -> str:

@@ -115,7 +115,9 @@ class Soak:
 
         rng = random.Random(seed)
         store = HistoryStore(self.a.data_dir)
-        chat_ui, compare_ui = ChatUI(self.engine, store), CompareUI(self.engine)
+        from app.results import ResultStore
+
+        chat_ui, compare_ui = ChatUI(self.engine, store), CompareUI(self.engine, ResultStore(self.a.data_dir))
         session, turns = Session(), 0
         while self.more():
             mode = rng.choice(["greedy", "sample", "dsbd", "dsbd-mem", "auto"])
@@ -138,14 +140,17 @@ class Soak:
                     assert session.chat["messages"][-1]["role"] == "assistant"
                     store.load(session.chat["id"])  # what was saved reads back
                 else:
-                    last = None
-                    for last in compare_ui.run(Session(), rng.choice(PROMPTS), ["greedy", "sps", "dsbd", "auto"], "",
+                    last, cs = None, Session()
+                    for last in compare_ui.run(cs, rng.choice(PROMPTS), ["greedy", "sps", "dsbd", "auto"], True, "",
                                                *values, progress=lambda *a, **k: None):
                         pass
                     if last is None or not str(last[2]).startswith("Done: 4"):
                         raise RuntimeError(f"compare: {last and last[2]}")
                     if "dsbd-card-error" in str(last[0]):
                         raise RuntimeError("a compare card shows an error")
+                    voted = compare_ui.vote(cs, rng.choice(["A", "B", "C", "D", "tie", "both-bad"]))  # blind, saved
+                    if not str(voted[2]).startswith("Vote saved"):
+                        raise RuntimeError(f"compare vote: {voted[2]}")
                 self.done(kind)
             except Exception as e:  # noqa: BLE001
                 self.done(kind, f"{type(e).__name__}: {e}")

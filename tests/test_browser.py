@@ -180,6 +180,7 @@ def test_compare_three_modes(browser, fake_app, artifacts):
     page.get_by_role("tab", name="Compare").click()
     page.fill("#compare-prompt textarea", "Explain beams in one line.")
     page.get_by_label("sample", exact=True).check()  # greedy, beam, dsbd are preselected
+    page.uncheck("#compare-blind input")  # labelled answers; the blind flow is in test_compare_browser.py
     page.click("#compare-run")
     status = wait_status(page, "^Done", "#compare-status")
     assert "4 mode(s)" in status

@@ -13,6 +13,7 @@ gr = pytest.importorskip("gradio")
 from app.config import MODES, DecodeParams  # noqa: E402
 from app.ui import build_app, launch_kwargs  # noqa: E402
 from app.ui.chat import ChatUI, ChatView, Session, drop_oldest_pair, prompt_messages  # noqa: E402
+from app.results import ResultStore  # noqa: E402
 from app.ui.compare import CompareUI, cards_html, scatter  # noqa: E402
 from app.ui.forest import COLOURS, forest_svg, origin_html  # noqa: E402
 from app.ui.history import ENV_VAR, HistoryError, HistoryStore, check_id, resolve_data_dir  # noqa: E402
@@ -355,10 +356,11 @@ def test_preset_keeps_length_and_seed():
 def test_compare_runs_modes_in_order_with_progress(store):
     eng = FakeEngine(draft=False)
     seen = []
-    out = list(CompareUI(eng).run(Session(), "compare me", ["dsbd", "greedy", "beam"], "",
-                                  *values(beams=2.0), progress=lambda *a, **k: seen.append(a)))
+    out = list(CompareUI(eng, ResultStore(store.root)).run(Session(), "compare me", ["dsbd", "greedy", "beam"], False,
+                                                           "", *values(beams=2.0),
+                                                           progress=lambda *a, **k: seen.append(a)))
     assert [p.mode for _, p in eng.calls] == ["greedy", "beam"]  # MODES order; dsbd failed before running
-    cards, fig, status = out[-1]
+    cards, fig, status, *_ = out[-1]
     assert cards.count('class="dsbd-card"') == 3 and "needs a draft model" in cards
     assert "tok/s" in cards and "target passes" in cards and "mean log-p" in cards
     assert fig is not None and fig.axes[0].get_xlabel().startswith("speed")
@@ -366,16 +368,17 @@ def test_compare_runs_modes_in_order_with_progress(store):
     assert "waiting" in out[0][0]
 
 
-def test_compare_needs_prompt_and_modes():
-    out = list(CompareUI(FakeEngine()).run(Session(), " ", ["greedy"], "", *values(), progress=lambda *a, **k: None))
+def test_compare_needs_prompt_and_modes(tmp_path):
+    out = list(CompareUI(FakeEngine(), ResultStore(tmp_path)).run(Session(), " ", ["greedy"], True, "", *values(),
+                                                                 progress=lambda *a, **k: None))
     assert "Enter a prompt" in out[-1][2]
     assert scatter([]) is None and "dsbd-cards" in cards_html([])
 
 
 def test_compare_stop(store):
     s = Session()
-    gen = CompareUI(FakeEngine()).run(s, "p", ["greedy", "beam", "sample"], "", *values(),
-                                      progress=lambda *a, **k: None)
+    gen = CompareUI(FakeEngine(), ResultStore(store.root)).run(s, "p", ["greedy", "beam", "sample"], False, "",
+                                                               *values(), progress=lambda *a, **k: None)
     next(gen)
     s.cancel.set()
     out = list(gen)

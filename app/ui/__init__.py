@@ -11,6 +11,7 @@ import os
 import gradio as gr
 
 from . import chat, compare, models
+from ..results import ResultStore
 from .history import HistoryStore, resolve_data_dir
 from .settings import ASSETS
 
@@ -27,7 +28,7 @@ def build_app(engine, *, data_dir: str | os.PathLike | None = None) -> gr.Blocks
         with gr.Tab("Chat", id="chat"):
             chat_ui, panel, system, outputs = chat.build(engine, store, session)
         with gr.Tab("Compare", id="compare"):
-            compare.build(engine, session, system, panel)
+            compare.build(engine, session, system, panel, ResultStore(store.root))  # beside the chats
         with gr.Tab("Models", id="models"):
             models.build(engine)
         app.load(chat_ui.on_load, [session], outputs, concurrency_limit=None, show_progress="hidden")

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 
 from .config import BACKENDS, DTYPES, MODES, QUALITY_LEVELS, ConfigError, DecodeParams, ModelSpec
 
@@ -196,6 +197,76 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def cmd_compare(a) -> int:
+    """A prompt set through several modes (one seed per prompt, shared by the modes), saved beside the chat
+    history like the Compare tab's: code tasks graded by their hidden tests, chat prompts left for blind votes."""
+    from pathlib import Path
+
+    from . import bench, results
+
+    store = results.ResultStore(a.data_dir)
+    if a.resume:
+        run = store.load_run(a.resume)
+        if run["state"] == "done":
+            raise ConfigError(f"run {a.resume} is complete")
+        params = results.params_of_run(run)
+    else:
+        base = _params(a, validate=False)
+        params = dict(bench.parse_mode(m.strip(), base) for m in a.modes.split(",") if m.strip())
+        items = results.load_prompt_source(a.suite)[: a.prompts or None]
+        if len(params) < 2:
+            raise ConfigError(f"--modes needs at least two modes to compare, got {a.modes!r}")
+    target, draft = _specs(a, need_draft=any(p.needs_draft for p in params.values()))
+    from .engine import Engine
+
+    engine = Engine.load(target, draft)
+    try:
+        params = {m: engine.check_params(p) for m, p in params.items()}
+        if not a.resume:
+            run = results.new_run(source=a.suite, items=items, params=params, settings=base.as_dict(),
+                                  models=engine.describe(), seed=a.seed, system=a.system or "")
+        total = len(run["items"])
+        print(f"dsbd-chat: run {run['id']}: {total} prompts x {len(params)} modes, {len(run['done'])} done; "
+              f"results in {store.dir}", file=sys.stderr)
+
+        def report(r, rec):
+            print(f"dsbd-chat: {len(r['done'])}/{total} done", file=sys.stderr)
+
+        try:
+            results.run_items(engine, store, run, params, cancel=threading.Event(), on_item=report)
+        except KeyboardInterrupt:
+            run["state"] = "stopped"
+            store.save_run(run)
+            print(f"dsbd-chat: stopped at {len(run['done'])}/{total}; resume with --resume {run['id']}",
+                  file=sys.stderr)
+            return 130
+    finally:
+        engine.close()
+    records = [store.load(i) for i in run["comparisons"]]
+    out = {"run": run["id"], "state": run["state"], "done": len(run["done"]), "prompts": total,
+           "waiting_for_votes": sum(results.needs_vote(r) for r in records),
+           "summary": results.mode_summary(records)}
+    if a.export:
+        path = Path(a.export)
+        path.write_text(results.to_csv(records) if path.suffix == ".csv" else results.to_json(records))
+    if a.report:
+        from .report import write_report
+
+        out["report"] = [str(p) for p in write_report(records, Path(a.report))]
+    if a.json:
+        print(json.dumps(out, indent=2))
+    else:
+        for m, s in out["summary"].items():
+            pr = f"pass {s['pass_rate']:.2f} ({s['passed']}/{s['graded']})" if s["graded"] else ""
+            lp = f"log-p {s['mean_target_logprob']:.3f}" if s["mean_target_logprob"] is not None else ""
+            tps = f"{s['tokens_per_s_median']:.1f} tok/s" if s["tokens_per_s_median"] is not None else "-"
+            print(f"{m:24s} {tps:>12s}  {lp:14s} {pr}")
+        if out["waiting_for_votes"]:
+            print(f"{out['waiting_for_votes']} comparisons wait for blind votes: open the app, Compare -> "
+                  "Vote on the next pending")
+    return 0
+
+
 def cmd_plan(a) -> int:
     """Memory plan (and, with a hardware profile, speed projections) without loading any weights."""
     from dataclasses import replace
@@ -299,6 +370,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--json", help="write all runs + summary here (resumes a partial file)")
     bench.add_argument("--plot", help="write a speed-vs-quality PNG here (and <stem>-acceptance / -widths PNGs)")
+    cmp = sub.add_parser("compare", help="run a prompt set through several modes; saved for blind votes and "
+                                         "the quality report (code suite: pass rates)")
+    _model_args(cmp)
+    _decode_args(cmp)
+    cmp.add_argument("--modes", default="greedy,beam-sample,dsbd",
+                     help="comma-separated modes, each optionally with settings: dsbd:beams=2,gamma=4")
+    cmp.add_argument("--suite", default="chat", help="chat | code | a bench .json, a .jsonl or a .txt of prompts")
+    cmp.add_argument("--prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
+    cmp.add_argument("--system", default=None, help="system prompt")
+    cmp.add_argument("--resume", metavar="RUN_ID", help="go on with a stopped run (its own prompts and settings)")
+    cmp.add_argument("--data-dir", default=None, help="where results are kept (default: $DSBD_CHAT_DATA or the "
+                                                      "platform data folder, beside the chat history)")
+    cmp.add_argument("--export", help="also write this run's comparisons to FILE.json or FILE.csv")
+    cmp.add_argument("--report", metavar="DIR", help="write the quality report (PNG + HTML per model pair) here")
+    cmp.add_argument("--json", action="store_true", help="print the summary as JSON")
     models = sub.add_parser("models", help="list model presets and their install state")
     models.add_argument("--json", action="store_true")
     plan = sub.add_parser("plan", help="memory plan for target + draft + beams (and projected speed); loads no weights")
@@ -334,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["chat", *argv]  # the chat app is the default command
     a = build_parser().parse_args(argv)
     handlers = {"chat": cmd_chat, "generate": cmd_generate, "models": cmd_models, "bench": cmd_bench,
-                "plan": cmd_plan}
+                "plan": cmd_plan, "compare": cmd_compare}
     from backends.base import BackendError
 
     from .chat import ChatError

@@ -206,5 +206,6 @@ def write_report(records: list[dict], out_dir: str | Path, *, stem: str = "repor
         png_path.write_bytes(png)
         html_path = base.with_suffix(".html")
         atomic_write(html_path, pair_html(pair, recs, png))
+        html_path.chmod(0o644)  # a page to share: not the private 0600 of a temp file
         written += [png_path, html_path]
     return written

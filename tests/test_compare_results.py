@@ -258,7 +258,7 @@ def test_blind_order_is_random_and_hidden_until_the_vote(tmp_path):
         assert radio["visible"] and [v for _, v in radio["choices"]] == ["A", "B", "C", "tie", "both-bad"]
         orders.add(tuple(a["mode"] for a in s.compare["answers"]))
         cards, plot, status, *_ = ui.vote(s, "B")
-        assert _mode_names_in(cards) == {"greedy", "beam", "sample"} and "tok/s" in cards and "🏆" in cards
+        assert _mode_names_in(cards) == {"greedy", "beam", "sample"} and "tok/s" in cards and "your pick" in cards
         assert plot is not None and "Vote saved: B" in status
     assert len(orders) >= 4  # 3! = 6 orders; 12 seeded draws hit at least 4 of them
     assert len(ui.store.list()) == 12 and ui.store.pending() == []
@@ -395,3 +395,17 @@ def test_cli_compare_rejects_bad_modes_before_loading(tmp_path, capsys):
 
     assert main(["compare", "--modes", "greedy,dsbd:bogus=1", "--data-dir", str(tmp_path)]) == 2
     assert "unknown setting 'bogus'" in capsys.readouterr().err
+
+
+def test_set_from_an_uploaded_jsonl_file(tmp_path):
+    eng = FakeEngine()
+    ui = CompareUI(eng, R.ResultStore(tmp_path / "data"))
+    f = tmp_path / "mine.jsonl"
+    f.write_text('"first"\n{"prompt": "second"}\n', encoding="utf-8")
+    assert ui.set_start("upload", "", None, 0, ["greedy", "beam"], "", *values())[1].startswith("Not started")
+    bar, status, timer = ui.set_start("upload", "", str(f), 0, ["greedy", "beam"], "", *values())
+    assert "Running 2 prompts" in status
+    ui.runner.join(60)
+    run = ui.store.load_run(ui.runner.run["id"])
+    assert run["source"] == "file mine.jsonl" and run["state"] == "done"
+    assert sorted(r["prompt"] for r in ui.store.list()) == ["first", "second"]

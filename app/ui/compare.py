@@ -66,7 +66,7 @@ def cards_html(results: list[dict], pending: list[str] = (), *, winner: str | No
             head += " · tests " + ("passed ✅" if r["passed"] else "failed ❌")
         won = winner is not None and r.get("label") == winner
         cls = "dsbd-card dsbd-card-winner" if won else "dsbd-card"
-        cards.append(f'<div class="{cls}"><div class="dsbd-card-mode">{head}{" 🏆" if won else ""}</div>'
+        cards.append(f'<div class="{cls}"><div class="dsbd-card-mode">{head}{" · your pick" if won else ""}</div>'
                      f'{_stats_line(st)}{body}</div>')
     for m in pending:
         cards.append(f'<div class="dsbd-card dsbd-card-pending"><div class="dsbd-card-mode">{escape(m)}</div>'

@@ -222,6 +222,8 @@ def cmd_compare(a) -> int:
     engine = Engine.load(target, draft)
     try:
         params = {m: engine.check_params(p) for m, p in params.items()}
+        if a.resume and run["models"] != engine.describe():
+            raise ConfigError(f"run {a.resume} was made with {run['models']}; load the same models to resume it")
         if not a.resume:
             run = results.new_run(source=a.suite, items=items, params=params, settings=base.as_dict(),
                                   models=engine.describe(), seed=a.seed, system=a.system or "")

@@ -409,3 +409,29 @@ def test_set_from_an_uploaded_jsonl_file(tmp_path):
     run = ui.store.load_run(ui.runner.run["id"])
     assert run["source"] == "file mine.jsonl" and run["state"] == "done"
     assert sorted(r["prompt"] for r in ui.store.list()) == ["first", "second"]
+
+
+def test_cli_compare_ctrl_c_then_resume_on_real_tiny(tmp_path, capsys, monkeypatch, tiny_gguf_path):
+    """Ctrl-C in the middle of `dsbd-chat compare` keeps the finished prompts; --resume answers only the rest."""
+    from app.cli import main
+
+    real, calls = R.answer_all, []
+
+    def interrupted_on_the_second_prompt(engine, rec, *a, **k):
+        calls.append(rec["item"])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(engine, rec, *a, **k)
+
+    monkeypatch.setattr(R, "answer_all", interrupted_on_the_second_prompt)
+    common = ["--max-tokens", "8", "--ctx", "512", "--data-dir", str(tmp_path), "--json"]
+    assert main(["compare", "--suite", "chat", "--prompts", "3", "--modes", "greedy,sample", *common]) == 130
+    err = capsys.readouterr().err
+    run_id = re.search(r"--resume (\S+)", err).group(1)
+    run = R.ResultStore(tmp_path).load_run(run_id)
+    assert run["state"] == "stopped" and run["done"] == [0]
+    assert main(["compare", "--resume", run_id, *common]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["state"], out["done"], out["waiting_for_votes"]) == ("done", 3, 3)
+    assert calls == [0, 1, 1, 2]  # the interrupted prompt again, then the last; the first is not repeated
+    assert sorted(r["item"] for r in R.ResultStore(tmp_path).list()) == [0, 1, 2]

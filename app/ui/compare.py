@@ -10,7 +10,6 @@ Storage, tallies and the background runner live in app/results.py, the report in
 
 from __future__ import annotations
 
-import logging
 import random
 import threading
 import time
@@ -27,10 +26,10 @@ from ..results import (BOTH_BAD, TIE, ResultsError, ResultStore, SetRunner, answ
 from .chat import ENGINE_QUEUE, Session
 from .settings import params_from, settings_from_values
 
-log = logging.getLogger(__name__)
 DEFAULT_MODES = ["greedy", "beam", "dsbd"]
 SOURCES = ("chat suite", "code suite", "paste", "upload")
 _VOTE_NAMES = {TIE: "Tie", BOTH_BAD: "Both bad"}
+UPLOAD_LABEL = 'Prompt file: .jsonl (a JSON string or {"prompt": …} per line), .txt (one per line)'
 
 
 def run_one(engine, messages: list[dict], settings: dict, mode: str, cancel: threading.Event) -> dict:
@@ -416,7 +415,7 @@ def build(engine, session: gr.State, system: gr.Textbox, panel, store: ResultSto
                 source = gr.Radio(list(SOURCES), value="chat suite", label="Prompts", elem_id="compare-set-source")
                 limit = gr.Number(value=0, precision=0, label="Use the first N (0 = all)", elem_id="compare-set-limit")
             pasted = gr.Textbox(label="Pasted prompts (one per line)", lines=4, elem_id="compare-set-paste")
-            upload = gr.File(label="Prompt file (.jsonl: one JSON string or {\"prompt\": …} per line; .txt: one per line)",
+            upload = gr.File(label=UPLOAD_LABEL,
                              file_types=[".jsonl", ".txt", ".json"], elem_id="compare-set-file")
             with gr.Row():
                 start_btn = gr.Button("Start", variant="primary", elem_id="compare-set-start")

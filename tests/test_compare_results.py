@@ -435,3 +435,18 @@ def test_cli_compare_ctrl_c_then_resume_on_real_tiny(tmp_path, capsys, monkeypat
     assert (out["state"], out["done"], out["waiting_for_votes"]) == ("done", 3, 3)
     assert calls == [0, 1, 1, 2]  # the interrupted prompt again, then the last; the first is not repeated
     assert sorted(r["item"] for r in R.ResultStore(tmp_path).list()) == [0, 1, 2]
+
+
+def test_import_an_export_into_another_app(tmp_path):
+    a = CompareUI(FakeEngine(), R.ResultStore(tmp_path / "a"))
+    s = Session()
+    list(a.run(s, "q", ["greedy", "dsbd"], True, "", *values(), progress=NOP))
+    a.vote(s, "A")
+    f, _ = a.export("csv")
+    b = CompareUI(FakeEngine(), R.ResultStore(tmp_path / "b"))
+    assert b.import_file(f["value"]).startswith("Imported 1 comparisons")
+    assert b.store.list() == a.store.list()
+    bad = tmp_path / "x.json"
+    bad.write_text('{"comparisons": [{"id": "../evil", "answers": [], "prompt": ""}]}')
+    assert b.import_file(str(bad)).startswith("Not imported")
+    assert not (tmp_path / "b" / "evil.json").exists() and len(b.store.list()) == 1

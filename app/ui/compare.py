@@ -22,7 +22,8 @@ from matplotlib.figure import Figure
 
 from ..config import MODES, ConfigError
 from ..results import (BOTH_BAD, TIE, ResultsError, ResultStore, SetRunner, answer_all, generate_answer,
-                       load_prompt_source, needs_vote, new_comparison, new_run, params_of_run, parse_prompts)
+                       load_prompt_source, needs_vote, new_comparison, new_run, params_of_run, parse_prompts,
+                       read_export)
 from .chat import ENGINE_QUEUE, Session
 from .settings import params_from, settings_from_values
 
@@ -370,6 +371,17 @@ class CompareUI:
         path = self.store.export(records, fmt)
         return gr.update(value=str(path), visible=True), f"Exported {len(records)} comparisons to {path.name}."
 
+    def import_file(self, path) -> str:
+        """Merge a JSON or CSV export (someone else's results, or a backup) into this store."""
+        if not path:
+            return "Pick a .json or .csv export."
+        path = Path(path if isinstance(path, str) else path.name)
+        try:
+            n = self.store.import_records(read_export(path))
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            return f"Not imported: {path.name} is not a comparisons export ({e})."
+        return f"Imported {n} comparisons from {path.name}; press Refresh."
+
     def report(self) -> tuple:
         """Write the report (PNG + HTML per model pair): (image, files, status)."""
         from ..report import write_report
@@ -434,6 +446,8 @@ def build(engine, session: gr.State, system: gr.Textbox, panel, store: ResultSto
             res_head = gr.Markdown("", elem_id="compare-results-head")
             res_status = gr.Markdown("", elem_id="compare-results-status")
             export_file = gr.File(label="Export", visible=False, interactive=False, elem_id="compare-export-file")
+            import_file = gr.File(label="Import an export (.json / .csv)", file_types=[".json", ".csv"],
+                                  elem_id="compare-import-file")
             gr.Markdown("#### Per mode")
             mode_table = gr.HTML("", elem_id="compare-mode-table")
             gr.Markdown("#### Blind votes per pair of modes")
@@ -465,4 +479,5 @@ def build(engine, session: gr.State, system: gr.Textbox, panel, store: ResultSto
     json_btn.click(lambda: ui.export("json"), None, [export_file, res_status], **fast)
     csv_btn.click(lambda: ui.export("csv"), None, [export_file, res_status], **fast)
     report_btn.click(ui.report, None, [report_img, report_files, res_status], **fast)
+    import_file.upload(ui.import_file, [import_file], [res_status], **fast)
     return ui

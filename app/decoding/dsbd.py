@@ -89,9 +89,11 @@ def _target_forest(suffix, layers: list[DraftLayer], ws: int) -> Forest:
     return Forest(suffix=tuple(suffix), tokens=tuple(tokens), parents=tuple(parents), rows=tuple(rows))
 
 
-def _extend(h: Handle, token: int, node: int | None, node_lp: np.ndarray | None) -> Handle:
+def _extend(h: Handle, token: int, node: int | None, node_lp: np.ndarray | None, *,
+            drafted: bool | None = None) -> Handle:
+    """h + token; `node` (the forest node holding token) joins the chain of KV kept at commit."""
     beam = Beam(h.beam.tokens + (token,), h.beam.score + float(h.lp[token]),
-                drafted=h.beam.drafted + (node is not None,))
+                drafted=h.beam.drafted + (node is not None if drafted is None else drafted,))
     return Handle(h.root, h.chain + ((node,) if node is not None else ()), beam, node_lp)
 
 
@@ -129,7 +131,7 @@ def dsbd(*, target: Context, draft: Context, prompt: Sequence[int], params, stop
         metrics.target_passes += 1
         metrics.track_kv(target, draft)
         root_lp = log_softmax(out.roots)  # [n_in, V]
-        node_lp = log_softmax(out.nodes) if len(out.nodes) else None  # [g * W_S, V]
+        node_lp = _LazyRows(out.nodes)  # [g * W_S, V], log-softmaxed only for the nodes a layer accepts
         # 3. verify layer by layer
         parents = [Handle(r, (), b, root_lp[r]) for r, b in enumerate(live)]  # index = parent key space
         valid = np.ones(len(parents), bool)
@@ -150,7 +152,11 @@ def dsbd(*, target: Context, draft: Context, prompt: Sequence[int], params, stop
                              None if i is None else base + i,
                              None if i is None else node_lp[base + i]) for k, i in picked]
             if not passed:
-                output = beams  # failed layer = output layer (exactly W_L beams)
+                # Failed layer = output layer (exactly W_L beams). Its tokens, drafted or not, are the next
+                # uncached suffix x_o (spec §8): an accepted draft's node must not join the committed chain,
+                # or the target would see x_o twice (bigram toy models cannot tell; real models can).
+                output = [_extend(parents[k // vocab], k % vocab, None, None, drafted=i is not None)
+                          for k, i in picked]
                 break
             ended = [stopper.finished(h.beam.tokens) for h in beams]
             if not memory:
@@ -213,6 +219,20 @@ def dsbd(*, target: Context, draft: Context, prompt: Sequence[int], params, stop
             d_suffix = [tuple(d_suffix[h.root]) + (b.tokens[-1],) for h, b in zip(nxt, live)]
         final = live[0].tokens if memory else common_prefix([b.tokens for b in live + pool.beams])
         yield Step(final=final, live=len(live), forest={"layers": snapshot, "gamma": g})
+
+
+class _LazyRows:
+    """Row-wise log_softmax on demand: only accepted nodes need their target log-probs (issue 13, item 5).
+    A row gives bit-for-bit the values of log_softmax over the whole [n, V] block."""
+
+    def __init__(self, logits: np.ndarray) -> None:
+        self.logits, self.rows = logits, {}
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        row = self.rows.get(i)
+        if row is None:
+            row = self.rows[i] = log_softmax(self.logits[i])  # [V]
+        return row
 
 
 def _p_beam(parents: Sequence[Handle | None], valid: np.ndarray, warp, vocab: int) -> Joint:

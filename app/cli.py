@@ -26,6 +26,9 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--n-gpu-layers", type=int, default=None,
                    help="llama.cpp layers on the GPU (-1 = all; default: from the memory plan)")
     g.add_argument("--ctx", type=int, default=4096, help="context window in tokens (prompt + answer + draft tree)")
+    g.add_argument("--llama-extra-bufts", choices=("auto", "on", "off"), default="auto",
+                   help="llama.cpp weight repack (AMX and others); auto: $DSBD_CHAT_LLAMA_EXTRA_BUFTS, else a "
+                        "cached one-time probe that turns it off where it crashes (AMX CPUs)")
 
 
 def _decode_args(ap: argparse.ArgumentParser) -> None:
@@ -58,7 +61,8 @@ def _params(a, *, validate: bool = True) -> DecodeParams:
 
 
 def _specs(a, *, need_draft: bool) -> tuple[ModelSpec, ModelSpec | None]:
-    common = dict(dtype=a.dtype, device=a.device, n_threads=a.threads, n_gpu_layers=a.n_gpu_layers, n_ctx=a.ctx)
+    common = dict(dtype=a.dtype, device=a.device, n_threads=a.threads, n_gpu_layers=a.n_gpu_layers, n_ctx=a.ctx,
+                  llama_extra_bufts=a.llama_extra_bufts)
     target = ModelSpec(source=a.target or a.preset, backend=a.target_backend, **common).validated()
     draft_src = a.draft or (a.preset if not a.target else None)
     if need_draft and draft_src is None:
@@ -123,8 +127,12 @@ def _aggregate(completions: list[dict]) -> dict:
 def cmd_models(a) -> int:
     from backends.registry import format_models_table, list_models
 
+    from backends.llamacpp.probe import cpu_summary, probe_summary
+
     rows = list_models()
-    print(json.dumps(rows, indent=2) if a.json else format_models_table(rows))
+    cpu = {"cpu": cpu_summary(), "llama_weight_repack": probe_summary()}
+    print(json.dumps({"models": rows} | cpu, indent=2) if a.json else
+          format_models_table(rows) + f"\nCPU: {cpu['cpu']}; {cpu['llama_weight_repack']}")
     return 0
 
 

@@ -116,6 +116,7 @@ class ModelSpec:
     n_threads: int | None = None  # llama.cpp; None = physical cores
     n_gpu_layers: int | None = None  # llama.cpp; None = from the memory plan (0 without a GPU)
     n_ctx: int = 4096
+    llama_extra_bufts: str = "auto"  # llama.cpp weight repack: on | off | auto ($DSBD_CHAT_LLAMA_EXTRA_BUFTS, probe)
 
     def validated(self) -> "ModelSpec":
         if self.backend not in BACKENDS:
@@ -127,4 +128,6 @@ class ModelSpec:
             _int("n_gpu_layers", self.n_gpu_layers, -1, 100_000)
         if self.n_threads is not None:
             _int("n_threads", self.n_threads, 1, 1024)
+        if self.llama_extra_bufts not in ("auto", "on", "off"):
+            raise ConfigError(f"llama_extra_bufts must be auto, on or off, got {self.llama_extra_bufts!r}")
         return self

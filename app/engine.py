@@ -152,6 +152,11 @@ class Engine:
         d = {"target": self.target.info.name, "target_backend": self.target.info.backend, "n_ctx": self.n_ctx}
         if self.draft is not None:
             d |= {"draft": self.draft.info.name, "draft_backend": self.draft.info.backend}
+        repack = {m.info.extra.get("weight_repack") for m in (self.target, self.draft) if m is not None} - {None}
+        if repack:  # llama.cpp: whether the weight repack runs (off where it crashes, e.g. AMX)
+            from backends.llamacpp.probe import cpu_summary
+
+            d["cpu"] = f"{cpu_summary()}; " + "; ".join(sorted(repack))
         return d
 
     # -- contexts ------------------------------------------------------------------------------

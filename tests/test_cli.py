@@ -56,5 +56,6 @@ def test_generate_raw_streams_text(capsys, tiny_gguf_path):
 
 def test_models_lists_presets(capsys):
     assert main(["models", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
-    assert {r["preset"] for r in rows} >= {"tiny", "qwen-coder"}
+    out = json.loads(capsys.readouterr().out)
+    assert {r["preset"] for r in out["models"]} >= {"tiny", "qwen-coder"}
+    assert out["cpu"] and out["llama_weight_repack"].startswith("llama.cpp weight repack")

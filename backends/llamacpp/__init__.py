@@ -20,4 +20,5 @@ def load(path: Path, spec: "ModelSpec", *, kv_type: str = "f32") -> LlamaModel:
     kv_type "f32" (default) keeps logits independent of batching; "f16" halves KV memory (see runtime).
     """
     spec = spec.validated()
-    return LlamaModel(Path(path), n_threads=spec.n_threads, n_gpu_layers=spec.n_gpu_layers or 0, kv_type=kv_type)
+    return LlamaModel(Path(path), n_threads=spec.n_threads, n_gpu_layers=spec.n_gpu_layers or 0, kv_type=kv_type,
+                      extra_bufts=spec.llama_extra_bufts)

@@ -75,11 +75,12 @@ def check_gguf_header(path: Path) -> None:
 class ModelHandle:
     """Owns one `llama_model *`; `ptr` raises once freed, so a stale user gets an error, not a segfault."""
 
-    def __init__(self, path: Path, *, vocab_only: bool, n_gpu_layers: int = 0) -> None:
+    def __init__(self, path: Path, *, vocab_only: bool, n_gpu_layers: int = 0, extra_bufts: bool = True) -> None:
         check_gguf_header(path)
         params = ll.llama_model_default_params()
         params.vocab_only = vocab_only
         params.n_gpu_layers = n_gpu_layers
+        params.use_extra_bufts = extra_bufts  # weight repack (AMX and others); off where it crashes (probe.py)
         take_errors()
         ptr = ll.llama_model_load_from_file(os.fsencode(path), params)
         if not ptr:

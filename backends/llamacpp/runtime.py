@@ -11,7 +11,8 @@ import llama_cpp.llama_cpp as ll
 
 from backends.base import BackendError, ContextFull, Forest, Logits, ModelInfo
 from backends.base import Path as KeepPath
-from backends.llamacpp._native import ModelHandle, default_threads, take_errors
+from backends.llamacpp import probe
+from backends.llamacpp._native import ModelHandle, check_gguf_header, default_threads, take_errors
 from backends.llamacpp.layout import LayoutU
 from backends.llamacpp.tokenizer import GGUFTokenizer
 
@@ -26,14 +27,18 @@ class LlamaModel:
     """A loaded GGUF model: `info`, `tokenizer`, and `context(...)` factories."""
 
     def __init__(self, path: Path, *, n_threads: int | None = None, n_gpu_layers: int = 0,
-                 kv_type: str = "f32") -> None:
+                 kv_type: str = "f32", extra_bufts: str | None = None) -> None:
+        """extra_bufts: on | off | auto (None: $DSBD_CHAT_LLAMA_EXTRA_BUFTS, else auto = probe, see probe.py)."""
         if kv_type not in _KV_TYPES:
             raise ValueError(f"kv_type must be one of {sorted(_KV_TYPES)}, got {kv_type!r}")
-        self._h = ModelHandle(Path(path), vocab_only=False, n_gpu_layers=n_gpu_layers)
+        check_gguf_header(Path(path))
+        self.repack = probe.decide(Path(path), extra_bufts)
+        self._h = ModelHandle(Path(path), vocab_only=False, n_gpu_layers=n_gpu_layers,
+                              extra_bufts=self.repack.extra_bufts)
         self.n_threads = n_threads or default_threads()
         self.kv_type = kv_type
         self.tokenizer = GGUFTokenizer(self._h)
-        self.info = _model_info(self._h, kv_type)
+        self.info = _model_info(self._h, kv_type, self.repack)
         self._contexts: weakref.WeakSet[LlamaContext] = weakref.WeakSet()
 
     def context(self, *, rows: int, max_tokens: int, n_batch: int | None = None,
@@ -62,7 +67,7 @@ class LlamaModel:
         self.close()
 
 
-def _model_info(h: ModelHandle, kv_type: str) -> ModelInfo:
+def _model_info(h: ModelHandle, kv_type: str, repack: probe.Verdict) -> ModelInfo:
     m = h.ptr
     arch = h.meta("general.architecture") or "llama"
     n_layer, n_head = ll.llama_model_n_layer(m), ll.llama_model_n_head(m)
@@ -78,7 +83,8 @@ def _model_info(h: ModelHandle, kv_type: str) -> ModelInfo:
         kv_bytes_per_token=n_layer * n_head_kv * (head_k + head_v) * _KV_BYTES[kv_type],  # K and V
         weight_bytes=h.path.stat().st_size,
         extra={"path": str(h.path), "arch": arch, "n_embd": n_embd, "n_head": n_head, "n_head_kv": n_head_kv,
-               "head_dim": head_k, "kv_type": kv_type, "n_params": ll.llama_model_n_params(m)},
+               "head_dim": head_k, "kv_type": kv_type, "n_params": ll.llama_model_n_params(m),
+               "weight_repack": repack.describe()},
     )
 
 

@@ -1,0 +1,61 @@
+"""The llama.cpp weight-repack probe: overrides both ways, the cached verdict, and a real child process."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.config import ConfigError, ModelSpec
+from backends.llamacpp import probe
+
+
+def test_override_on_and_off_skip_the_probe(tmp_path, monkeypatch, tiny_gguf_path):
+    monkeypatch.setattr(probe, "run_probe", lambda p: pytest.fail("probe must not run when overridden"))
+    monkeypatch.delenv(probe.ENV, raising=False)
+    assert probe.decide(tiny_gguf_path, "off", cache_file=tmp_path / "c.json") == \
+        probe.Verdict(False, "set by --llama-extra-bufts=off")
+    assert probe.decide(tiny_gguf_path, "on", cache_file=tmp_path / "c.json").extra_bufts is True
+    monkeypatch.setenv(probe.ENV, "off")
+    v = probe.decide(tiny_gguf_path, None, cache_file=tmp_path / "c.json")
+    assert not v.extra_bufts and probe.ENV in v.reason
+
+
+def test_bad_settings_are_named(monkeypatch):
+    monkeypatch.setenv(probe.ENV, "maybe")
+    with pytest.raises(ValueError, match=r"DSBD_CHAT_LLAMA_EXTRA_BUFTS must be one of auto, on, off"):
+        probe.setting()
+    with pytest.raises(ConfigError, match="llama_extra_bufts must be auto, on or off"):
+        ModelSpec(source="tiny", llama_extra_bufts="yes").validated()
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_auto_probes_once_and_caches_the_verdict(tmp_path, monkeypatch, tiny_gguf_path, ok):
+    monkeypatch.delenv(probe.ENV, raising=False)
+    calls = []
+
+    def fake(path):
+        calls.append(path)
+        return {"ok": ok, "why": "" if ok else "a test decode with the repack on died with SIGILL (illegal instruction)"}
+
+    monkeypatch.setattr(probe, "run_probe", fake)
+    cache = tmp_path / "probe.json"
+    first = probe.decide(tiny_gguf_path, "auto", cache_file=cache)
+    again = probe.decide(tiny_gguf_path, "auto", cache_file=cache)
+    assert first == again and first.extra_bufts is ok and len(calls) == 1
+    if not ok:
+        assert "SIGILL" in first.reason and "known llama.cpp fault" in first.reason
+
+
+def test_real_probe_child_reports_a_verdict_and_the_model_loads_with_it(tiny_gguf_path, tmp_path, monkeypatch):
+    """The child really decodes; on an AMX CPU it dies (verdict off), elsewhere it passes. Either way the
+    model then loads and decodes in this process with the verdict applied."""
+    r = probe.run_probe(tiny_gguf_path)
+    assert set(r) == {"ok", "why"} and (r["ok"] or "repack on" in r["why"])
+    monkeypatch.delenv(probe.ENV, raising=False)
+    monkeypatch.setenv("DSBD_CHAT_CACHE", str(tmp_path))
+    from backends.llamacpp.runtime import LlamaModel
+
+    with LlamaModel(tiny_gguf_path, n_threads=1) as m:
+        assert m.repack.extra_bufts is r["ok"]
+        assert m.info.extra["weight_repack"].startswith(f"llama.cpp weight repack {'on' if r['ok'] else 'off'}")
+        with m.context(rows=1, max_tokens=32) as ctx:
+            ctx.prefill([1, 2, 3])

@@ -223,14 +223,36 @@ def test_real_tiny_model(browser, tmp_path, artifacts):
     try:
         page = open_page(browser, url)
         set_slider(page, "Max new tokens", 8)
-        send(page, "Say hello.")
+        # As a person types: Shift+Enter adds a line and sends nothing; Enter sends.
+        box = page.locator("#message textarea")
+        box.click()
+        page.keyboard.type("Say hello.")
+        page.keyboard.press("Shift+Enter")
+        page.keyboard.type("Just one word.")
+        assert box.input_value() == "Say hello.\nJust one word."
+        assert page.locator(BOT).count() == 0
         t0 = time.perf_counter()
+        page.keyboard.press("Enter")
         wait_status(page, "^Done")
         stats = page.inner_text("#stats")
         assert "dsbd" in stats and "Acceptance by layer" in stats, stats
-        assert last_bot(page).strip()
+        assert last_bot(page).strip() and box.input_value() == ""
+        assert "Just one word." in page.inner_text("#chatbot")  # the whole two-line message was sent
         page.screenshot(path=str(artifacts / "05-real-tiny.png"), full_page=True)
         print(f"real tiny answer in {time.perf_counter() - t0:.1f} s")
+
+        # Stop a long answer mid-stream, then Regenerate it.
+        set_slider(page, "Max new tokens", 400)
+        box.fill("Write a long story about a lighthouse keeper.")
+        box.press("Enter")
+        wait_status(page, "Generating|Deciding")
+        page.click("#stop")
+        status = wait_status(page, "^Stopped after")
+        assert int(re.search(r"after (\d+) tokens", status).group(1)) < 400
+        set_slider(page, "Max new tokens", 8)
+        page.click("#regenerate")
+        wait_status(page, "^Done")
+        assert page.locator(BOT).count() == 2 and last_bot(page).strip()
         page.close()
     finally:
         app.close()

@@ -43,6 +43,7 @@ def launch_kwargs(app: gr.Blocks) -> dict:
     theme = gr.themes.Default(font=["ui-sans-serif", "system-ui", "sans-serif"],
                               font_mono=["ui-monospace", "Consolas", "monospace"])
     return {"css": css_path.read_text(encoding="utf-8") if css_path.exists() else None, "theme": theme,
+            "js": (ASSETS / "keys.js").read_text(encoding="utf-8"),  # Enter sends, Shift+Enter: new line
             "allowed_paths": [str(app.dsbd_store.exports_dir)]}
 
 

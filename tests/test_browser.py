@@ -181,7 +181,7 @@ def test_compare_three_modes(browser, fake_app, artifacts):
     page.fill("#compare-prompt textarea", "Explain beams in one line.")
     page.get_by_label("sample", exact=True).check()  # greedy, beam, dsbd are preselected
     page.uncheck("#compare-blind input")  # labelled answers; the blind flow is in test_compare_browser.py
-    page.click("#compare-run")
+    page.press("#compare-prompt textarea", "Enter")  # Enter runs the comparison, like the Compare button
     status = wait_status(page, "^Done", "#compare-status")
     assert "4 mode(s)" in status
     cards = page.locator("#compare-cards .dsbd-card")

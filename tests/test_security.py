@@ -214,7 +214,12 @@ def test_user_control_token_text_stays_plain_text(tiny):
 
 def test_chatml_is_the_fallback_and_is_sandboxed():
     text, pieces = render([{"role": "user", "content": "{{ 7*7 }}"}], None)
-    assert "49" not in text and list(pieces.values()) == ["{{ 7*7 }}"]  # content is data, not template
+    # content is data, not template: the rendered text holds a placeholder for it (random hex, which may
+    # itself contain "49"), so check the text with the placeholders taken out
+    bare = text
+    for key in pieces:
+        bare = bare.replace(key, "")
+    assert "49" not in bare and list(pieces.values()) == ["{{ 7*7 }}"]
     assert text.startswith("<|im_start|>user\n") and CHATML
 
 

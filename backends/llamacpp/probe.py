@@ -55,7 +55,10 @@ def decide(path: Path, value: str | None = None, *, cache_file: Path | None = No
     if v != "auto":
         how = "--llama-extra-bufts" if value in ("on", "off") else f"${ENV}"
         return Verdict(v == "on", f"set by {how}={v}")
-    key = probe_key(path)
+    try:
+        key = probe_key(path)
+    except Exception as e:  # an unreadable header: load with the safe setting and let the loader explain
+        return Verdict(False, f"weight types unreadable ({type(e).__name__}), so the safe setting")
     cache_file = cache_file or _cache_file()
     with _lock:
         cached = _read(cache_file).get(key)

@@ -62,7 +62,11 @@ def main() -> None:
     ap.add_argument("--kv-type", choices=("f32", "f16"), default=None)
     ap.add_argument("--flash-attn", action="store_true")
     ap.add_argument("--stat", choices=("median", "min"), default="median")
+    ap.add_argument("--ns", default="1,8,32,64", help="tokens per pass to time, comma-separated")
+    ap.add_argument("--batch", type=int, default=None, help="llama.cpp n_batch = n_ubatch of the context")
+    ap.add_argument("--json", help="also write {n: seconds} and the settings here")
     args = ap.parse_args()
+    ns = tuple(int(n) for n in args.ns.split(","))
 
     from app.config import ModelSpec
     from backends.registry import load_model
@@ -75,15 +79,22 @@ def main() -> None:
     model = load_model(spec)
     kw = {}
     if args.backend == "llamacpp":
-        kw = {"flash_attn": args.flash_attn, **({"kv_type": args.kv_type} if args.kv_type else {})}
+        kw = {"flash_attn": args.flash_attn, **({"kv_type": args.kv_type} if args.kv_type else {}),
+              **({"n_batch": args.batch} if args.batch else {})}
     try:
-        costs = scoring_cost(model, context=args.context, repeats=args.repeats, shape=args.shape,
+        costs = scoring_cost(model, ns, context=args.context, repeats=args.repeats, shape=args.shape,
                              stat=statistics.median if args.stat == "median" else min, **kw)
     finally:
         model.close()
     print(f"{model.info.name} ({args.backend}, {args.dtype if args.backend == 'pytorch' else 'gguf'}): {args.threads} threads, {args.shape} forest after {args.context} tokens, "
           f"{args.stat} of {args.repeats}, {kw}")
     print(report(costs))
+    if args.json:
+        import json
+        from pathlib import Path
+
+        Path(args.json).write_text(json.dumps({"model": model.info.name, "settings": vars(args), "context_kw": kw,
+                                               "seconds": costs}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -164,20 +164,29 @@ def parse_auth(text: str | None) -> tuple[str, str] | None:
 def cmd_chat(a) -> int:
     host, auth = bind_address(a), parse_auth(a.auth)  # before the (slow) model load
     target, draft = _specs(a, need_draft=False)
-    from .engine import Engine
     from .ui import QUEUE_KWARGS, build_app, launch_kwargs
 
-    engine = Engine.load(target, draft)
-    print(f"dsbd-chat: {engine.describe()}", file=sys.stderr)
-    if a.share:  # a Gradio share tunnel needs Gradio's own launch; the API stays off the public link
-        app = build_app(engine)
-        app.queue(**QUEUE_KWARGS).launch(server_name=host, server_port=a.port, share=True, auth=auth,
-                                         inbrowser=not a.no_browser, **launch_kwargs(app))
-        return 0
-    from .api import serve
+    if a.no_worker:
+        from .engine import Engine
 
-    serve(engine, host=host, port=a.port, api_key=a.api_key, auth=auth, inbrowser=not a.no_browser)
-    return 0
+        engine = Engine.load(target, draft)
+    else:  # the models run in a supervised child process: a native crash ends one answer, not the server
+        from .worker import WorkerEngine
+
+        engine = WorkerEngine.load(target, draft)
+    try:
+        print(f"dsbd-chat: {engine.describe()}", file=sys.stderr)
+        if a.share:  # a Gradio share tunnel needs Gradio's own launch; the API stays off the public link
+            app = build_app(engine)
+            app.queue(**QUEUE_KWARGS).launch(server_name=host, server_port=a.port, share=True, auth=auth,
+                                             inbrowser=not a.no_browser, **launch_kwargs(app))
+            return 0
+        from .api import serve
+
+        serve(engine, host=host, port=a.port, api_key=a.api_key, auth=auth, inbrowser=not a.no_browser)
+        return 0
+    finally:
+        engine.close()
 
 
 def cmd_bench(a) -> int:
@@ -355,6 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--port", type=int, default=7860)
     chat.add_argument("--no-browser", action="store_true", help="don't open a browser tab")
     chat.add_argument("--share", action="store_true", help="create a public Gradio share link (off by default)")
+    chat.add_argument("--no-worker", action="store_true",
+                      help="run the models in the server's own process (debugging; a native crash then ends the "
+                           "server) instead of a supervised model process that restarts after a crash")
     chat.add_argument("--api-key", default=os.environ.get("DSBD_CHAT_API_KEY"),
                       help="require 'Authorization: Bearer KEY' on the OpenAI-compatible API at /v1 "
                            "(default: $DSBD_CHAT_API_KEY; none = open, fine on loopback)")

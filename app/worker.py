@@ -1,0 +1,611 @@
+"""The engine in a supervised child process: a native crash ends one answer, never the chat server.
+
+llama.cpp can die with SIGILL (AMX), SIGSEGV or abort, and the kernel can OOM-kill a process; in-process
+that takes the whole server down. `WorkerEngine` runs `app.engine.Engine` in a "spawn" child (no forked
+threads or llama state) and speaks a small RPC over a Pipe: a call answers once; a stream is opened
+(validation errors are raised at once, as in-process), started on the first `next`, then sends one pickled
+`Event` per step. Exceptions come back with their type, message and attributes (PromptTooLong stays one).
+
+When the child dies, every request in flight fails with a BackendError naming the signal, and a fresh
+child loads the same models (the swapped-in ones after a swap) while the server keeps serving. Three
+failed loads in a row end the respawns: every request then gets that error instead of an endless loop.
+The child ignores Ctrl+C (the parent closes it) and exits when the pipe closes (the parent died).
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Callable, Iterator, Sequence
+
+from backends.base import BackendError
+
+from .config import DecodeParams, ModelSpec
+
+log = logging.getLogger(__name__)
+
+MAX_LOAD_FAILURES = 3  # failed (re)loads in a row before the supervisor stops respawning
+_POLL_S = 0.05  # how often a stream waiting for its next event looks at its cancel Event
+_TOKENIZER_ATTRS = ("name", "n_vocab", "bos_id", "eos_id", "eos_ids", "vocab_type", "add_bos", "chat_template")
+# What the parent may call on the child's Engine (streams: "generate" / "chat", opened separately).
+_CALLS = frozenset({"describe", "check_params", "resolve", "pick", "observe", "encode", "complete", "swap",
+                    "tokenizer.encode", "tokenizer.decode", "tokenizer.piece"})
+_WHY = {"SIGILL": "illegal instruction",
+        "SIGSEGV": "segmentation fault", "SIGABRT": "aborted", "SIGBUS": "bus error",
+        "SIGFPE": "arithmetic fault", "SIGKILL": "killed, e.g. out of memory",
+        "SIGTERM": "terminated"}
+
+
+def death_cause(exitcode: int | None) -> str:
+    """'SIGILL: illegal instruction ...' for a signal, 'exit code N' otherwise."""
+    if exitcode is None:
+        return "it stopped answering"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            return f"signal {-exitcode}"
+        return f"{name}: {_WHY.get(name) or (signal.strsignal(-exitcode) or name).lower()}"
+    return f"exit code {exitcode}"
+
+
+# -- exceptions across the pipe ----------------------------------------------------------------------
+def _pack_exc(e: BaseException) -> tuple:
+    """(module, qualname, args, attributes, traceback text): rebuilt in the parent without calling __init__
+    (PromptTooLong's takes keyword-only numbers, so plain unpickling would fail)."""
+    def ok(v) -> bool:
+        try:
+            pickle.dumps(v)
+            return True
+        except Exception:
+            return False
+
+    args = tuple(a if ok(a) else repr(a) for a in e.args)
+    attrs = {k: v for k, v in vars(e).items() if ok(v)} if hasattr(e, "__dict__") else {}
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    return type(e).__module__, type(e).__qualname__, args, attrs, tb
+
+
+def _unpack_exc(packed: tuple) -> BaseException:
+    module, qualname, args, attrs, tb = packed
+    try:
+        cls = importlib.import_module(module)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+        if not (isinstance(cls, type) and issubclass(cls, Exception)):
+            raise TypeError(qualname)
+        e = cls.__new__(cls)
+        Exception.__init__(e, *args)
+        e.__dict__.update(attrs)
+    except Exception:  # a type the parent cannot import: keep its name in the message
+        e = BackendError(f"{qualname}: {args[0] if args else ''}")
+    e.add_note(f"raised in the model process:\n{tb}")
+    return e
+
+
+# -- the child ---------------------------------------------------------------------------------------
+class _Served:
+    """One request inside the child: its cancel Event, whether the parent started or dropped the stream."""
+
+    def __init__(self) -> None:
+        self.cancel, self.go, self.dropped = threading.Event(), threading.Event(), False
+
+
+def _child_main(conn, target: ModelSpec, draft: ModelSpec | None, budget, on_start) -> None:
+    """Entry point of the model process: load, report, then serve requests until the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the parent's: it closes this process
+    try:  # a crash must not leave a core file of the size of the models behind
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+    except (ImportError, ValueError, OSError):
+        pass
+    send_lock = threading.Lock()
+
+    def send(msg) -> None:
+        try:
+            with send_lock:
+                conn.send(msg)
+        except (OSError, EOFError):  # the parent is gone
+            os._exit(0)
+
+    engine = None
+    served: dict[int, _Served] = {}
+
+    def load() -> None:
+        nonlocal engine
+        try:
+            if on_start is not None:
+                on_start()
+            from .engine import Engine
+
+            engine = Engine.load(target, draft, budget=budget)
+        except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+            send(("fail", 0, _pack_exc(e)))
+            return
+        send(("ready", 0, _state(engine)))
+
+    threading.Thread(target=load, name="dsbd-load", daemon=True).start()
+    while True:  # the main thread only reads the pipe: EOF (the parent died) ends the process at once
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            os._exit(0)
+        kind, rid = msg[0], msg[1]
+        if kind == "close":
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+        if kind == "call":
+            name, args, kwargs = msg[2], msg[3], msg[4]
+            if name.startswith("tokenizer."):  # fast and read-only: answered inline
+                _serve_call(engine, rid, name, args, kwargs, send)
+            else:
+                threading.Thread(target=_serve_call, args=(engine, rid, name, args, kwargs, send),
+                                 name=f"dsbd-call-{rid}", daemon=True).start()
+        elif kind == "open":
+            s = served[rid] = _Served()
+            threading.Thread(target=_serve_stream, args=(engine, rid, msg[2], msg[3], s, send, served),
+                             name=f"dsbd-stream-{rid}", daemon=True).start()
+        elif kind in ("go", "cancel", "drop"):
+            s = served.get(rid)
+            if s is not None:
+                if kind == "cancel":
+                    s.cancel.set()
+                elif kind == "drop":  # the parent closed the stream: stop at the next step, or never start
+                    s.dropped = True
+                    s.cancel.set()
+                s.go.set()
+
+
+def _state(engine) -> dict:
+    """What the parent mirrors: specs, plan, n_ctx, describe() and the tokenizer's plain attributes."""
+    plan = engine.plan
+    try:
+        pickle.dumps(plan)
+    except Exception:
+        plan = None
+    tok = engine.tokenizer
+    return {"specs": engine.specs, "plan": plan, "n_ctx": engine.n_ctx, "describe": engine.describe(),
+            "tokenizer": {k: getattr(tok, k, None) for k in _TOKENIZER_ATTRS}, "pid": os.getpid()}
+
+
+def _serve_call(engine, rid: int, name: str, args, kwargs, send) -> None:
+    try:
+        if name not in _CALLS:
+            raise BackendError(f"the model process has no call {name!r}")
+        fn = engine
+        for part in name.split("."):
+            fn = getattr(fn, part)
+        if name == "swap" and kwargs.pop("progress", None):
+            kwargs["progress"] = lambda *a, **k: send(("progress", rid, a, k))
+        result = fn(*args, **kwargs)
+        if name == "swap":
+            result = (result, _state(engine))
+        send(("ok", rid, result))
+    except BaseException as e:  # noqa: BLE001 - re-raised in the parent
+        send(("err", rid, _pack_exc(e)))
+
+
+def _serve_stream(engine, rid: int, name: str, args, s: _Served, send, served: dict) -> None:
+    gen = None
+    try:
+        gen = getattr(engine, name)(*args, cancel=s.cancel)  # ConfigError / PromptTooLong: raised here
+        send(("opened", rid))
+        s.go.wait()
+        if s.dropped:
+            return
+        for ev in gen:
+            if s.dropped:
+                break
+            send(("ev", rid, ev))
+        else:
+            send(("end", rid))
+    except BaseException as e:  # noqa: BLE001 - re-raised in the parent
+        send(("err", rid, _pack_exc(e)))
+    finally:
+        if gen is not None:
+            gen.close()  # releases the engine lock
+        served.pop(rid, None)
+
+
+# -- the parent --------------------------------------------------------------------------------------
+class _Child:
+    """One model process: its pipe, the requests waiting on it, and the thread reading its replies."""
+
+    def __init__(self, conn, proc) -> None:
+        self.conn, self.proc = conn, proc
+        self.lock = threading.Lock()  # guards pending / dead (never held while blocked on the pipe)
+        self.send_lock = threading.Lock()  # one message at a time on the pipe
+        self.pending: dict[int, tuple[queue.SimpleQueue, str]] = {}
+        self.dead: str | None = None  # the cause once it died
+
+    def register(self, rid: int, kind: str) -> queue.SimpleQueue:
+        q = queue.SimpleQueue()
+        with self.lock:
+            if self.dead is not None:  # answered at once, as if it had died with this request
+                q.put(("dead", rid, _died(self.dead, kind)))
+            else:
+                self.pending[rid] = (q, kind)
+        return q
+
+    def forget(self, rid: int) -> None:
+        with self.lock:
+            self.pending.pop(rid, None)
+
+    def send(self, msg) -> None:
+        try:
+            with self.send_lock:
+                self.conn.send(msg)
+        except (OSError, EOFError, ValueError):  # it died: the reader fails the pending requests
+            pass
+
+
+def _died(cause: str, kind: str) -> str:
+    return {
+        "answer": f"the model process died ({cause}) during this answer; it is restarting with the same models; "
+                  "send the message again",
+        "swap": f"the model process died ({cause}) while loading the new models; it is restarting with the "
+                "previous models",
+        "load": f"the model process died ({cause}) while loading the models",
+    }.get(kind, f"the model process died ({cause}); it is restarting with the same models; try again")
+
+
+class WorkerEngine:
+    """An Engine in a supervised child process, with the Engine's interface as the UI, API and CLI use it.
+
+    `WorkerEngine.load(target, draft)` returns once the models are loaded, raising the same errors as
+    `Engine.load` (ConfigError, PlanError, BackendError...). `on_start` (a picklable function) runs in each
+    new model process before it loads: tests use it to crash a load on purpose.
+    """
+
+    def __init__(self, target: ModelSpec, draft: ModelSpec | None = None, *, budget=None,
+                 max_load_failures: int = MAX_LOAD_FAILURES, on_start: Callable[[], None] | None = None) -> None:
+        self._budget, self._on_start, self.max_load_failures = budget, on_start, max_load_failures
+        self._ids = itertools.count(1)
+        self._cv = threading.Condition()
+        self._phase = "starting"  # starting | ready | broken | closed
+        self._broken: str | None = None
+        self._state: dict = {}
+        self._child: _Child | None = None
+        self.restarts = 0  # model processes started after a crash (for tests and logs)
+        self._child = self._start(target, draft)
+        self._phase = "ready"
+
+    @classmethod
+    def load(cls, target: ModelSpec, draft: ModelSpec | None = None, *, budget=None, **kw) -> "WorkerEngine":
+        return cls(target, draft, budget=budget, **kw)
+
+    # -- the mirrored state ------------------------------------------------------------------------
+    @property
+    def specs(self) -> tuple[ModelSpec | None, ModelSpec | None]:
+        return self._state.get("specs", (None, None))
+
+    @property
+    def plan(self):
+        return self._state.get("plan")
+
+    @property
+    def n_ctx(self) -> int:
+        return self._state["n_ctx"]
+
+    @property
+    def pid(self) -> int | None:
+        """The model process's pid (None while it restarts)."""
+        child = self._child
+        return child.proc.pid if child is not None else None
+
+    @property
+    def tokenizer(self) -> "RemoteTokenizer":
+        return self._tokenizer
+
+    def describe(self) -> dict:
+        self._ready()  # a broken worker says why
+        return dict(self._state["describe"])
+
+    # -- calls -------------------------------------------------------------------------------------
+    def check_params(self, params: DecodeParams) -> DecodeParams:
+        return self._call("check_params", params)
+
+    def resolve(self, params: DecodeParams):
+        return self._call("resolve", params)
+
+    def pick(self, params: DecodeParams):
+        return self._call("pick", params)
+
+    def observe(self, params: DecodeParams, stats: dict) -> None:
+        return self._call("observe", params, stats)
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        return self._call("encode", messages)
+
+    def complete(self, prompt: Sequence[int], params: DecodeParams, *, n: int = 1) -> list[dict]:
+        return self._call("complete", list(prompt), params, n=n, kind="answer")
+
+    def swap(self, target: ModelSpec, draft: ModelSpec | None = None, *, progress=None) -> dict:
+        """Engine.swap in the model process (the old models keep serving if it fails). A broken worker
+        (crash loop) starts a fresh process with these models instead."""
+        with self._cv:
+            broken = self._phase == "broken"
+        if broken:
+            if progress is not None:
+                progress(0.0, desc=f"starting a model process for {target.source}")
+            child = self._start(target, draft)
+            with self._cv:
+                if self._phase == "closed":
+                    self._kill(child)
+                    raise BackendError("the engine is closed")
+                self._child, self._phase, self._broken = child, "ready", None
+                self._cv.notify_all()
+            return self.describe()
+        child = self._ready()
+        rid = next(self._ids)
+        q = child.register(rid, "swap")
+        try:
+            child.send(("call", rid, "swap", (target, draft), {"progress": progress is not None}))
+            while True:
+                msg = q.get()
+                if msg[0] == "progress":
+                    progress(*msg[2], **msg[3])
+                    continue
+                info, state = self._result(msg)
+                self._adopt(state)
+                return info
+        finally:
+            child.forget(rid)
+
+    def generate(self, prompt: Sequence[int], params: DecodeParams, *,
+                 cancel: threading.Event | None = None) -> "_Stream":
+        """Stream one completion, as Engine.generate: ConfigError / PromptTooLong are raised here."""
+        return self._open("generate", (list(prompt), params), cancel)
+
+    def chat(self, messages: list[dict], params: DecodeParams, *,
+             cancel: threading.Event | None = None) -> "_Stream":
+        return self._open("chat", (messages, params), cancel)
+
+    def close(self) -> None:
+        """Stop the model process (it gets a moment to exit, then is killed)."""
+        with self._cv:
+            child, self._phase, self._child = self._child, "closed", None
+            self._cv.notify_all()
+        if child is not None:
+            child.send(("close", 0))
+            self._kill(child)
+
+    def __enter__(self) -> "WorkerEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- plumbing ----------------------------------------------------------------------------------
+    def _ready(self) -> _Child:
+        """The serving child; waits while one restarts; raises when broken or closed."""
+        with self._cv:
+            while self._phase == "starting":
+                self._cv.wait()
+            if self._phase == "broken":
+                raise BackendError(self._broken)
+            if self._phase == "closed":
+                raise BackendError("the engine is closed")
+            return self._child
+
+    def _call(self, name: str, *args, kind: str = "call", **kwargs):
+        for attempt in (1, 2):
+            child = self._ready()
+            rid = next(self._ids)
+            q = child.register(rid, kind)
+            try:
+                child.send(("call", rid, name, args, kwargs))
+                msg = q.get()
+            finally:
+                child.forget(rid)
+            # A quick call that met a process already dying (killed a moment ago) is asked again of the new one.
+            if msg[0] != "dead" or kind != "call" or attempt == 2:
+                return self._result(msg)
+
+    @staticmethod
+    def _result(msg):
+        if msg[0] == "ok":
+            return msg[2]
+        if msg[0] == "err":
+            raise _unpack_exc(msg[2])
+        if msg[0] == "dead":
+            raise BackendError(msg[2])
+        raise BackendError(f"unexpected reply from the model process: {msg[0]!r}")
+
+    def _open(self, name: str, args: tuple, cancel: threading.Event | None) -> "_Stream":
+        for attempt in (1, 2):
+            child = self._ready()
+            rid = next(self._ids)
+            q = child.register(rid, "answer")
+            msg = ("",)
+            try:
+                child.send(("open", rid, name, args))
+                msg = q.get()
+                if msg[0] == "opened":
+                    return _Stream(child, rid, q, cancel)
+                # Opening only validates: if the process was already dying, open it again on the new one.
+                if msg[0] != "dead" or attempt == 2:
+                    self._result(msg)  # raises
+            finally:
+                if msg[0] != "opened":
+                    child.forget(rid)
+
+    def _adopt(self, state: dict) -> None:
+        self._state = state
+        self._tokenizer = RemoteTokenizer(self, state["tokenizer"])
+
+    def _start(self, target: ModelSpec, draft: ModelSpec | None) -> _Child:
+        """Spawn a model process, wait for its load; raise the load's error (or its death) if it fails."""
+        ctx = multiprocessing.get_context("spawn")
+        mine, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_child_main, args=(theirs, target, draft, self._budget, self._on_start),
+                           name="dsbd-model", daemon=True)
+        proc.start()
+        theirs.close()  # only the child holds its end now: its death is our EOF
+        child = _Child(mine, proc)
+        q = child.register(0, "load")
+        threading.Thread(target=self._read, args=(child,), name=f"dsbd-worker-{proc.pid}", daemon=True).start()
+        msg = q.get()
+        child.forget(0)
+        if msg[0] != "ready":
+            self._kill(child)
+            if msg[0] == "fail":
+                raise _unpack_exc(msg[2])
+            raise BackendError(msg[2])
+        self._adopt(msg[2])
+        return child
+
+    def _read(self, child: _Child) -> None:
+        """The child's replies -> the waiting requests; on EOF: fail them all, then respawn if it served."""
+        conn = child.conn
+        try:
+            while True:
+                msg = conn.recv()
+                with child.lock:
+                    entry = child.pending.get(msg[1])
+                if entry is not None:
+                    entry[0].put(msg)
+        except (EOFError, OSError):
+            pass
+        child.proc.join(5)
+        if child.proc.exitcode is None:  # closed its pipe but still running: not trusted any more
+            child.proc.kill()
+            child.proc.join(5)
+        cause = death_cause(child.proc.exitcode)
+        with child.lock:
+            child.dead = cause
+            pending, child.pending = list(child.pending.values()), {}
+        conn.close()
+        with self._cv:
+            serving = self._child is child and self._phase == "ready"
+            if serving:
+                self._child, self._phase = None, "starting"
+        if serving:
+            log.error("the model process (pid %s) died: %s; restarting it", child.proc.pid, cause)
+        for q, kind in pending:
+            q.put(("dead", 0, _died(cause, kind)))
+        if serving:
+            self._respawn(cause)
+
+    def _respawn(self, cause: str) -> None:
+        """Load the current specs in a new process; after max_load_failures in a row, stay broken."""
+        failures, last = 0, cause
+        while True:
+            target, draft = self.specs
+            try:
+                child = self._start(target, draft)
+            except Exception as e:  # noqa: BLE001 - each failure counts towards the crash loop
+                failures += 1
+                last = str(e)
+                log.error("restarting the model process failed (%d/%d): %s", failures, self.max_load_failures, e)
+                with self._cv:
+                    if self._phase == "closed":
+                        return
+                    if failures >= self.max_load_failures:
+                        self._phase = "broken"
+                        self._broken = (f"the model process failed {failures} times in a row while loading "
+                                        f"{target.source}{f' + {draft.source}' if draft else ''} (last: {last}); "
+                                        "not restarting it again: load other models in the Models tab or restart "
+                                        "dsbd-chat (see README, Troubleshooting)")
+                        self._cv.notify_all()
+                        return
+                time.sleep(min(2.0, 0.25 * failures))
+                continue
+            with self._cv:
+                if self._phase == "closed":
+                    self._kill(child)
+                    return
+                self._child, self._phase = child, "ready"
+                self.restarts += 1
+                self._cv.notify_all()
+            log.warning("the model process restarted (pid %s) with %s", child.proc.pid, target.source)
+            return
+
+    @staticmethod
+    def _kill(child: _Child) -> None:
+        child.proc.join(5)
+        if child.proc.is_alive():
+            child.proc.kill()
+            child.proc.join(5)
+
+
+class _Stream:
+    """The parent's side of one answer: iterates Events; `close()` stops it (as closing Engine's generator
+    does); its cancel Event is forwarded to the child when set."""
+
+    def __init__(self, child: _Child, rid: int, q: queue.SimpleQueue, cancel: threading.Event | None) -> None:
+        self.child, self.rid, self.q, self.cancel = child, rid, q, cancel
+        self.started = self.finished = self.cancel_sent = False
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self):
+        if self.finished:
+            raise StopIteration
+        if not self.started:
+            self.started = True
+            self.child.send(("go", self.rid))
+        while True:
+            if self.cancel is not None and not self.cancel_sent and self.cancel.is_set():
+                self.cancel_sent = True
+                self.child.send(("cancel", self.rid))
+            try:
+                msg = self.q.get(timeout=_POLL_S) if self.cancel is not None and not self.cancel_sent \
+                    else self.q.get()
+            except queue.Empty:
+                continue
+            if msg[0] == "ev":
+                return msg[2]
+            self._finish()
+            if msg[0] == "end":
+                raise StopIteration
+            WorkerEngine._result(msg)  # raises the child's error or its death
+
+    def _finish(self) -> None:
+        self.finished = True
+        self.child.forget(self.rid)
+
+    def close(self) -> None:
+        if not self.finished:
+            self.child.send(("drop", self.rid))
+            self._finish()
+
+
+class RemoteTokenizer:
+    """The serving model's tokenizer: plain attributes copied at load; encode / decode / piece asked of
+    the model process (single-token decodes, the forest view's labels, are cached)."""
+
+    def __init__(self, engine: WorkerEngine, attrs: dict) -> None:
+        self.__dict__.update(attrs)
+        self._engine, self._pieces = engine, {}
+
+    def encode(self, text: str, *, add_bos: bool = False, special: bool = False) -> list[int]:
+        return self._engine._call("tokenizer.encode", text, add_bos=add_bos, special=special)
+
+    def decode(self, ids) -> bytes:
+        ids = list(ids)
+        if len(ids) == 1:
+            got = self._pieces.get(ids[0])
+            if got is None:
+                got = self._pieces[ids[0]] = self._engine._call("tokenizer.decode", ids)
+            return got
+        return self._engine._call("tokenizer.decode", ids)
+
+    def piece(self, token: int) -> bytes:
+        return self._engine._call("tokenizer.piece", token)
+
+    def is_eog(self, token: int) -> bool:
+        return token in (self.eos_ids or ())

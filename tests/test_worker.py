@@ -269,3 +269,30 @@ def test_chat_tab_shows_the_crash_and_the_next_message_answers(worker, tmp_path)
     views = list(ui.generate(s))
     assert views[-1].status.startswith("Done") and s.error is None
     assert s.chat["messages"][-1]["role"] == "assistant" and s.chat["messages"][-1]["content"].strip()
+
+
+# -- the API over the worker ---------------------------------------------------------------------------
+def test_api_answers_through_the_worker_and_reports_a_crash_in_band(worker, inproc):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from app.api import build_api
+    from app.engine import final_event
+
+    client = TestClient(build_api(worker))
+    r = client.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200, r.text
+    tok = inproc.tokenizer
+    ids = tok.encode("The capital of France is", add_bos=tok.add_bos)  # the API encodes through the worker
+    assert r.json()["choices"][0]["text"] == final_event(inproc.generate(ids, DecodeParams(max_new_tokens=6))).text
+    chunks = []
+    with client.stream("POST", "/v1/chat/completions",
+                       json={"messages": LONG, "max_tokens": 300, "temperature": 0, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                chunks.append(line)
+                if len(chunks) == 3:
+                    os.kill(worker.pid, signal.SIGKILL)
+    assert '"error"' in chunks[-1] and "the model process died (SIGKILL" in chunks[-1]
+    r = client.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]

@@ -58,6 +58,7 @@ class DsbdOptions(BaseModel):
     top_k: int | None = None
     length_penalty: float | None = None
     quality: str | None = None  # mode "auto": fast | beam | dynamic
+    forest: str | None = None  # dsbd / dsbd-mem: fixed | adaptive (cost-aware gamma and W_S per iteration)
 
 
 class _Sampling(BaseModel):

@@ -8,7 +8,7 @@ import os
 import sys
 import threading
 
-from .config import BACKENDS, DTYPES, MODES, QUALITY_LEVELS, ConfigError, DecodeParams, ModelSpec
+from .config import BACKENDS, DTYPES, FOREST_POLICIES, MODES, QUALITY_LEVELS, ConfigError, DecodeParams, ModelSpec
 
 PRESET_DEFAULT = "tiny"
 
@@ -47,6 +47,9 @@ def _decode_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--threshold", type=float, default=0.9, help="t: dynamic-width threshold in [0, 1]")
     g.add_argument("--min-beams", type=int, default=1, help="W_min: smallest layer width")
     g.add_argument("--select", choices=("best", "sample"), default="best", help="dsbd-mem: carried beam")
+    g.add_argument("--forest", choices=FOREST_POLICIES, default="fixed",
+                   help="dsbd / dsbd-mem: fixed gamma and W_S, or adaptive: per iteration gamma in 0..--gamma and "
+                        "W_S in W..--draft-beams, sized to the timed pass costs (times the passes on first use)")
     g.add_argument("--length-penalty", type=float, default=1.0)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--seed", type=int, default=None)
@@ -56,7 +59,8 @@ def _params(a, *, validate: bool = True) -> DecodeParams:
     p = DecodeParams(mode=a.mode, max_new_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k,
                      top_p=a.top_p, beams=a.beams, draft_beams=a.draft_beams, gamma=a.gamma,
                      threshold=a.threshold, min_beams=a.min_beams, select=a.select,
-                     length_penalty=a.length_penalty, seed=a.seed, stop=tuple(a.stop), quality=a.quality)
+                     length_penalty=a.length_penalty, seed=a.seed, stop=tuple(a.stop), quality=a.quality,
+                     forest=a.forest)
     return p.validated() if validate else p
 
 

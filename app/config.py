@@ -10,6 +10,9 @@ MODES = ("greedy", "sample", "beam", "beam-sample", "beam-sample-repl", "sps", "
 # dynamic = dsbd | dsbd-mem at the user's t and W_min.
 QUALITY_LEVELS = ("fast", "beam", "dynamic")
 DRAFT_MODES = ("sps", "dsbd", "dsbd-mem")
+# DSBD forest sizes: fixed = the user's gamma and W_S every iteration; adaptive = per iteration, gamma in
+# 0..gamma and W_S in W..draft_beams with the most expected beam steps per second (app/decoding/forest_policy.py)
+FOREST_POLICIES = ("fixed", "adaptive")
 BEAM_MODES = ("beam", "beam-sample", "beam-sample-repl", "dsbd", "dsbd-mem")
 BACKENDS = ("llamacpp", "pytorch")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -55,6 +58,7 @@ class DecodeParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     quality: str = "fast"  # auto mode only: which modes it may pick (QUALITY_LEVELS)
+    forest: str = "fixed"  # dsbd / dsbd-mem: "fixed" gamma and W_S, or "adaptive" (FOREST_POLICIES)
 
     def validated(self) -> "DecodeParams":
         """Check every field; return a copy with defaults resolved. Raises ConfigError."""
@@ -83,6 +87,10 @@ class DecodeParams:
         if self.quality not in QUALITY_LEVELS:
             raise ConfigError(f"unknown quality level {self.quality!r} for auto; choose one of: "
                               f"{', '.join(QUALITY_LEVELS)}")
+        if self.forest not in FOREST_POLICIES:
+            raise ConfigError(f"forest must be one of: {', '.join(FOREST_POLICIES)} (adaptive: per iteration "
+                              f"gamma <= {self.gamma} and W <= W_S <= draft_beams, sized to the timed pass costs), "
+                              f"got {self.forest!r}")
         if self.select not in ("best", "sample"):
             raise ConfigError(f"select must be 'best' or 'sample', got {self.select!r}")
         lp = _finite("length_penalty", self.length_penalty)

@@ -200,21 +200,36 @@ class Engine:
     def pick(self, params: DecodeParams) -> tuple[DecodeParams, dict]:
         """Auto mode: the setting of params.quality with the best projected tok/s, and what it was based on.
         The first call after a load times the models' passes (seconds; waits for a running answer)."""
-        from .auto import AutoPolicy, describe
+        from .auto import describe
 
         params = params.validated()
         info = {"quality": params.quality}
         with self.lock:  # timing evaluates the models: never beside a running generation
-            if self.policy is None:
-                t0 = time.perf_counter()
-                policy = AutoPolicy.calibrate(self)
-                for seen in self._finished:  # answers given before auto was first asked for
-                    policy.observe(*seen)
-                self.policy, info["calibration_s"] = policy, round(time.perf_counter() - t0, 2)
-                log.info("auto: timed the passes in %.1f s", info["calibration_s"])
+            info |= self._calibrated()
             chosen = self.policy.choose(params, params.quality)
             info |= {"setting": describe(chosen), "projected_tokens_per_s": self.policy.projected_tps(chosen)}
         return chosen, info
+
+    def _calibrated(self) -> dict:
+        """Under the lock: time the passes once per model load (AutoPolicy); {"calibration_s": s} if it did now."""
+        if self.policy is not None:
+            return {}
+        from .auto import AutoPolicy
+
+        t0 = time.perf_counter()
+        policy = AutoPolicy.calibrate(self)
+        for seen in self._finished:  # answers given before auto was first asked for
+            policy.observe(*seen)
+        self.policy, took = policy, round(time.perf_counter() - t0, 2)
+        log.info("timed the passes in %.1f s (auto mode, adaptive forests)", took)
+        return {"calibration_s": took}
+
+    def costs(self) -> tuple:
+        """(target, draft) pass-cost curves (app.auto.CostCurve) for adaptive DSBD forests: the calibration auto
+        mode uses, timed on first use (seconds; waits for a running answer)."""
+        with self.lock:
+            self._calibrated()
+            return self.policy.target_cost, self.policy.draft_cost
 
     def observe(self, params: DecodeParams, stats: dict) -> None:
         """Learn from a finished answer (auto's acceptance and speed estimates); params as it ran."""
@@ -238,14 +253,16 @@ class Engine:
         tree = params.draft_beams * params.gamma + 1 if params.needs_draft else 1
         if len(prompt) + params.max_new_tokens + tree > self.n_ctx:
             raise PromptTooLong(prompt=len(prompt), max_new=params.max_new_tokens, tree=tree, n_ctx=self.n_ctx)
-        return self._run(prompt, params, cancel, self.target, notice, auto)
+        # Adaptive forests price each iteration with the timed pass costs (the first use times them).
+        costs = self.costs() if params.forest == "adaptive" and params.mode in ("dsbd", "dsbd-mem") else None
+        return self._run(prompt, params, cancel, self.target, notice, auto, costs)
 
-    def _run(self, prompt, params, cancel, encoded_for, notice, auto=None) -> Iterator[Event]:
+    def _run(self, prompt, params, cancel, encoded_for, notice, auto=None, costs=None) -> Iterator[Event]:
         """Decode; an out-of-memory error before the first event frees the caches and retries once with a
         lighter setting (memory-reduced DSBD, fewer beams), telling the user."""
         started = False
         try:
-            for ev in self._decode(prompt, params, cancel, encoded_for, notice, auto):
+            for ev in self._decode(prompt, params, cancel, encoded_for, notice, auto, costs):
                 started = True
                 yield ev
         except Exception as e:
@@ -259,7 +276,7 @@ class Engine:
                    f"{lighter.mode} and {lighter.beams} beams")
             try:
                 yield from self._decode(prompt, lighter, cancel, encoded_for, f"{notice}; {why}" if notice else why,
-                                        auto)
+                                        auto, costs)
             except Exception as again:
                 if not _is_oom(again):
                     raise
@@ -276,7 +293,7 @@ class Engine:
         if torch is not None and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def _decode(self, prompt, params, cancel, encoded_for, notice, auto=None) -> Iterator[Event]:
+    def _decode(self, prompt, params, cancel, encoded_for, notice, auto=None, costs=None) -> Iterator[Event]:
         memory = params.mode in ("dsbd-mem", "greedy", "sample", "sps")
         rows = 1 if memory else params.beams
         # Rows of a unified cache share the prompt but each holds its own answer (worst case).
@@ -295,7 +312,8 @@ class Engine:
             stopper = Stopper(eos_ids=tok.eos_ids, stop=params.stop, decode=tok.decode)
             metrics = Metrics(mode=params.mode, prompt_tokens=len(prompt))
             steps = decoder(params.mode)(target=target, draft=draft, prompt=prompt, params=params,
-                                         stopper=stopper, metrics=metrics, vocab=self.target.info.vocab_size)
+                                         stopper=stopper, metrics=metrics, vocab=self.target.info.vocab_size,
+                                         costs=costs)
             try:
                 for step in steps:
                     if cancel is not None and cancel.is_set() and not step.done:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from scipy.stats import chi2_contingency
 
+from app.auto import CostCurve
 from app.config import DecodeParams
 from app.decoding import decoder
 from app.decoding.beams import Stopper
@@ -24,7 +25,8 @@ ALPHA = 1e-4
 V = 4  # token 0 is EOS
 
 
-def run(mode: str, target, draft=None, *, seed: int, prompt=(1, 2), collect_steps=False, **kw):
+def run(mode: str, target, draft=None, *, seed: int, prompt=(1, 2), collect_steps=False, costs=None, **kw):
+    """One generation; `costs` = (target, draft) pass-cost curves for forest="adaptive" (tests/test_forest_policy)."""
     params = DecodeParams(mode=mode, seed=seed, **kw).validated()
     rows = params.beams
     t = target.context(rows=rows, max_tokens=256)
@@ -32,7 +34,7 @@ def run(mode: str, target, draft=None, *, seed: int, prompt=(1, 2), collect_step
     stopper = Stopper(eos_ids=frozenset({0}), stop=params.stop, decode=target.tokenizer.decode)
     metrics = Metrics(mode=mode)
     steps = list(decoder(mode)(target=t, draft=d, prompt=list(prompt), params=params, stopper=stopper,
-                               metrics=metrics, vocab=target.vocab))
+                               metrics=metrics, vocab=target.vocab, costs=costs))
     assert steps[-1].done
     out = steps[-1].output.tokens
     return (out, metrics, steps, t) if collect_steps else out
@@ -53,12 +55,28 @@ def homogeneous(a: Counter, b: Counter) -> float:
     return float(chi2_contingency(table)[1])
 
 
-def sample_arm(mode, target, draft, n, base_seed, **kw) -> Counter:
-    return Counter(run(mode, target, draft, seed=base_seed + i, **kw) for i in range(n))
+def sample_arm(mode, target, draft, n, base_seed, *, forest: str = "fixed", **kw) -> Counter:
+    """n answers; forest="adaptive" prices forests with VARYING and asserts the choice varied with the past."""
+    if forest == "fixed":
+        return Counter(run(mode, target, draft, seed=base_seed + i, **kw) for i in range(n))
+    out, by_cap = Counter(), {}
+    for i in range(n):
+        tokens, m, _, _ = run(mode, target, draft, seed=base_seed + i, collect_steps=True, forest=forest,
+                              costs=VARYING, **kw)
+        out[tokens] += 1
+        done = 0
+        for (g, ws), steps in zip(m.forests, m.steps):  # (gamma, W_S) chosen vs the budget's cap on gamma
+            by_cap.setdefault(min(kw.get("gamma", 3), kw["max_new_tokens"] - done - 1), set()).add((g, ws))
+            done += steps
+    assert any(len(chosen) > 1 for chosen in by_cap.values()), by_cap  # not a function of the budget alone
+    return out
 
 
 TARGET = bigram(V, 11)
 DRAFT = bigram(V, 12, sharp=1.0)  # a different model: many rejections
+# Pass costs under which the adaptive forest policy (tests/test_forest_policy.py) changes gamma and W_S with the
+# acceptance it sees on TARGET / DRAFT (gamma 0-2, W_S 2-3): sample_arm asserts that it did vary.
+VARYING = (CostCurve.of({1: 1.0, 2: 1.1, 4: 1.3, 5: 1.7, 6: 1.8, 8: 2.1}), CostCurve.of({1: 0.1, 8: 0.12}))
 
 
 # --- reductions (spec §11 R1-R3) -----------------------------------------------------------------
@@ -71,23 +89,26 @@ def test_gamma_zero_is_beam_sampling_with_replacement_token_for_token(seed):
     assert a == b
 
 
+@pytest.mark.parametrize("forest", ["fixed", "adaptive"])
 @pytest.mark.parametrize("n", [4000, pytest.param(200_000, marks=pytest.mark.slow)])
-def test_speculative_reductions_match_target_sampling(n):
+def test_speculative_reductions_match_target_sampling(n, forest):
     kw = dict(max_new_tokens=4, gamma=2)
     ref = sample_arm("sample", TARGET, None, n, 10_000_000, max_new_tokens=4)
-    sps = sample_arm("sps", TARGET, DRAFT, n, 20_000_000, **kw)
     mem = sample_arm("dsbd-mem", TARGET, DRAFT, n, 30_000_000, beams=1, draft_beams=1, min_beams=1,
-                     select="sample", **kw)
-    assert homogeneous(ref, sps) > ALPHA
+                     select="sample", forest=forest, **kw)
     assert homogeneous(ref, mem) > ALPHA
+    if forest == "fixed":  # sps has no forest policy
+        sps = sample_arm("sps", TARGET, DRAFT, n, 20_000_000, **kw)
+        assert homogeneous(ref, sps) > ALPHA
 
 
+@pytest.mark.parametrize("forest", ["fixed", "adaptive"])
 @pytest.mark.parametrize("fixed", [dict(min_beams=2), dict(threshold=0.0)], ids=["W_min=W", "t=0"])
 @pytest.mark.parametrize("n", [4000, pytest.param(200_000, marks=pytest.mark.slow)])
-def test_fixed_width_dsbd_matches_beam_sampling_with_replacement(n, fixed):
+def test_fixed_width_dsbd_matches_beam_sampling_with_replacement(n, fixed, forest):
     kw = dict(beams=2, max_new_tokens=4)
     ref = sample_arm("beam-sample-repl", TARGET, None, n, 40_000_000, **kw)
-    got = sample_arm("dsbd", TARGET, DRAFT, n, 50_000_000, draft_beams=3, gamma=2, **fixed, **kw)
+    got = sample_arm("dsbd", TARGET, DRAFT, n, 50_000_000, draft_beams=3, gamma=2, forest=forest, **fixed, **kw)
     assert homogeneous(ref, got) > ALPHA
 
 

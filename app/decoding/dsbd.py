@@ -15,9 +15,11 @@ import numpy as np
 
 from backends.base import ROOT, Context, Forest, Path
 
+from ..config import ConfigError
 from . import Step, rng_streams
 from .baselines import pad_vocab, warp_of
 from .beams import Beam, Pool, Stopper, common_prefix, final_choice
+from .forest_policy import ForestPolicy
 from .metrics import Metrics
 from .sampling import Draft, Joint, SeededRand, log_softmax, residual_chain, sample_iid, verify_layer, warp_joint
 from .width import choose_width
@@ -43,10 +45,10 @@ class DraftLayer:
     finished: np.ndarray  # [W_S] bool: the drafted path ended (EOS / stop string)
 
 
-def _draft(*, draft: Context, live: Sequence[Beam], suffix, g: int, params, stopper: Stopper, vocab: int,
-           rng: np.random.Generator, metrics: Metrics) -> list[DraftLayer]:
-    """Draft beam sampling for up to g layers; fewer if every drafted path ended."""
-    warp, ws = warp_of(params), params.draft_beams
+def _draft(*, draft: Context, live: Sequence[Beam], suffix, g: int, ws: int, params, stopper: Stopper,
+           vocab: int, rng: np.random.Generator, metrics: Metrics) -> list[DraftLayer]:
+    """Draft beam sampling for up to g layers of ws drafts; fewer if every drafted path ended."""
+    warp = warp_of(params)
     scores = np.array([b.score for b in live])
     dscore = scores - scores.max()  # seeded with target scores (spec §4.1), best = 0
     roots = np.arange(len(live))
@@ -98,10 +100,16 @@ def _extend(h: Handle, token: int, node: int | None, node_lp: np.ndarray | None,
 
 
 def dsbd(*, target: Context, draft: Context, prompt: Sequence[int], params, stopper: Stopper,
-         metrics: Metrics, vocab: int, **_) -> Iterator[Step]:
-    """DSBD generator; `params.mode` is "dsbd" (full) or "dsbd-mem" (one beam between iterations)."""
+         metrics: Metrics, vocab: int, costs=None, policy: ForestPolicy | None = None, **_) -> Iterator[Step]:
+    """DSBD generator; `params.mode` is "dsbd" (full) or "dsbd-mem" (one beam between iterations).
+
+    params.forest == "adaptive": a ForestPolicy picks gamma <= params.gamma and W <= W_S <= params.draft_beams
+    before each iteration from `costs` = (target, draft) pass-cost curves (or an injected `policy`).
+    """
     memory = params.mode == "dsbd-mem"
-    w, ws = params.beams, params.draft_beams
+    w = params.beams
+    policy = _forest_policy(params, costs, policy)
+    metrics.forest_policy = params.forest
     warp, lam = warp_of(params), params.length_penalty
     rng_draft, rng_verify = rng_streams(params.seed)
     rand = SeededRand(rng_verify)
@@ -122,8 +130,12 @@ def dsbd(*, target: Context, draft: Context, prompt: Sequence[int], params, stop
     while True:
         metrics.iterations += 1
         g = min(params.gamma, params.max_new_tokens - len(live[0].tokens) - 1)
+        ws = params.draft_beams
+        if policy is not None:  # from the past only (earlier layers' counts): the output law is unchanged
+            g, ws = policy.choose(max_gamma=g, roots=sum(map(len, t_suffix)), draft_roots=sum(map(len, d_suffix)))
+        metrics.forests.append((g, ws))
         # 1. draft
-        layers = _draft(draft=draft, live=live, suffix=d_suffix, g=g, params=params, stopper=stopper,
+        layers = _draft(draft=draft, live=live, suffix=d_suffix, g=g, ws=ws, params=params, stopper=stopper,
                         vocab=vocab, rng=rng_draft, metrics=metrics) if g > 0 else []
         g = len(layers)
         # 2. one target pass over every root suffix and every draft node
@@ -145,7 +157,10 @@ def dsbd(*, target: Context, draft: Context, prompt: Sequence[int], params, stop
             drafts = [Draft(key=int(pa * vocab + t), qval=float(qv), valid=bool(valid[pa]))
                       for pa, t, qv in zip(layer.parents, layer.tokens, layer.qvals)]
             passed, picked = verify_layer(drafts, S, R, width, rand)
-            _count(metrics, l, drafts, picked, passed, width)
+            used = _count(metrics, l, drafts, picked, passed, width)
+            if policy is not None:
+                accepted = {i for _, i in picked if i is not None}
+                policy.observe(l, ws, outcomes=[i in accepted for i in range(used)], passed=passed)
             snapshot.append(_layer_view(layer, drafts, picked, passed, width, vocab))
             base = (l - 1) * ws
             beams = [_extend(parents[k // vocab], k % vocab,
@@ -215,10 +230,13 @@ def dsbd(*, target: Context, draft: Context, prompt: Sequence[int], params, stop
             fed = g - 1  # layer-g tokens were never fed to the draft
             draft.commit([Path(h.root, h.chain[:fed]) for h in nxt])
             d_suffix = [tuple(b.tokens[len(b.tokens) - 1 - len(h.chain[fed:]):]) for h, b in zip(nxt, live)]
-        else:
+        else:  # no draft pass: the draft catches up next time it drafts, from its root rows' committed KV
+            if policy is not None:  # rows follow their roots (a fixed gamma = 0 never drafts: nothing to keep)
+                draft.commit([Path(h.root, ()) for h in nxt])
             d_suffix = [tuple(d_suffix[h.root]) + (b.tokens[-1],) for h, b in zip(nxt, live)]
         final = live[0].tokens if memory else common_prefix([b.tokens for b in live + pool.beams])
-        yield Step(final=final, live=len(live), forest={"layers": snapshot, "gamma": g})
+        yield Step(final=final, live=len(live), forest={"layers": snapshot, "gamma": g, "draft_beams": ws,
+                                                        "adaptive": policy is not None})
 
 
 class _LazyRows:
@@ -244,7 +262,8 @@ def _p_beam(parents: Sequence[Handle | None], valid: np.ndarray, warp, vocab: in
     return warp_joint(z, warp)
 
 
-def _count(metrics: Metrics, depth: int, drafts, picked, passed: bool, width: int) -> None:
+def _count(metrics: Metrics, depth: int, drafts, picked, passed: bool, width: int) -> int:
+    """Record one verified layer; returns how many drafts it consumed (tested or auto-rejected)."""
     st = metrics.layer(depth)
     st.attempted += 1
     st.passed += int(passed)
@@ -256,6 +275,7 @@ def _count(metrics: Metrics, depth: int, drafts, picked, passed: bool, width: in
     st.tested += consumed - invalid
     st.untested += len(drafts) - consumed
     metrics.widths.append(width)
+    return consumed
 
 
 def _layer_view(layer: DraftLayer, drafts, picked, passed: bool, width: int, vocab: int) -> dict:
@@ -269,3 +289,15 @@ def _layer_view(layer: DraftLayer, drafts, picked, passed: bool, width: int, voc
                   for i, d in enumerate(drafts)],
         "corrections": [int(k % vocab) for k, i in picked if i is None],
     }
+
+
+def _forest_policy(params, costs, policy: ForestPolicy | None) -> ForestPolicy | None:
+    """None for fixed forests; else the injected policy, or one over params' candidates priced by `costs`."""
+    if getattr(params, "forest", "fixed") != "adaptive":
+        return None
+    if policy is not None:
+        return policy
+    if costs is None or costs[1] is None:
+        raise ConfigError("forest='adaptive' needs the timed pass costs of the target and the draft "
+                          "(the engine provides them; direct decoder calls pass costs=(target_cost, draft_cost))")
+    return ForestPolicy.for_params(params, *costs)

@@ -28,6 +28,8 @@ class Metrics:
     steps: list[int] = field(default_factory=list)  # beam steps advanced per target pass
     widths: list[int] = field(default_factory=list)  # W_L chosen per verified layer
     carried: list[int] = field(default_factory=list)  # live beams at each iteration boundary
+    forests: list[tuple[int, int]] = field(default_factory=list)  # DSBD: (gamma, W_S) run per iteration
+    forest_policy: str | None = None  # DSBD: "fixed" or "adaptive" (cost-aware gamma / W_S per iteration)
     layers: dict[int, LayerStats] = field(default_factory=dict)
     peak_kv_target: int = 0
     peak_kv_draft: int = 0
@@ -78,6 +80,8 @@ class Metrics:
             "widths_histogram": dict(sorted(hist.items())),
             "mean_width": sum(self.widths) / len(self.widths) if self.widths else None,
             "beams_carried": list(self.carried),
+            **({"forest_policy": self.forest_policy, "forest_sizes": forest_sizes(self.forests)}
+               if self.forest_policy else {}),
             "peak_kv_bytes_target": self.peak_kv_target,
             "peak_kv_bytes_draft": self.peak_kv_draft,
             "mean_target_logprob": self.score / self.new_tokens if self.new_tokens and self.score is not None else None,
@@ -86,3 +90,9 @@ class Metrics:
             "decode_s": decode_s,
             "tokens_per_s": self.new_tokens / decode_s,
         }
+
+
+def forest_sizes(forests) -> dict[str, int]:
+    """Histogram of the (gamma, W_S) run per iteration: {"g3/ws5": n, "g0": n (no draft)}, most used first."""
+    hist = Counter(f"g{g}/ws{ws}" if g else "g0" for g, ws in forests)
+    return dict(sorted(hist.items(), key=lambda kv: (-kv[1], kv[0])))

@@ -1,10 +1,10 @@
 """The draft forest of the latest DSBD iteration as an inline SVG: one column per layer, nodes by fate;
 and the finished answer coloured by where each token came from (draft-accepted or drawn by the target).
 
-Forest shape (from the decoder): {"gamma", "layers": [{"width", "passed", "nodes": [{"parent", "token",
-"status"}], "corrections": [token, ...]}]}. A layer-1 node's parent is a live beam; a deeper node's
-parent is an index into the previous layer's nodes. Corrections were drawn from the residual and have
-no draft node, so they are drawn unattached.
+Forest shape (from the decoder): {"gamma", "draft_beams" (W_S), "adaptive" (sizes chosen per iteration),
+"layers": [{"width", "passed", "nodes": [{"parent", "token", "status"}], "corrections": [token, ...]}]}.
+A layer-1 node's parent is a live beam; a deeper node's parent is an index into the previous layer's nodes.
+Corrections were drawn from the residual and have no draft node, so they are drawn unattached.
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ def _box(x: float, y: float, label: str, colour: str, title: str, dashed: bool =
 def forest_svg(forest: dict | None, decode: Callable[[list[int]], bytes] | None = None) -> str:
     """HTML with an SVG picture of `forest`, or a short note when there is none."""
     layers = (forest or {}).get("layers") or []
+    if not layers and (forest or {}).get("adaptive") and forest.get("gamma") == 0:
+        return ('<div class="dsbd-forest-empty">Latest iteration: no draft (adaptive forest: γ=0, one plain '
+                'beam-sampling step was the fastest choice).</div>')
     if not layers:
         return ('<div class="dsbd-forest-empty">No draft forest yet: it appears while a dsbd / dsbd-mem '
                 'answer runs.</div>')
@@ -83,7 +86,9 @@ def forest_svg(forest: dict | None, decode: Callable[[list[int]], bytes] | None 
         lx += 28 + 8 * len(name)
     parts.append("</svg>")
     g = forest.get("gamma")
-    caption = f"Latest iteration: γ={g}, {len(layers)} layer(s) verified." if g is not None else ""
+    ws, how = forest.get("draft_beams"), " (chosen adaptively)" if forest.get("adaptive") else ""
+    sizes = f"γ={g}" + (f", W_S={ws}" if ws is not None else "") + how
+    caption = f"Latest iteration: {sizes}, {len(layers)} layer(s) verified." if g is not None else ""
     return f'<div class="dsbd-forest">{"".join(parts)}<div class="dsbd-caption">{caption}</div></div>'
 
 

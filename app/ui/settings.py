@@ -11,13 +11,15 @@ from pathlib import Path
 
 import gradio as gr
 
-from ..config import BEAM_MODES, MAX_BEAMS, MAX_GAMMA, MODES, QUALITY_LEVELS, DecodeParams
+from ..config import BEAM_MODES, FOREST_POLICIES, MAX_BEAMS, MAX_GAMMA, MODES, QUALITY_LEVELS, DecodeParams
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 SAMPLING_MODES = ("sample", "beam-sample", "beam-sample-repl", "sps", "dsbd", "dsbd-mem", "auto")
 FIELDS = ("preset", "mode", "quality", "max_new_tokens", "seed", "temperature", "top_k", "top_p", "beams",
-          "draft_beams", "gamma", "threshold", "min_beams", "select", "length_penalty")
+          "draft_beams", "gamma", "threshold", "min_beams", "select", "length_penalty", "forest")
 QUALITY_INFO = "fast: sample / sps · beam: beam-sample / dsbd with ≥ 2 beams · dynamic: dsbd / dsbd-mem"
+FOREST_INFO = ("fixed: γ and W_S as set · adaptive: each iteration picks γ ≤ the slider (0 = no draft) and "
+               "W ≤ W_S ≤ the slider for the most steps per second (times the passes on first use)")
 _INTS = ("max_new_tokens", "top_k", "beams", "draft_beams", "gamma", "min_beams")
 _FLOATS = ("temperature", "top_p", "threshold", "length_penalty")
 CUSTOM = "Custom"
@@ -35,7 +37,7 @@ def relevant(mode: str) -> set[str]:
     if mode in ("sps", "dsbd", "dsbd-mem"):
         names.add("gamma")
     if mode in ("dsbd", "dsbd-mem"):
-        names |= {"draft_beams", "threshold", "min_beams"}
+        names |= {"draft_beams", "threshold", "min_beams", "forest"}
     if mode == "dsbd-mem":
         names.add("select")
     return names
@@ -83,7 +85,7 @@ def params_from(settings: dict) -> DecodeParams:
     s = default_settings() | {k: v for k, v in settings.items() if v is not None or k == "seed"}
     keep, base = relevant(s["mode"]), DecodeParams().as_dict()
     kw = {}
-    for k in _INTS + _FLOATS + ("select", "quality"):
+    for k in _INTS + _FLOATS + ("select", "quality", "forest"):
         v = s[k] if k in keep else base[k]
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             v = int(round(v)) if k in _INTS else float(v)
@@ -105,6 +107,8 @@ def summary(settings: dict) -> str:
         if name in keep and not (name == "draft_beams" and not s[name]):
             v = s[name]
             parts.append(f"{label}={v:g}" if isinstance(v, (int, float)) else f"{label}={v}")
+    if "forest" in keep and s.get("forest") == "adaptive":
+        parts.append("adaptive forest")
     return " ".join(parts)
 
 
@@ -159,6 +163,8 @@ class DecodingPanel:
                                **v["select"]),
             "length_penalty": gr.Slider(0.0, 2.0, value=s["length_penalty"], step=0.1, label="Length penalty λ",
                                         **v["length_penalty"]),
+            "forest": gr.Radio(list(FOREST_POLICIES), value=s["forest"], label="Forest size",
+                               info=FOREST_INFO, elem_id="forest", **v["forest"]),
         }
         self.widgets = w
         self.components = [w[k] for k in FIELDS]

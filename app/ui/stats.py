@@ -46,6 +46,18 @@ def widths_line(stats: dict) -> str:
     return " · ".join(f"W={w}×{n}" for w, n in hist.items())
 
 
+def forest_line(stats: dict) -> str:
+    """Adaptive DSBD forests: the (gamma, W_S) each iteration ran, e.g. 'γ2·W_S4 ×9 · no draft ×3'."""
+    if stats.get("forest_policy") != "adaptive":
+        return ""
+    parts = []
+    for key, n in (stats.get("forest_sizes") or {}).items():
+        g, _, ws = str(key).partition("/")
+        label = "no draft" if g == "g0" else f"γ{g[1:]}·W_S{ws[2:]}"
+        parts.append(f"{label} ×{n}")
+    return " · ".join(parts)
+
+
 def stats_markdown(stats: dict | None, *, memory: bool = True) -> str:
     """A small table of the headline numbers plus one line each for acceptance, widths, KV and memory."""
     if not stats:
@@ -71,6 +83,8 @@ def stats_markdown(stats: dict | None, *, memory: bool = True) -> str:
         lines.append(f"**Acceptance by layer:** {acc}  ")
     if widths := widths_line(stats):
         lines.append(f"**Widths chosen:** {widths}  ")
+    if forests := forest_line(stats):
+        lines.append(f"**Forest sizes chosen (adaptive):** {forests}  ")
     kv_t, kv_d = stats.get("peak_kv_bytes_target"), stats.get("peak_kv_bytes_draft")
     if kv_t or kv_d:
         lines.append(f"**Peak KV:** target {_bytes(kv_t)} · draft {_bytes(kv_d)}  ")

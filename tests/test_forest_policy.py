@@ -1,0 +1,261 @@
+"""Cost-aware DSBD forests (issue 13, item 1): app/decoding/forest_policy.py and its use in the decoder.
+
+Reductions (policy off == the decoder before the policy, token for token; a one-candidate policy == fixed;
+a gamma-0-only policy == beam sampling), the policy's choices on hand-made costs, the draft cache staying
+right when gamma = 0 iterations sit between drafted ones, and the engine path on the real tiny model.
+Exactness with the policy on: tests/test_decoding.py runs its chi-square tests (W_min = W, t = 0, the R1 sps
+reduction) with forest="adaptive" under cost curves that make the policy vary gamma and W_S (asserted there).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from app.auto import PRIOR_ACCEPTANCE, CostCurve
+from app.config import ConfigError, DecodeParams, ModelSpec
+from app.decoding import decoder
+from app.decoding.beams import Stopper
+from app.decoding.forest_policy import PRIOR, ForestPolicy, count_law, layer_pass
+from app.decoding.metrics import Metrics
+from test_decoding import DRAFT, TARGET, VARYING
+from test_exact_real import SEQ_DRAFT, SEQ_TARGET, SV
+
+CPU = (CostCurve.of({1: 0.080, 8: 0.25, 64: 1.0}), CostCurve.of({1: 0.045, 8: 0.11, 64: 0.76}))  # qwen, 2 cores
+GPU = (CostCurve.of({1: 0.020, 64: 0.022}), CostCurve.of({1: 0.004, 64: 0.0045}))  # a pass costs ~ its launch
+
+
+def decode(mode, target, draft, *, seed, prompt=(1, 2, 3), vocab=None, costs=None, policy=None, **kw):
+    """(tokens, metrics, steps) of one generation, with an optional injected forest policy."""
+    params = DecodeParams(mode=mode, seed=seed, **kw).validated()
+    t = target.context(rows=params.beams, max_tokens=256)
+    d = draft.context(rows=params.beams, max_tokens=256) if draft is not None else None
+    metrics = Metrics(mode=mode)
+    steps = list(decoder(mode)(target=t, draft=d, prompt=list(prompt), params=params,
+                               stopper=Stopper(eos_ids=target.tokenizer.eos_ids), metrics=metrics,
+                               vocab=vocab or target.vocab, costs=costs, policy=policy))
+    return steps[-1].output.tokens, metrics, steps
+
+
+class Scripted(ForestPolicy):
+    """Plays (gamma, W_S) from a script, round and round (gamma capped by the budget): any past-free schedule."""
+
+    def __init__(self, script, params):
+        super().__init__(*GPU, gammas=(0,), widths=(params.beams,), threshold=params.threshold,
+                         min_beams=params.min_beams, beams=params.beams)
+        self.script = script
+
+    def choose(self, *, max_gamma, roots, draft_roots):
+        g, ws = self.script[len(self.chosen) % len(self.script)]
+        self.chosen.append((min(g, max_gamma), ws))
+        return self.chosen[-1]
+
+
+# --- (a) reductions --------------------------------------------------------------------------------------
+
+# Answers of the decoder BEFORE the policy existed (commit db616c4), seeds 0..5, on the sequence-hash models.
+BEFORE = {
+    ("dsbd", (("beams", 3), ("draft_beams", 4), ("gamma", 3), ("max_new_tokens", 12))): [
+        "9,11,1,2,4,8,0,3,11,5,10,0", "4,6,6,9,5,1,6,6,2,1,5,0", "10,3,1,7,4,11,4,10,7,7,5,11",
+        "7,8,2,2,8,1,10,11,10,3,6,0", "6,8,9,0,7,11,5,3,0,2,2,5", "3,4,1,4,0,0,2,10,8,9,0,4"],
+    ("dsbd", (("beams", 2), ("draft_beams", 3), ("gamma", 2), ("max_new_tokens", 10), ("min_beams", 2))): [
+        "3,4,11,6,2,7,9,5,8,7", "3,4,2,4,1,3,9,8,11,9", "9,9,2,2,2,4,5,10,9,6", "7,5,2,0,11,3,0,2,3,7",
+        "4,6,11,1,8,11,7,10,3,5", "3,1,1,10,5,4,4,4,0,3"],
+    ("dsbd-mem", (("beams", 2), ("draft_beams", 3), ("gamma", 3), ("max_new_tokens", 12))): [
+        "3,4,2,5,3,2,5,2,10,11,10,3", "3,4,6,5,6,3,0,1,3,7,3,8", "9,1,2,4,8,5,11,11,8,0,2,0",
+        "7,4,7,1,0,8,6,9,2,1,7,4", "4,5,4,1,9,9,7,0,5,4,8,1", "4,5,0,11,5,0,5,5,10,6,6,7"],
+    ("dsbd-mem", (("beams", 3), ("draft_beams", 5), ("gamma", 4), ("max_new_tokens", 12), ("select", "sample"),
+                  ("threshold", 0.5))): [
+        "8,9,8,7,5,8,6,7,5,5,7,1", "3,1,3,2,8,1,1,10,2,5,6,4", "4,5,1,7,3,1,5,7,1,4,7,1",
+        "7,5,4,6,8,1,11,5,10,3,8,6", "1,3,3,4,3,11,11,9,2,9,11,6", "3,4,6,9,0,6,6,8,6,11,1,9"],
+}
+CASES = [(mode, dict(kw)) for mode, kw in BEFORE]
+
+
+@pytest.mark.parametrize("mode,kw", CASES, ids=[f"{m}-{i}" for i, (m, _) in enumerate(CASES)])
+def test_policy_off_equals_the_decoder_before_it(mode, kw):
+    want = BEFORE[(mode, tuple(sorted(kw.items())))]
+    for seed in range(6):
+        tokens, m, _ = decode(mode, SEQ_TARGET, SEQ_DRAFT, seed=seed, vocab=SV, **kw)
+        assert ",".join(map(str, tokens)) == want[seed], seed
+        assert m.as_dict()["forest_policy"] == "fixed"
+        assert {ws for _, ws in m.forests} == {kw["draft_beams"]}
+
+
+@pytest.mark.parametrize("mode,kw", CASES, ids=[f"{m}-{i}" for i, (m, _) in enumerate(CASES)])
+def test_adaptive_with_one_candidate_equals_fixed(mode, kw):
+    params = DecodeParams(mode=mode, **kw).validated()
+    for seed in range(6):
+        fixed, mf, _ = decode(mode, SEQ_TARGET, SEQ_DRAFT, seed=seed, vocab=SV, **kw)
+        one = ForestPolicy(*CPU, gammas=(params.gamma,), widths=(params.draft_beams,), threshold=params.threshold,
+                           min_beams=params.min_beams, beams=params.beams)
+        got, ma, _ = decode(mode, SEQ_TARGET, SEQ_DRAFT, seed=seed, vocab=SV, forest="adaptive", policy=one, **kw)
+        assert got == fixed and ma.forests == mf.forests and ma.target_passes == mf.target_passes
+        assert ma.as_dict()["forest_policy"] == "adaptive"
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_adaptive_gamma_zero_only_is_beam_sampling_token_for_token(seed):
+    """R2 through the policy: never drafting is baseline A, the draft cache commits notwithstanding."""
+    kw = dict(beams=3, max_new_tokens=8, temperature=1.0)
+    only0 = ForestPolicy(*GPU, gammas=(0,), widths=(3,), threshold=0.9, min_beams=1, beams=3)
+    got, m, _ = decode("dsbd", SEQ_TARGET, SEQ_DRAFT, seed=seed, vocab=SV, forest="adaptive", policy=only0,
+                       draft_beams=4, **kw)
+    ref, _, _ = decode("beam-sample-repl", SEQ_TARGET, None, seed=seed, vocab=SV, **kw)
+    assert got == ref and m.draft_passes == 0 and set(m.forests) == {(0, 3)}
+
+
+# --- gamma = 0 iterations between drafted ones keep the draft cache right ---------------------------------
+
+@pytest.mark.parametrize("mode", ["dsbd", "dsbd-mem"])
+def test_self_draft_accepts_everything_across_undrafted_iterations(mode):
+    """Draft = target on a whole-sequence model: every valid draft is accepted iff the draft saw exactly the
+    target's context. A gamma-0 iteration that left the draft's rows behind (rows not following their roots,
+    tokens not fed later) would make q differ from p and reject drafts."""
+    for seed in range(8):
+        params = DecodeParams(mode=mode, beams=3, draft_beams=4, gamma=3, max_new_tokens=16, seed=seed).validated()
+        script = Scripted([(0, 3), (2, 4), (0, 3), (0, 3), (3, 3), (1, 4)], params)
+        _, m, _ = decode(mode, SEQ_TARGET, SEQ_TARGET, seed=seed, vocab=SV, forest="adaptive", policy=script,
+                         beams=3, draft_beams=4, gamma=3, max_new_tokens=16)
+        layers = m.layers.values()
+        assert sum(s.tested for s in layers) > 0 and m.draft_passes > 0
+        assert all(s.accepted == s.tested for s in layers), (seed, m.as_dict()["acceptance_by_depth"])
+        assert any(g == 0 for g, _ in m.forests[:-1]) and any(g > 0 for g, _ in m.forests[1:])
+
+
+def test_adaptive_needs_costs_and_forest_is_validated():
+    with pytest.raises(ConfigError, match="forest must be one of: fixed, adaptive"):
+        DecodeParams(mode="dsbd", forest="wide").validated()
+    with pytest.raises(ConfigError, match="needs the timed pass costs"):
+        decode("dsbd", TARGET, DRAFT, seed=0, forest="adaptive")
+    tokens, m, _ = decode("dsbd", TARGET, DRAFT, seed=0, forest="adaptive", costs=VARYING)  # costs: it runs
+    assert tokens and m.as_dict()["forest_sizes"]
+
+
+# --- (c) the choice on hand-made costs -------------------------------------------------------------------
+
+def policy(costs, **kw) -> ForestPolicy:
+    params = DecodeParams(mode="dsbd", beams=4, draft_beams=kw.pop("draft_beams", 8), gamma=6, **kw).validated()
+    return ForestPolicy.for_params(params, *costs)
+
+
+def test_prior_is_autos():
+    assert PRIOR == PRIOR_ACCEPTANCE
+
+
+def test_flat_gpu_like_costs_pick_a_deep_wide_forest():
+    assert policy(GPU).choose(max_gamma=6, roots=4, draft_roots=4) == (6, 8)
+
+
+def test_steep_cpu_like_costs_pick_a_small_forest_or_none():
+    g, ws = policy(CPU).choose(max_gamma=6, roots=4, draft_roots=4)
+    assert g <= 1 and (g == 0 or ws == 4)
+    assert policy(CPU).choose(max_gamma=6, roots=4, draft_roots=4) == (0, 4)  # at the prior: do not draft
+
+
+def test_more_acceptance_drafts_deeper():
+    costs = (CostCurve.of({1: 1.0, 8: 1.4, 64: 6.0}), CostCurve.of({1: 0.1, 64: 0.2}))
+    low, high = policy(costs, draft_beams=4), policy(costs, draft_beams=4)
+    for _ in range(20):
+        low.observe(1, 4, outcomes=[False, False, True], passed=True)
+        low.observe(2, 4, outcomes=[False] * 4, passed=False)
+        for d in (1, 2, 3):
+            high.observe(d, 4, outcomes=[True], passed=True)
+    g_low, _ = low.choose(max_gamma=6, roots=4, draft_roots=4)
+    g_high, _ = high.choose(max_gamma=6, roots=4, draft_roots=4)
+    assert g_low < g_high
+    assert high.expected_steps(3, 4) > 3.5 and low.expected_steps(3, 4) < 2
+
+
+def test_gamma_is_capped_by_the_budget_and_the_choice_is_deterministic():
+    a, b = policy(GPU), policy(GPU)
+    assert a.choose(max_gamma=2, roots=4, draft_roots=4)[0] <= 2
+    for p in (a, b):
+        p.observe(1, 5, outcomes=[True, False, False, True], passed=True)
+    assert a.choose(max_gamma=6, roots=4, draft_roots=9) == b.choose(max_gamma=6, roots=4, draft_roots=9)
+
+
+def test_layer_model_follows_the_width_rule():
+    # equal rates: the binomial law
+    assert count_law(0.5, 0.5, 2) == pytest.approx([0.25, 0.5, 0.25])
+    # t = 0: the widest width W (capped by W_S) must be filled: P(Bin(3, .5) >= 2) = 1/2
+    assert layer_pass(0.5, 0.5, 3, 0.0, 1, 2) == pytest.approx(0.5)
+    # W_min = W = 2 with W_S = 2: both accepted, 1/4; with W_S = 4: 11/16
+    assert layer_pass(0.5, 0.5, 2, 0.9, 2, 2) == pytest.approx(0.25)
+    assert layer_pass(0.5, 0.5, 4, 0.9, 2, 2) == pytest.approx(11 / 16)
+    # t = 0.7, rates .5, W_S = 2: P(>=1) = .75 >= t, P(>=2) = .25: width 1, pass .75 (spec §6 hand case)
+    assert layer_pass(0.5, 0.5, 2, 0.7, 1, 4) == pytest.approx(0.75)
+    # retries rarely accepted: first .8, then .1: P(0 of 2) = .2 * .9, P(2 of 2) = .8 * .8
+    assert count_law(0.8, 0.1, 2) == pytest.approx([0.18, 1 - 0.18 - 0.64, 0.64])
+    # more drafts never lower P(>= 1): the W_min = 1 pass rate grows with W_S
+    rates = [layer_pass(0.6, 0.15, ws, 1.0, 1, 4) for ws in range(1, 8)]
+    assert rates == sorted(rates)
+
+
+def test_observed_pass_rates_pull_the_model():
+    p = policy(GPU, draft_beams=5)
+    before = p.pass_rate(1, 5)
+    for _ in range(30):
+        p.observe(1, 5, outcomes=[False] * 5, passed=False)
+    assert p.pass_rate(1, 5) < 0.1 < before
+    assert p.pass_rate(2, 5) < 0.3  # an unseen depth starts from the one above it
+    g, _ = p.choose(max_gamma=6, roots=4, draft_roots=4)
+    assert g <= 1
+
+
+# --- (d) stats, UI and the engine on the real tiny model ------------------------------------------------------
+
+def test_stats_line_and_forest_caption_show_the_sizes():
+    from app.ui.forest import forest_svg
+    from app.ui.stats import stats_markdown
+
+    _, m, steps = decode("dsbd", TARGET, DRAFT, seed=1, forest="adaptive", costs=VARYING, beams=2, draft_beams=3,
+                         gamma=2, max_new_tokens=12)
+    stats = m.as_dict()
+    assert sum(stats["forest_sizes"].values()) == m.iterations
+    md = stats_markdown(stats, memory=False)
+    assert "**Forest sizes chosen (adaptive):**" in md
+    forests = [s.forest for s in steps if s.forest]
+    assert all(f["adaptive"] for f in forests)
+    drafted = next(f for f in forests if f["layers"])
+    assert f"γ={drafted['gamma']}, W_S={drafted['draft_beams']} (chosen adaptively)" in forest_svg(drafted)
+    assert "no draft" in forest_svg({"layers": [], "gamma": 0, "draft_beams": 2, "adaptive": True})
+    fixed = dict(stats, forest_policy="fixed")
+    assert "Forest sizes" not in stats_markdown(fixed, memory=False)
+
+
+def test_cli_settings_and_api_carry_the_forest_option():
+    from app.api import ChatRequest, decode_params
+    from app.cli import build_parser
+    from app.ui.settings import params_from, relevant
+
+    a = build_parser().parse_args(["generate", "--mode", "dsbd", "--forest", "adaptive", "--prompt", "hi"])
+    assert a.forest == "adaptive"
+    assert "forest" in relevant("dsbd") and "forest" in relevant("dsbd-mem") and "forest" not in relevant("sps")
+    assert params_from({"mode": "dsbd", "forest": "adaptive"}).forest == "adaptive"
+    assert params_from({"mode": "sample", "forest": "adaptive"}).forest == "fixed"  # hidden: the default
+    req = ChatRequest(messages=[{"role": "user", "content": "hi"}], dsbd={"mode": "dsbd", "forest": "adaptive"})
+    assert decode_params(req).forest == "adaptive"
+
+
+def test_engine_adaptive_forest_on_tiny(tiny_gguf_path):
+    from app.engine import Engine
+
+    e = Engine.load(ModelSpec(source="tiny", n_ctx=512), ModelSpec(source="tiny", n_ctx=512))
+    try:
+        msgs = [{"role": "user", "content": "List three colours."}]
+        params = DecodeParams(mode="dsbd", beams=2, draft_beams=4, gamma=4, max_new_tokens=24, seed=7,
+                              forest="adaptive")
+        events = list(e.chat(msgs, params))  # first use: times the passes (Engine.costs)
+        assert e.policy is not None
+        stats = events[-1].stats
+        assert stats["forest_policy"] == "adaptive" and stats["new_tokens"] > 0
+        assert sum(stats["forest_sizes"].values()) == stats["iterations"]
+        assert all(ev.forest["adaptive"] for ev in events[:-1] if ev.forest)
+        # Same seed, same calibration: the same answer (the choice is deterministic given the past).
+        assert list(e.chat(msgs, params))[-1].text == events[-1].text
+        # GPU-like costs: it drafts, and deep (the tiny preset drafts for itself, so nearly every layer passes).
+        e.policy.target_cost, e.policy.draft_cost = GPU
+        flat = list(e.chat(msgs, params))[-1].stats
+        assert any(k != "g0" for k in flat["forest_sizes"]) and flat["steps_per_target_pass"] > 2
+    finally:
+        e.close()

@@ -261,6 +261,7 @@ def test_residual_chain_properties() -> None:
         p = joint(sparse() + np.eye(3, 4) * 1e-3)
         q = joint(sparse() + np.eye(3, 4)[::-1] * 1e-3)
         S, R, alpha = residual_chain(p, q, 5)
+        R = np.asarray(R)  # [6, |S|] the dense table
         np.testing.assert_allclose(R.sum(axis=1), 1.0, atol=1e-12)
         assert np.all(R >= 0) and np.all((alpha >= 0) & (alpha <= 1 + 1e-12))
         q_S = q.lookup(S)
@@ -272,11 +273,11 @@ def test_residual_fallbacks() -> None:
     p = joint([[0.5, 0.3, 0.2]])
     S, R, alpha = residual_chain(p, p, 3)  # perfect draft: residual mass 0 -> r_j = p
     np.testing.assert_allclose(alpha, 1.0, atol=1e-12)
-    np.testing.assert_array_equal(R[1:], np.tile(p.probs, (3, 1)))
+    np.testing.assert_array_equal(np.asarray(R[1:]), np.tile(p.probs, (3, 1)))
     q = joint([[0, 0, 0], [0.4, 0.6, 0]])  # disjoint q: nothing is ever accepted
     _, R, alpha = residual_chain(p, q, 2)
     np.testing.assert_array_equal(alpha, 0.0)
-    np.testing.assert_allclose(R, np.tile(p.probs, (3, 1)), atol=1e-15)
+    np.testing.assert_allclose(np.asarray(R), np.tile(p.probs, (3, 1)), atol=1e-15)
 
 
 # ------------------------------------------------------------------------------------- verify_layer unit
@@ -326,3 +327,163 @@ def test_verify_layer_mechanics() -> None:
         verify_layer(drafts, S, R[:3], 2, CountingRand())
     with pytest.raises(ValueError):
         verify_layer([Draft(0, 0.0, True)], S, R, 1, CountingRand())
+
+
+# ------------------------------------------------- issue 13 item 5: the fast paths vs the textbook forms
+# Straightforward implementations as they stood before the decoder's CPU time was cut. The production code must
+# give the same values: bit for bit for log_softmax, warp_joint and lookup; up to float rounding (documented
+# tolerance) for the residual chain, whose threshold form sums in a different order.
+
+
+def ref_log_softmax(logits) -> np.ndarray:
+    x = np.asarray(logits, dtype=np.float64)
+    m = np.max(x, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    with np.errstate(divide="ignore"):
+        lse = np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True))
+    lse = np.where(np.isfinite(lse), lse, 0.0)
+    return x - m - lse
+
+
+def ref_warp_joint(z, warp: Warp) -> Joint:
+    """warp_joint with a full-size mask and flatnonzero, and the softmax with temporaries (top_p shared)."""
+    z = np.atleast_2d(np.asarray(z, dtype=np.float64))
+    flat = z.reshape(-1)
+    assert np.all(flat < np.inf)
+    keys = np.flatnonzero(flat > -np.inf)
+    v = flat[keys]
+    if warp.temperature != 1.0:
+        v = v / warp.temperature
+    if warp.truncating:  # truncation itself is unchanged: reuse it on the finite (scaled) entries
+        q = warp_joint(v[None, :], Warp(top_k=warp.top_k, top_p=warp.top_p))
+        keys, v = keys[q.keys], v[q.keys]
+    e = np.exp(v - v.max())
+    probs = e / e.sum()
+    return Joint(keys[probs > 0].astype(np.int64), probs[probs > 0], int(z.shape[1]))
+
+
+def ref_residual_chain(p: Joint, q: Joint, n: int):
+    """The textbook chain (spec §5 step 3): a dense [n+1, |S|] table, renormalised every step."""
+    q_S = np.array([dict(zip(q.keys.tolist(), q.probs.tolist())).get(k, 0.0) for k in p.keys.tolist()])
+    R = np.empty((n + 1, p.keys.size))
+    alpha = np.empty(n)
+    R[0] = p.probs
+    for j in range(1, n + 1):
+        alpha[j - 1] = np.minimum(R[j - 1], q_S).sum()
+        buf = np.maximum(R[j - 1] - q_S, 0.0)
+        mass = buf.sum()
+        R[j] = p.probs if mass < 1e-12 else buf / mass
+    return R, alpha
+
+
+def _logit_rows(rng, n: int, V: int, spread: float = 2.5) -> np.ndarray:
+    x = rng.standard_normal((n, V)) * spread
+    x[:, : max(1, V // 50)] += 8  # a peaked head, a long tail: roughly an LLM's next-token shape
+    return x
+
+
+def test_log_softmax_is_bit_identical_to_the_textbook_form() -> None:
+    rng = rngs("ls_bits")[0]
+    for dt in (np.float32, np.float64):
+        x = _logit_rows(rng, 5, 3001).astype(dt)
+        x[2] = NEG
+        x[3, ::7] = NEG
+        for arg in (x, x[0], x[2]):
+            assert log_softmax(arg).tobytes() == ref_log_softmax(arg).tobytes()
+    ints = [[1, 2, 3], [0, 0, 5]]
+    assert log_softmax(ints).tobytes() == ref_log_softmax(ints).tobytes()
+
+
+@pytest.mark.parametrize("rows", ["dense", "invalid rows", "mixed rows", "one row"])
+@pytest.mark.parametrize("warp", [Warp(), Warp(temperature=0.7), Warp(top_k=40), Warp(top_p=0.9),
+                                  Warp(temperature=1.3, top_k=100, top_p=0.8)], ids=str)
+def test_warp_joint_fast_paths_are_bit_identical(rows: str, warp: Warp) -> None:
+    rng = rngs(f"warp_bits_{rows}_{warp}")[0]
+    z = _logit_rows(rng, 5, 2003) - rng.random((5, 1)) * 3  # parent scores
+    if rows == "invalid rows":
+        z[[1, 4]] = NEG
+    elif rows == "mixed rows":
+        z[1] = NEG
+        z[3, rng.random(2003) < 0.1] = NEG  # masked ids: the general path
+    elif rows == "one row":
+        z = z[2]
+    got, ref = warp_joint(z, warp), ref_warp_joint(z, warp)
+    assert got.keys.tobytes() == ref.keys.tobytes() and got.probs.tobytes() == ref.probs.tobytes()
+    assert got.keys.dtype == np.int64 and got.vocab == ref.vocab
+
+
+def test_warp_joint_rejects_bad_input_on_every_path() -> None:
+    for bad in (np.nan, np.inf):
+        for row in (0, 1):
+            z = np.zeros((2, 4))
+            z[1] = NEG
+            z[row, 2] = bad
+            with pytest.raises(ValueError):
+                warp_joint(z, Warp())
+    with pytest.raises(ValueError):
+        warp_joint(np.full((3, 4), NEG), Warp())
+    z = np.full((2, 3), NEG)
+    z[1, 1] = 0.0  # one finite entry in a mixed row
+    p = warp_joint(z, Warp())
+    assert list(p.keys) == [4] and list(p.probs) == [1.0]
+
+
+def test_joint_lookup_fast_paths_agree_with_binary_search() -> None:
+    rng = rngs("lookup_paths")[0]
+    dense = Joint(np.arange(3000, dtype=np.int64), rng.dirichlet(np.ones(3000)), 1000)
+    sparse = Joint(np.sort(rng.choice(9000, 2500, replace=False)).astype(np.int64), rng.dirichlet(np.ones(2500)), 3000)
+    assert dense.dense and not sparse.dense and not Joint(np.zeros(0, np.int64), np.zeros(0), 3).dense
+    for j in (dense, sparse):
+        for keys in (np.array([-5, 0, 2999, 3000, 8999, 9000, 12]), rng.integers(-10, 9100, 5000)):
+            pos = positions(j.keys, keys)
+            ref = np.where(pos >= 0, j.probs[np.maximum(pos, 0)], 0.0)
+            assert j.lookup(keys).tobytes() == ref.tobytes()
+
+
+def _chain_cases():
+    rng = rngs("chain_vs_ref")[0]
+    V = 1500
+    lp = _logit_rows(rng, 4, V)
+    J = lambda z, w=Warp(): warp_joint(z, w)  # noqa: E731
+    noise = lambda s: lp + rng.standard_normal(lp.shape) * s  # noqa: E731
+    row = np.arange(4)[:, None]
+    cases = {
+        "dense, same keys": (J(lp), J(noise(1.5))),
+        "p on valid rows, q on all": (J(np.where(row != 2, lp, NEG)), J(noise(1.0))),
+        "q misses part of p": (J(lp), J(np.where(rng.random(lp.shape) < 0.3, NEG, lp))),
+        "near-perfect draft": (J(lp), J(noise(1e-4))),  # tiny residual masses: rounding amplified
+        "perfect draft (fallbacks)": (J(lp), J(lp)),
+        "disjoint": (J(np.where(row < 2, lp, NEG)), J(np.where(row >= 2, lp, NEG))),
+        "truncated": (J(lp, Warp(top_k=30)), J(noise(1.0), Warp(top_k=30))),
+    }
+    for i in range(6):  # small random tables with sparse supports
+        t = lambda: rng.dirichlet(np.ones(12)).reshape(3, 4) * (rng.random((3, 4)) < 0.6)  # noqa: E731
+        cases[f"random {i}"] = (joint(t() + np.eye(3, 4) * 1e-3), joint(t() + np.eye(3, 4)[::-1] * 1e-3))
+    return cases
+
+
+@pytest.mark.parametrize("name", list(_chain_cases()))
+def test_residual_chain_matches_the_textbook_chain(name: str) -> None:
+    p, q = _chain_cases()[name]
+    for n in (1, 3, 6):
+        S, R, alpha = residual_chain(p, q, n)
+        R_ref, alpha_ref = ref_residual_chain(p, q, n)
+        assert S is p.keys and R.shape == R_ref.shape == (n + 1, S.size) and len(R) == n + 1
+        np.testing.assert_allclose(alpha, alpha_ref, rtol=0, atol=1e-13)
+        dense = np.asarray(R)
+        for c in range(n + 1):
+            # rounding of p and q entries (~1e-16 each) is amplified by 1 / mass of the residuals on the way
+            scale = max(1.0, float(R_ref[c].max()))
+            np.testing.assert_allclose(dense[c], R_ref[c], rtol=0, atol=1e-13 * scale)
+            assert dense[c].sum() == pytest.approx(1.0, abs=1e-12) and np.all(dense[c] >= 0)
+            assert R[c] is dense[c] or R[c].tobytes() == dense[c].tobytes()
+            idx = np.arange(S.size)
+            assert R[c, idx].tobytes() == R[c].tobytes()  # an entry equals its row's, bit for bit
+            assert all(float(R[c, int(i)]) == R[c][i] for i in idx[:: max(1, S.size // 50)])
+        assert R[0] is p.probs  # r_0 = p exactly
+        if n >= 1:  # the first step is the textbook one, bit for bit
+            assert np.asarray(R[1]).tobytes() == R_ref[1].tobytes()
+        sub = R[: n]
+        assert sub.shape == (n, S.size) and np.asarray(sub).tobytes() == dense[:n].tobytes()
+        with pytest.raises(IndexError):
+            R[n + 1]

@@ -22,14 +22,24 @@ DENSE_LOOKUP_RATIO = 4
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise stable log-softmax in float64 for [V] or [n, V]; an all -inf row stays all -inf."""
-    x = np.asarray(logits, dtype=np.float64)
-    m = np.max(x, axis=-1, keepdims=True)  # [..., 1]
+    """Row-wise stable log-softmax in float64 for [V] or [n, V]; an all -inf row stays all -inf.
+
+    Computed as (x - m) - lse with two [.., V] float64 buffers (float32 input is widened elementwise by the
+    subtraction, no separate copy): the same operations in the same order as the textbook form, so the result is
+    bit for bit that of `x = float64(logits); x - m - log(sum(exp(x - m)))` (tests/test_sampling.py checks it).
+    """
+    x = np.asarray(logits)
+    if x.dtype not in (np.float32, np.float64):
+        x = x.astype(np.float64)
+    m = np.max(x, axis=-1, keepdims=True).astype(np.float64)  # [..., 1]; the max of float32 values is exact
     m = np.where(np.isfinite(m), m, 0.0)  # an all -inf row must not turn into nan via -inf - -inf
+    y = np.subtract(x, m, dtype=np.float64)  # [..., V] x - m
+    e = np.exp(y)  # [..., V]
     with np.errstate(divide="ignore"):
-        lse = np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True))  # [..., 1]
+        lse = np.log(np.sum(e, axis=-1, keepdims=True))  # [..., 1]
     lse = np.where(np.isfinite(lse), lse, 0.0)
-    return x - m - lse
+    y -= lse
+    return y
 
 
 @dataclass(frozen=True)
@@ -87,13 +97,22 @@ class Joint:
     def __len__(self) -> int:
         return int(self.keys.size)
 
+    @property
+    def dense(self) -> bool:
+        """keys == arange(len): strictly increasing int64 keys from 0 to len - 1 (an O(1) test)."""
+        n = self.keys.size
+        return n > 0 and self.keys[0] == 0 and self.keys[-1] == n - 1
+
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """Probability of each key, 0 where absent."""
         keys = np.asarray(keys, dtype=np.int64)
         if self.keys.size == 0:
             return np.zeros(keys.shape)
+        if self.dense:  # the key is the index
+            ok = (keys >= 0) & (keys < self.keys.size)
+            return np.where(ok, self.probs[np.where(ok, keys, 0)], 0.0)
         n = self.keys.size + keys.size
-        if n > 4096 and keys.size and keys.min() >= 0:
+        if keys.size > 1024 and keys.min() >= 0:  # few keys: binary search beats building a table
             hi = int(max(self.keys[-1], keys.max())) + 1
             if hi <= DENSE_LOOKUP_RATIO * n:
                 table = np.zeros(hi)  # [range]
@@ -120,6 +139,32 @@ def _top_indices(v: np.ndarray, k: int) -> np.ndarray:
     return np.flatnonzero(sel)
 
 
+def _finite_entries(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(keys, values) of the entries of z [n, V] above -inf, keys ascending; raises on nan / +inf / none.
+
+    Fast path without a full-size mask or flatnonzero: when every row is either all finite or all -inf (the
+    usual case: invalid parents, ended drafts), the keys are whole rows of consecutive ids and the values a row
+    copy (or z itself). Mixed rows (masked ids) take the general path. Both give the same keys and values.
+    """
+    n, V = z.shape
+    rmax = z.max(axis=1)  # [n]; nan propagates
+    if not np.all(rmax < np.inf):
+        raise ValueError("z contains nan or +inf")
+    rmin = z.min(axis=1)  # [n]
+    full, empty = rmin > -np.inf, rmax == -np.inf  # [n]
+    if np.all(empty):
+        raise ValueError("no valid (parent, token) pair: every entry of z is -inf")
+    flat = z.reshape(-1)  # [n V]
+    if np.all(full | empty):
+        if np.all(full):
+            return np.arange(n * V, dtype=np.int64), flat
+        rows = np.flatnonzero(full)  # [r]
+        keys = (rows[:, None] * V + np.arange(V, dtype=np.int64)).reshape(-1)  # [r V]
+        return keys, z[rows].reshape(-1)
+    keys = np.flatnonzero(flat > -np.inf)  # [m] ascending
+    return keys, flat[keys]
+
+
 def warp_joint(z: np.ndarray, warp: Warp) -> Joint:
     """Warp joint log-scores z [n_parents, V] (parent score + log p(token | parent)) into a `Joint` (spec §2.1).
 
@@ -133,13 +178,7 @@ def warp_joint(z: np.ndarray, warp: Warp) -> Joint:
     if z.ndim != 2:
         raise ValueError(f"z must be [n_parents, V], got shape {z.shape}")
     V = int(z.shape[1])
-    flat = z.reshape(-1)  # [n V]
-    if not np.all(flat < np.inf):
-        raise ValueError("z contains nan or +inf")
-    keys = np.flatnonzero(flat > -np.inf)  # [m] ascending: no sort needed when nothing truncates
-    if keys.size == 0:
-        raise ValueError("no valid (parent, token) pair: every entry of z is -inf")
-    v = flat[keys]  # [m]
+    keys, v = _finite_entries(z)  # [m] ascending keys of the finite entries, their values
     # 1. temperature (after dropping -inf, so invalid parents and masked ids never enter top_k)
     if warp.temperature != 1.0:
         v = v / warp.temperature
@@ -166,10 +205,11 @@ def warp_joint(z: np.ndarray, warp: Warp) -> Joint:
         kept = np.sort(order[: min(i + 1, M)])  # back to key order
         keys, v = keys[kept], v[kept]
 
-    # 4. softmax over the survivors, in key order so the summation order is fixed.
-    e = np.exp(v - v.max())
-    probs = e / e.sum()
-    if not np.all(probs > 0):
+    # 4. softmax over the survivors, in key order so the summation order is fixed (in place: one buffer).
+    probs = np.subtract(v, v.max())  # [m]
+    np.exp(probs, out=probs)
+    np.divide(probs, probs.sum(), out=probs)
+    if not probs.min() > 0:
         # exp underflow (a pair > 745 nats below the best): drop it, Joint promises probs > 0.
         nz = probs > 0
         keys, probs = keys[nz], probs[nz]
@@ -191,31 +231,96 @@ def sample_iid(p: Joint, n: int, rng: np.random.Generator) -> np.ndarray:
     return p.keys[_inverse_cdf(cdf, rng.random(n))]  # [n]
 
 
-def residual_chain(p: Joint, q: Joint, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+class Residuals:
+    """The verifier's residuals R[c] on S (c = 0..n rejections in a row), kept unnormalised.
+
+    R[c] = u_c / Z_c with u_0 = p, Z_0 = 1 and u_j = max(u_{j-1} - Z_{j-1} q_S, 0), Z_j = sum(u_j): the
+    textbook chain r_j = norm(max(r_{j-1} - q_S, 0)) scaled by Z_j, so a step costs no normalisation pass and the
+    [n+1, |S|] table is never written. A row is divided out only when asked for (the correction draw); an entry
+    costs O(1) (a draft's test). The fallback (mass < 1e-12) stores u_j = p, Z_j = 1.
+
+    Supports what the verifier and the tests use: `shape`, `len`, `R[c]` (a read-only row), `R[c, i]` (equal to
+    `R[c][i]` bit for bit), `R[a:b]` (sub-chain) and `np.asarray(R)` (the dense table).
+    """
+
+    def __init__(self, u: list[np.ndarray], Z: list[float]) -> None:
+        self.u, self.Z = u, Z  # n+1 arrays [|S|] (u[0] = p) and their masses
+        self._rows: dict[int, np.ndarray] = {}
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self.u), int(self.u[0].size) if self.u else 0)
+
+    def __len__(self) -> int:
+        return len(self.u)
+
+    def row(self, c: int) -> np.ndarray:
+        c = range(len(self.u))[c]  # negative indices, IndexError out of range
+        if self.Z[c] == 1.0:
+            return self.u[c]  # p itself (r_0, a fallback) or a residual of mass exactly 1
+        r = self._rows.get(c)
+        if r is None:
+            r = np.divide(self.u[c], self.Z[c])  # [|S|]
+            r.flags.writeable = False
+            self._rows[c] = r
+        return r
+
+    def __getitem__(self, idx):
+        if isinstance(idx, (int, np.integer)):
+            return self.row(int(idx))
+        if isinstance(idx, slice):
+            return Residuals(self.u[idx], self.Z[idx])
+        if isinstance(idx, tuple) and len(idx) == 2 and isinstance(idx[0], (int, np.integer)):
+            c = range(len(self.u))[int(idx[0])]
+            return self.u[c][idx[1]] / self.Z[c] if self.Z[c] != 1.0 else self.u[c][idx[1]]
+        return np.asarray(self)[idx]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = np.stack([self.row(c) for c in range(len(self))]) if len(self) else np.empty((0, 0))
+        return out if dtype is None else out.astype(dtype)
+
+
+def residual_chain(p: Joint, q: Joint, n: int) -> tuple[np.ndarray, Residuals, np.ndarray]:
     """Residual chain on S = supp(p) (spec §5 step 3): returns (S, R [n+1, |S|], alpha [n]).
 
     q is looked up at S and NOT renormalised (mass on invalid parents or outside S still counts as draws).
     r_0 = p; alpha_j = sum(min(r_{j-1}, q_S)); r_j = norm(max(r_{j-1} - q_S, 0)), or p if that mass < 1e-12.
-    R[c] is the verifier's p' after c rejections in a row.
+    R[c] is the verifier's p' after c rejections in a row, a lazy `Residuals` (unnormalised, see there).
+
+    Three passes over S per step (multiply, subtract, max) and a sum. alpha_j is computed as 1 - mass_j
+    (min(r, q) = r - max(r - q, 0) and sum(r) = 1). Against the textbook chain (kept in tests/test_sampling.py)
+    this agrees up to float rounding: r_1 bit for bit, alpha within 1e-13 absolute, later residual entries
+    within 1e-13 of the row's scale (each step rounds like the textbook step: the subtraction near the cut is
+    exact, the scaling by Z_{j-1} replaces the textbook's division by the mass).
     """
     S = p.keys  # [|S|]
-    # Shortcut for the common dense case: identical key sets need no search.
-    q_S = q.probs if np.array_equal(q.keys, S) else q.lookup(S)  # [|S|]
-    R = np.empty((n + 1, S.size))  # [n+1, |S|]
+    if np.array_equal(q.keys, S):  # the common dense case: identical key sets need no search
+        q_S = q.probs
+    elif q.dense and S.size and S[-1] < q.keys.size:
+        q_S = q.probs[S]  # [|S|] key = index
+    else:
+        q_S = q.lookup(S)  # [|S|]
+    u, Z = [p.probs], [1.0]  # u_j = Z_j r_j
     alpha = np.empty(n)  # [n]
-    R[0] = p.probs
-    buf = np.empty(S.size)  # [|S|]
+    block = np.empty((n, S.size))  # [n, |S|] u_1..u_n, one allocation (cheaper than n)
     for j in range(1, n + 1):
-        np.minimum(R[j - 1], q_S, out=buf)
-        alpha[j - 1] = buf.sum()
-        np.subtract(R[j - 1], q_S, out=buf)
-        np.maximum(buf, 0.0, out=buf)
-        mass = buf.sum()
-        if mass < RESIDUAL_EPS:
-            R[j] = p.probs
+        d = block[j - 1]  # [|S|]
+        if Z[-1] == 1.0:
+            np.subtract(u[-1], q_S, out=d)
         else:
-            np.divide(buf, mass, out=R[j])
-    return S, R, alpha
+            np.multiply(q_S, Z[-1], out=d)  # Z_{j-1} q
+            np.subtract(u[-1], d, out=d)
+        np.maximum(d, 0.0, out=d)  # Z_{j-1} max(r_{j-1} - q, 0)
+        mass_u = float(d.sum())
+        mass = mass_u / Z[-1]  # mass of max(r_{j-1} - q, 0)
+        alpha[j - 1] = min(1.0, max(0.0, 1.0 - mass))
+        if mass < RESIDUAL_EPS:
+            u.append(p.probs)  # fallback r_j = p; the chain restarts from p
+            Z.append(1.0)
+        else:
+            u.append(d)
+            Z.append(mass_u)
+    return S, Residuals(u, Z), alpha
 
 
 class Rand(Protocol):

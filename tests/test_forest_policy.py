@@ -17,8 +17,9 @@ from app.decoding import decoder
 from app.decoding.beams import Stopper
 from app.decoding.forest_policy import PRIOR, ForestPolicy, count_law, layer_pass
 from app.decoding.metrics import Metrics
+from app.decoding.sampling import log_softmax
 from test_decoding import DRAFT, TARGET, VARYING
-from test_exact_real import SEQ_DRAFT, SEQ_TARGET, SV
+from test_exact_real import SEQ_DRAFT, SEQ_TARGET, SV, _hashed
 
 CPU = (CostCurve.of({1: 0.080, 8: 0.25, 64: 1.0}), CostCurve.of({1: 0.045, 8: 0.11, 64: 0.76}))  # qwen, 2 cores
 GPU = (CostCurve.of({1: 0.020, 64: 0.022}), CostCurve.of({1: 0.004, 64: 0.0045}))  # a pass costs ~ its launch
@@ -120,6 +121,23 @@ def test_self_draft_accepts_everything_across_undrafted_iterations(mode):
         assert sum(s.tested for s in layers) > 0 and m.draft_passes > 0
         assert all(s.accepted == s.tested for s in layers), (seed, m.as_dict()["acceptance_by_depth"])
         assert any(g == 0 for g, _ in m.forests[:-1]) and any(g > 0 for g, _ in m.forests[1:])
+
+
+@pytest.mark.parametrize("mode", ["dsbd", "dsbd-mem"])
+def test_changing_sizes_keep_every_score_exact(mode):
+    """Per-iteration gamma / W_S reach every index: a node looked up with another iteration's W_S would hand a
+    beam another node's target log-probs, and the returned score would no longer be the sequence's."""
+    tempered = _hashed(0, 0.8)  # the target's logits, flattened: deep layers pass often
+    deep = 0
+    for seed in range(12):
+        params = DecodeParams(mode=mode, beams=3, draft_beams=5, gamma=4, max_new_tokens=14, seed=seed).validated()
+        script = Scripted([(3, 3), (4, 5), (2, 4), (0, 3), (4, 3), (3, 5)], params)
+        tokens, m, steps = decode(mode, SEQ_TARGET, tempered, seed=seed, vocab=SV, forest="adaptive", policy=script,
+                                  beams=3, draft_beams=5, gamma=4, max_new_tokens=14)
+        want = sum(log_softmax(SEQ_TARGET.fn([1, 2, 3] + list(tokens[:i])))[tokens[i]] for i in range(len(tokens)))
+        assert abs(steps[-1].output.score - want) < 1e-5, (seed, tokens)
+        deep += sum(s.passed for d, s in m.layers.items() if d >= 2)
+    assert deep > 20  # deeper layers passed (their nodes' log-probs were used) many times
 
 
 def test_adaptive_needs_costs_and_forest_is_validated():

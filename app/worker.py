@@ -379,7 +379,6 @@ class WorkerEngine:
             child, self._phase, self._child = self._child, "closed", None
             self._cv.notify_all()
         if child is not None:
-            child.send(("close", 0))
             self._kill(child)
 
     def __enter__(self) -> "WorkerEngine":
@@ -535,6 +534,8 @@ class WorkerEngine:
 
     @staticmethod
     def _kill(child: _Child) -> None:
+        """Ask the process to exit (it does at once), then make sure it did."""
+        child.send(("close", 0))
         child.proc.join(5)
         if child.proc.is_alive():
             child.proc.kill()

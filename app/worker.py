@@ -38,7 +38,7 @@ MAX_LOAD_FAILURES = 3  # failed (re)loads in a row before the supervisor stops r
 _POLL_S = 0.05  # how often a stream waiting for its next event looks at its cancel Event
 _TOKENIZER_ATTRS = ("name", "n_vocab", "bos_id", "eos_id", "eos_ids", "vocab_type", "add_bos", "chat_template")
 # What the parent may call on the child's Engine (streams: "generate" / "chat", opened separately).
-_CALLS = frozenset({"describe", "check_params", "resolve", "pick", "observe", "encode", "complete", "swap",
+_CALLS = frozenset({"describe", "check_params", "resolve", "pick", "costs", "observe", "encode", "complete", "swap",
                     "tokenizer.encode", "tokenizer.decode", "tokenizer.piece"})
 _WHY = {"SIGILL": "illegal instruction",
         "SIGSEGV": "segmentation fault", "SIGABRT": "aborted", "SIGBUS": "bus error",
@@ -322,6 +322,9 @@ class WorkerEngine:
 
     def pick(self, params: DecodeParams):
         return self._call("pick", params)
+
+    def costs(self) -> tuple:
+        return self._call("costs", kind="answer")  # times the passes on first use: not asked twice
 
     def observe(self, params: DecodeParams, stats: dict) -> None:
         return self._call("observe", params, stats)

@@ -92,6 +92,8 @@ def test_mirrored_state_and_tokenizer(worker, inproc):
     assert worker.encode(HI) == inproc.encode(HI)
     p = DecodeParams(mode="dsbd", beams=3)
     assert worker.check_params(p) == inproc.check_params(p)
+    target_cost, draft_cost = worker.costs()  # adaptive forests' timed pass costs come back across the pipe
+    assert type(target_cost).__name__ == type(draft_cost).__name__ == "CostCurve"
     out = worker.complete(inproc.encode(HI), DecodeParams(mode="sample", max_new_tokens=8, seed=1), n=2)
     ref = inproc.complete(inproc.encode(HI), DecodeParams(mode="sample", max_new_tokens=8, seed=1), n=2)
     assert [(c["text"], c["tokens"]) for c in out] == [(c["text"], c["tokens"]) for c in ref]

@@ -487,3 +487,28 @@ def test_residual_chain_matches_the_textbook_chain(name: str) -> None:
         assert sub.shape == (n, S.size) and np.asarray(sub).tobytes() == dense[:n].tobytes()
         with pytest.raises(IndexError):
             R[n + 1]
+
+
+def test_two_level_inverse_cdf_matches_the_full_cumsum() -> None:
+    from app.decoding.sampling import CDF_BLOCK, _draw, _inverse_cdf
+
+    rng = rngs("two_level_cdf")[0]
+    m = 13 * CDF_BLOCK + 123  # more than 4 blocks, a short last block
+    probs = rng.dirichlet(np.full(m, 0.3))
+    probs[rng.random(m) < 0.4] = 0.0  # residual-like rows have many zero cells
+    probs[: 2 * CDF_BLOCK] = 0.0  # whole zero blocks
+    probs[-5:] = 0.0  # trailing zeros: u near 1 must not land there
+    u = np.concatenate([rng.random(4000), [0.0, 1 - 2.0**-53, 0.5]])
+    got = np.concatenate([_draw(probs, u[i: i + 7]) for i in range(0, u.size, 7)])  # few draws: two levels
+    ref = _inverse_cdf(np.cumsum(probs), u)
+    assert np.mean(got == ref) == 1.0
+    assert np.all(probs[got] > 0)
+    # a block whose running sum falls short of t by rounding: the clamp picks its last positive cell
+    p2 = np.zeros(5 * CDF_BLOCK)
+    p2[CDF_BLOCK + 7], p2[CDF_BLOCK + 9] = 0.5, 0.5
+    assert set(_draw(p2, np.array([0.0, 0.49, 0.5, 0.999999, 1 - 2.0**-53])).tolist()) <= {CDF_BLOCK + 7, CDF_BLOCK + 9}
+    # SeededRand.categorical and sample_iid share the rule on a large support
+    big = warp_joint(rng.standard_normal((4, 6 * CDF_BLOCK)), Warp())
+    a = sample_iid(big, 5, np.random.default_rng(11))
+    r = SeededRand(np.random.default_rng(11))
+    assert [r.categorical(big.keys, big.probs) for _ in range(5)] == a.tolist()

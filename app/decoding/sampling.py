@@ -7,6 +7,7 @@ Everything here is numpy float64 and deterministic: identical inputs give bit-id
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -19,6 +20,18 @@ TOP_P_HEAD = 1024
 # Joint.lookup scatters into a dense table instead of binary search when the key range is at most this many
 # times the number of keys involved: O(range) beats O(n log n) for dense joints (4 x 152k: ~10x faster).
 DENSE_LOOKUP_RATIO = 4
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(shape: tuple[int, ...]) -> np.ndarray:
+    """A per-thread float64 work buffer of `shape`, reused between calls (never returned to a caller)."""
+    n = int(np.prod(shape))
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _SCRATCH.buf = np.empty(max(n, 1))
+    return buf[:n].reshape(shape)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -34,7 +47,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     m = np.max(x, axis=-1, keepdims=True).astype(np.float64)  # [..., 1]; the max of float32 values is exact
     m = np.where(np.isfinite(m), m, 0.0)  # an all -inf row must not turn into nan via -inf - -inf
     y = np.subtract(x, m, dtype=np.float64)  # [..., V] x - m
-    e = np.exp(y)  # [..., V]
+    e = np.exp(y, out=_scratch(y.shape))  # [..., V]
     with np.errstate(divide="ignore"):
         lse = np.log(np.sum(e, axis=-1, keepdims=True))  # [..., 1]
     lse = np.where(np.isfinite(lse), lse, 0.0)
@@ -139,6 +152,21 @@ def _top_indices(v: np.ndarray, k: int) -> np.ndarray:
     return np.flatnonzero(sel)
 
 
+_ARANGES: dict[int, np.ndarray] = {}
+
+
+def _arange(n: int) -> np.ndarray:
+    """A shared read-only arange(n) int64 (the keys of a dense joint; a few sizes recur: rows x V)."""
+    a = _ARANGES.get(n)
+    if a is None:
+        if len(_ARANGES) >= 16:
+            _ARANGES.clear()
+        a = np.arange(n, dtype=np.int64)
+        a.flags.writeable = False
+        _ARANGES[n] = a
+    return a
+
+
 def _finite_entries(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(keys, values) of the entries of z [n, V] above -inf, keys ascending; raises on nan / +inf / none.
 
@@ -157,7 +185,7 @@ def _finite_entries(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     flat = z.reshape(-1)  # [n V]
     if np.all(full | empty):
         if np.all(full):
-            return np.arange(n * V, dtype=np.int64), flat
+            return _arange(n * V), flat
         rows = np.flatnonzero(full)  # [r]
         keys = (rows[:, None] * V + np.arange(V, dtype=np.int64)).reshape(-1)  # [r V]
         return keys, z[rows].reshape(-1)
@@ -222,13 +250,41 @@ def _inverse_cdf(cdf: np.ndarray, u: np.ndarray) -> np.ndarray:
     return np.minimum(cdf.searchsorted(u * cdf[-1], side="right"), cdf.size - 1)
 
 
+# Inverse CDF in two levels above this many cells: block sums, then a cumsum inside the chosen block only
+# (a full cumsum over W x |V| = 0.6-0.8 M cells costs ~2 ms; the block sums a fifth of it).
+CDF_BLOCK = 4096
+
+
+def _draw(probs: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Indices drawn by inverse CDF for uniforms u [k] (probs >= 0, sum > 0); zero cells are never chosen.
+
+    Index i is drawn iff F(i-1) <= u * total < F(i), F the running sum of probs. For more than 4 blocks and few
+    draws, F is the block-prefix sum plus the running sum inside the block: the same rule up to float rounding
+    of the sums (~1e-16), not bit for bit the full cumsum's.
+    """
+    m = probs.size
+    if m <= 4 * CDF_BLOCK or u.size > 64:
+        return _inverse_cdf(np.cumsum(probs), u)
+    starts = np.arange(0, m, CDF_BLOCK)  # [nb]
+    cb = np.cumsum(np.add.reduceat(probs, starts))  # [nb] block-prefix sums
+    out = np.empty(u.size, dtype=np.int64)
+    for k, t in enumerate(u * cb[-1]):
+        b = min(int(cb.searchsorted(t, side="right")), starts.size - 1)  # first block with cb > t: its sum > 0
+        seg = probs[starts[b]: starts[b] + CDF_BLOCK]
+        x = t - cb[b - 1] if b else t  # >= 0: t >= cb[b - 1]
+        i = int(np.cumsum(seg).searchsorted(x, side="right"))
+        if i >= seg.size:  # x past the block's running sum by rounding: its last positive cell
+            i = int(np.flatnonzero(seg)[-1])
+        out[k] = starts[b] + i
+    return out
+
+
 def sample_iid(p: Joint, n: int, rng: np.random.Generator) -> np.ndarray:
     """n i.i.d. keys from p by inverse CDF over p.keys (key order): key i is drawn iff cdf[i-1] <= u < cdf[i].
 
     Uses exactly n `rng.random()` uniforms, so it matches n successive `SeededRand.categorical` calls.
     """
-    cdf = np.cumsum(p.probs)  # [|p|]
-    return p.keys[_inverse_cdf(cdf, rng.random(n))]  # [n]
+    return p.keys[_draw(p.probs, rng.random(n))]  # [n]
 
 
 class Residuals:
@@ -341,9 +397,7 @@ class SeededRand:
         return bool(self.rng.random() < prob)
 
     def categorical(self, keys: np.ndarray, probs: np.ndarray) -> int:
-        cdf = np.cumsum(probs)  # [n]
-        i = int(cdf.searchsorted(self.rng.random() * cdf[-1], side="right"))  # same rule as _inverse_cdf
-        return int(keys[min(i, cdf.size - 1)])
+        return int(keys[_draw(np.asarray(probs), np.array([self.rng.random()]))[0]])  # same rule as sample_iid
 
 
 @dataclass(frozen=True)
@@ -364,7 +418,7 @@ def make_drafts(keys: np.ndarray, q: Joint, valid_parent: np.ndarray) -> list[Dr
 
 
 def verify_layer(
-    drafts: Sequence[Draft], S: np.ndarray, R: np.ndarray, width: int, rand: Rand
+    drafts: Sequence[Draft], S: np.ndarray, R: "Residuals | np.ndarray", width: int, rand: Rand
 ) -> tuple[bool, list[tuple[int, int | None]]]:
     """Sequential MSS test with reset over one layer's drafts (spec §5 step 4).
 

@@ -59,3 +59,24 @@ def test_real_probe_child_reports_a_verdict_and_the_model_loads_with_it(tiny_ggu
         assert m.info.extra["weight_repack"].startswith(f"llama.cpp weight repack {'on' if r['ok'] else 'off'}")
         with m.context(rows=1, max_tokens=32) as ctx:
             ctx.prefill([1, 2, 3])
+
+
+def test_weight_types_are_read_once_per_file_version(tmp_path, monkeypatch, tiny_gguf_path):
+    """gguf's reader parses the whole header (~13 s on a qwen file): a file's types are cached by path, size, mtime."""
+    import gguf
+
+    monkeypatch.setenv("DSBD_CHAT_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(tiny_gguf_path.read_bytes())
+    first = probe.weight_types(f)
+    assert "Q4_1" in first
+
+    def no_reader(*a, **k):
+        raise AssertionError("the header was read again")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_reader)
+    assert probe.weight_types(f) == first  # cached
+    with open(f, "ab") as out:  # a changed file (size, mtime) is read again
+        out.write(b"\0" * 32)
+    with pytest.raises(AssertionError, match="read again"):
+        probe.weight_types(f)

@@ -86,6 +86,20 @@ def grade(answer: str, task: dict, *, timeout: float = 5.0) -> bool:
 # ---------------------------------------------------------------- modes
 
 
+def split_modes(text: str) -> list[str]:
+    """'sample,dsbd:min_beams=4,forest=adaptive,beam-sample' -> ['sample', 'dsbd:min_beams=4,forest=adaptive',
+    'beam-sample']: a comma-separated piece with '=' and no ':' is one more setting of the mode before it."""
+    out: list[str] = []
+    for piece in (p.strip() for p in text.split(",")):
+        if not piece:
+            continue
+        if "=" in piece and ":" not in piece and out:
+            out[-1] += f",{piece}"
+        else:
+            out.append(piece)
+    return out
+
+
 def parse_mode(spec: str, base: DecodeParams) -> tuple[str, DecodeParams]:
     """'dsbd' or 'dsbd:beams=2,gamma=4' or 'auto:quality=beam' -> (label, params)."""
     mode, _, opts = spec.partition(":")

@@ -200,7 +200,7 @@ def cmd_bench(a) -> int:
 
     base = _params(a, validate=False)  # each bench mode resolves its own defaults (W_S = W + 1 for dsbd)
     prompts = bench.load_suite(a.suite)[: a.prompts or None]
-    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    modes = bench.split_modes(a.modes)
     for m in modes:
         bench.parse_mode(m, base)  # bad settings fail before any model loads
     target, draft = _specs(a, need_draft=any(bench.parse_mode(m, base)[1].needs_draft for m in modes))
@@ -233,7 +233,7 @@ def cmd_compare(a) -> int:
         params = results.params_of_run(run)
     else:
         base = _params(a, validate=False)
-        params = dict(bench.parse_mode(m.strip(), base) for m in a.modes.split(",") if m.strip())
+        params = dict(bench.parse_mode(m, base) for m in bench.split_modes(a.modes))
         items = results.load_prompt_source(a.suite)[: a.prompts or None]
         if len(params) < 2:
             raise ConfigError(f"--modes needs at least two modes to compare, got {a.modes!r}")

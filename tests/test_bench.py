@@ -104,3 +104,11 @@ def test_peak_rss_sees_a_short_lived_allocation():
         time.sleep(0.1)
         del block
     assert rss.peak - start >= 48 << 20
+
+
+def test_split_modes_keeps_several_settings_with_their_mode():
+    """The --modes help's own example (dsbd:beams=2,gamma=4) used to split into a mode named 'gamma=4'."""
+    assert bench.split_modes("sample, dsbd:beams=2,gamma=4,forest=adaptive,beam-sample,dsbd-mem:gamma=1") == [
+        "sample", "dsbd:beams=2,gamma=4,forest=adaptive", "beam-sample", "dsbd-mem:gamma=1"]
+    label, p = bench.parse_mode(bench.split_modes("dsbd:beams=2,gamma=4")[0], DecodeParams())
+    assert (p.beams, p.gamma, p.draft_beams) == (2, 4, 3)

@@ -23,7 +23,10 @@ Quality levels (config.QUALITY_LEVELS; every candidate of a level keeps the user
     beam     beam-sample (W), dsbd with W_min >= 2: at least two beams at every step, so the output is
              chosen among several sampled continuations. dsbd-mem is NOT here: it carries one beam between
              iterations (spec §9) and measured at sampling quality (README: log-prob -1.07 vs sample -0.98).
-    dynamic  dsbd, dsbd-mem at the user's t and W_min: beam search where the draft agrees, one beam elsewhere.
+    dynamic  dsbd with W_min = W (gamma 0..6, W_S): W beams at every step, so the output law is beam sampling
+             with replacement (spec Theorem 2) whatever the draft does; the draft only buys speed, and gamma = 0
+             (no draft) is a candidate where drafting does not pay. It used to be dsbd / dsbd-mem at the user's
+             t and W_min; the issue-13 bench found no narrower setting at beam sampling's log-prob (README).
     Without a draft model every level falls back to its draft-free mode (sample, beam-sample).
 No exploration: a setting never run keeps its prior until observed (the engine observes every finished
 generation, whatever its mode, so earlier turns and bench runs teach it).
@@ -196,9 +199,9 @@ class AutoPolicy:
             if drafted and w >= 2:
                 out += [replace(base, mode="dsbd", gamma=g, draft_beams=ws, min_beams=wmin)
                         for ws in ws_options("dsbd", wmin) for g in GAMMAS]
-        elif drafted:
-            out += [replace(base, mode=m, gamma=g, draft_beams=ws)
-                    for m in ("dsbd", "dsbd-mem") for ws in ws_options(m, base.min_beams) for g in GAMMAS]
+        elif drafted:  # W_min = W: every layer keeps W beams (issue 13: narrower settings lost beam quality)
+            out += [replace(base, mode="dsbd", gamma=g, draft_beams=max(ws, w), min_beams=w)
+                    for ws in ws_options("dsbd", w) for g in (0, *GAMMAS)]
         else:
             out.append(replace(base, mode="beam-sample", draft_beams=None))
         return [p.validated() for p in out]

@@ -36,7 +36,7 @@ def _decode_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--mode", choices=MODES, default="greedy",
                    help="auto: the fastest setting of --quality, from timed passes and measured acceptance")
     g.add_argument("--quality", choices=QUALITY_LEVELS, default="fast",
-                   help="auto only: fast = sample/sps, beam = beam-sample/dsbd (W_min >= 2), dynamic = dsbd/dsbd-mem")
+                   help="auto only: fast = sample/sps, beam = beam-sample/dsbd (W_min >= 2), dynamic = dsbd with W_min = W")
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 = off; counts (beam, token) pairs")
@@ -178,6 +178,8 @@ def cmd_chat(a) -> int:
         from .worker import WorkerEngine
 
         engine = WorkerEngine.load(target, draft)
+    if draft is not None:  # the default preset sizes DSBD forests from timed passes: time them now, while the
+        threading.Thread(target=_time_passes, args=(engine,), daemon=True).start()  # page opens, not at message 1
     try:
         print(f"dsbd-chat: {engine.describe()}", file=sys.stderr)
         if a.share:  # a Gradio share tunnel needs Gradio's own launch; the API stays off the public link
@@ -191,6 +193,14 @@ def cmd_chat(a) -> int:
         return 0
     finally:
         engine.close()
+
+
+def _time_passes(engine) -> None:
+    """Engine.costs() in the background; a failure only means the first adaptive answer times them itself."""
+    try:
+        engine.costs()
+    except Exception as e:  # noqa: BLE001 (a dead model process, say: the supervisor reports it on use)
+        print(f"dsbd-chat: could not time the model passes yet ({e})", file=sys.stderr)
 
 
 def cmd_bench(a) -> int:

@@ -84,7 +84,9 @@ def test_levels_offer_only_their_modes_and_validate():
     p = AutoPolicy.from_costs(*CPU)
     assert {c.mode for c in p.candidates(BASE, "fast")} == {"sample", "sps"}
     assert {c.mode for c in p.candidates(BASE, "beam")} == {"beam-sample", "dsbd"}
-    assert {c.mode for c in p.candidates(BASE, "dynamic")} == {"dsbd", "dsbd-mem"}
+    dynamic = p.candidates(BASE, "dynamic")
+    assert {c.mode for c in dynamic} == {"dsbd"} and all(c.min_beams == c.beams == BASE.beams for c in dynamic)
+    assert 0 in {c.gamma for c in dynamic}  # no draft is a candidate: it wins where drafting does not pay
     no_draft = AutoPolicy.from_costs(CPU[0])
     assert {c.mode for c in no_draft.candidates(BASE, "fast")} == {"sample"}
     with pytest.raises(ConfigError):
@@ -98,3 +100,11 @@ def test_describe_round_trips_through_the_bench_syntax():
     for level in ("fast", "beam", "dynamic"):
         for c in p.candidates(BASE, level):
             assert parse_mode(describe(c), BASE)[1] == c
+
+
+def test_dynamic_keeps_w_beams_and_drafts_only_where_it_pays():
+    """Issue 13: the dynamic level holds beam sampling's law (W_min = W); the pass costs decide the depth."""
+    cpu, gpu = AutoPolicy.from_costs(*CPU), AutoPolicy.from_costs(*GPU)
+    on_gpu = gpu.choose(BASE, "dynamic")
+    assert on_gpu.mode == "dsbd" and on_gpu.min_beams == on_gpu.beams and on_gpu.gamma > 0
+    assert cpu.choose(BASE, "dynamic").gamma == 0  # a 19-token pass costs ~4 single ones here: no draft

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import time
 from pathlib import Path
 
@@ -16,37 +15,10 @@ import pytest
 
 # pandas deprecation noise from inside Gradio's queue, not ours
 pytestmark = [pytest.mark.browser, pytest.mark.filterwarnings("ignore:::gradio.queueing")]
-CHROMIUM = Path("/usr/bin/chromium")
-if not CHROMIUM.exists():
-    pytest.skip("headless browser tests need Debian's Chromium: apt-get install -y chromium chromium-driver",
-                allow_module_level=True)
-pytest.importorskip("gradio")
-sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (uses /usr/bin/chromium)")
-
+from browser_support import launch_browser, serve, sync_api, wait_text  # noqa: E402  (skips without Chromium)
 from fake_engine import FakeEngine  # noqa: E402
 
-os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync"]
-WAIT_MS = 30_000
 BOT = '#chatbot [data-testid="bot"]'
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve(engine, data_dir: Path):
-    """Launch the app in this process (Gradio's own thread); returns (app, url)."""
-    from app.ui import HOST, QUEUE_KWARGS, build_app, launch_kwargs
-
-    app = build_app(engine, data_dir=data_dir)
-    port = _free_port()
-    app.queue(**QUEUE_KWARGS).launch(server_name=HOST, server_port=port, prevent_thread_lock=True, quiet=True,
-                                     inbrowser=False, **launch_kwargs(app))
-    return app, f"http://{HOST}:{port}/"
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +31,7 @@ def artifacts(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
     with sync_api.sync_playwright() as p:
-        ctx = p.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=str(CHROMIUM), args=ARGS,
-            headless=True, viewport={"width": 1500, "height": 1000})
-        ctx.set_default_timeout(WAIT_MS)
+        ctx = launch_browser(p, tmp_path_factory.mktemp("chromium-profile"))
         yield ctx
         ctx.close()
 
@@ -88,9 +57,7 @@ def send(page, text: str) -> None:
 
 
 def wait_status(page, pattern: str, selector: str = "#status") -> str:
-    page.wait_for_function("([sel, pat]) => new RegExp(pat).test(document.querySelector(sel)?.innerText || '')",
-                           arg=[selector, pattern], timeout=WAIT_MS)
-    return page.inner_text(selector)
+    return wait_text(page, selector, pattern)
 
 
 def last_bot(page) -> str:
@@ -235,7 +202,8 @@ def test_real_tiny_model(browser, tmp_path, artifacts):
         page.keyboard.press("Enter")
         wait_status(page, "^Done")
         stats = page.inner_text("#stats")
-        assert "dsbd" in stats and "Acceptance by layer" in stats, stats
+        # The default preset (Balanced): dsbd-mem with the forest sized per iteration from timed passes.
+        assert "dsbd-mem" in stats and "Forest sizes chosen (adaptive)" in stats, stats
         assert last_bot(page).strip() and box.input_value() == ""
         assert "Just one word." in page.inner_text("#chatbot")  # the whole two-line message was sent
         page.screenshot(path=str(artifacts / "05-real-tiny.png"), full_page=True)

@@ -4,29 +4,16 @@ Results view; a prompt set runs in the background to the end with its progress b
 
 from __future__ import annotations
 
-import os
 import re
-import socket
-from pathlib import Path
 
 import pytest
 
 pytestmark = [pytest.mark.browser, pytest.mark.filterwarnings("ignore:::gradio.queueing")]
-CHROMIUM = Path("/usr/bin/chromium")
-if not CHROMIUM.exists():
-    pytest.skip("headless browser tests need Debian's Chromium: apt-get install -y chromium",
-                allow_module_level=True)
-pytest.importorskip("gradio")
-sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (uses /usr/bin/chromium)")
-
+from browser_support import serve, sync_api, launch_browser, wait_text  # noqa: E402  (skips without Chromium)
 from app.config import MODES  # noqa: E402
 from app.results import ResultStore  # noqa: E402
 from fake_engine import FakeEngine  # noqa: E402
 
-os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync"]
-WAIT_MS = 30_000
 # The Blind compare panel as the browser has it (markup, attributes, text), minus the mode checkboxes (they list
 # every mode by design) and Gradio's inline layout styles.
 PANEL_JS = """() => {
@@ -38,32 +25,18 @@ PANEL_JS = """() => {
 }"""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def app_url(tmp_path_factory):
-    from app.ui import HOST, QUEUE_KWARGS, build_app, launch_kwargs
-
     data = tmp_path_factory.mktemp("data")
-    app = build_app(FakeEngine(delay=0.02, answer_words=10, n_ctx=4096), data_dir=data)
-    port = _free_port()
-    app.queue(**QUEUE_KWARGS).launch(server_name=HOST, server_port=port, prevent_thread_lock=True, quiet=True,
-                                     inbrowser=False, **launch_kwargs(app))
-    yield f"http://{HOST}:{port}/", data
+    app, url = serve(FakeEngine(delay=0.02, answer_words=10, n_ctx=4096), data)
+    yield url, data
     app.close()
 
 
 @pytest.fixture(scope="module")
 def page(tmp_path_factory, app_url):
     with sync_api.sync_playwright() as p:
-        ctx = p.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=str(CHROMIUM), args=ARGS,
-            headless=True, viewport={"width": 1500, "height": 1000})
-        ctx.set_default_timeout(WAIT_MS)
+        ctx = launch_browser(p, tmp_path_factory.mktemp("chromium-profile"))
         pg = ctx.new_page()
         pg.goto(app_url[0])
         pg.wait_for_selector("#message textarea")
@@ -71,12 +44,6 @@ def page(tmp_path_factory, app_url):
         pg.wait_for_selector("#compare-prompt textarea")
         yield pg
         ctx.close()
-
-
-def wait_text(page, selector: str, pattern: str) -> str:
-    page.wait_for_function("([sel, pat]) => new RegExp(pat).test(document.querySelector(sel)?.innerText || '')",
-                           arg=[selector, pattern], timeout=WAIT_MS)
-    return page.inner_text(selector)
 
 
 def mode_names(text: str) -> set[str]:

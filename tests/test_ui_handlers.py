@@ -337,8 +337,11 @@ def test_presets_exist_and_validate():
     assert list(presets) == ["Fast", "Balanced", "Best quality"]
     fast, bal, best = (params_from(presets[n]["settings"]).validated() for n in presets)
     assert fast.mode in ("sps", "dsbd-mem")
-    assert (bal.mode, bal.beams) == ("dsbd", 2)
-    assert (best.mode, best.beams) in {("dsbd", 4), ("beam-sample", 4)}
+    # Issue 13 bench: Balanced beat beam sampling's speed at near its log-prob; Best quality keeps every layer at
+    # W beams (W_min = W: beam sampling's law, spec Theorem 2) and lets the forest size follow the hardware.
+    assert (bal.mode, bal.beams, bal.forest) == ("dsbd-mem", 4, "adaptive")
+    assert (best.mode, best.beams, best.min_beams, best.forest) == ("dsbd", 4, 4, "adaptive")
+    assert all(set(presets[n]["settings"]) >= {"forest", "min_beams", "draft_beams"} for n in presets)
 
 
 def test_preset_keeps_length_and_seed():
@@ -459,7 +462,7 @@ def test_models_tab_swap_updates_the_displayed_info(store, monkeypatch):
     assert v.status == "✅ Loaded target org/big:model.gguf (pytorch) + draft small.gguf (llamacpp), context 200."
     assert "`org/big:model.gguf`" in v.info and "| Draft source | `small.gguf` |" in v.info
     assert "fake-target" not in v.info
-    assert v.plan.startswith("```") and "plan: org/big:model.gguf + small.gguf, W=2" in v.plan
+    assert v.plan.startswith("```") and "plan: org/big:model.gguf + small.gguf, W=4" in v.plan
     assert eng.specs == (ModelSpec("org/big:model.gguf", backend="pytorch", n_ctx=200),
                          ModelSpec("small.gguf", n_ctx=200))
     assert seen and [r[0] for r in v.presets][:1] == ["tiny"] and "RAM" in v.memory

@@ -17,7 +17,7 @@ ASSETS = Path(__file__).resolve().parents[2] / "assets"
 SAMPLING_MODES = ("sample", "beam-sample", "beam-sample-repl", "sps", "dsbd", "dsbd-mem", "auto")
 FIELDS = ("preset", "mode", "quality", "max_new_tokens", "seed", "temperature", "top_k", "top_p", "beams",
           "draft_beams", "gamma", "threshold", "min_beams", "select", "length_penalty", "forest")
-QUALITY_INFO = "fast: sample / sps · beam: beam-sample / dsbd with ≥ 2 beams · dynamic: dsbd / dsbd-mem"
+QUALITY_INFO = "fast: sample / sps · beam: beam-sample / dsbd with ≥ 2 beams · dynamic: dsbd, W beams every step"
 FOREST_INFO = ("fixed: γ and W_S as set · adaptive: each iteration picks γ ≤ the slider (0 = no draft) and "
                "W ≤ W_S ≤ the slider for the most steps per second (times the passes on first use)")
 _INTS = ("max_new_tokens", "top_k", "beams", "draft_beams", "gamma", "min_beams")

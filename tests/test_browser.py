@@ -146,7 +146,7 @@ def test_compare_three_modes(browser, fake_app, artifacts):
     page = open_page(browser, fake_app)
     page.get_by_role("tab", name="Compare").click()
     page.fill("#compare-prompt textarea", "Explain beams in one line.")
-    page.get_by_label("sample", exact=True).check()  # greedy, beam, dsbd are preselected
+    page.get_by_role("checkbox", name="sample", exact=True).check()  # greedy, beam, dsbd are preselected
     page.uncheck("#compare-blind input")  # labelled answers; the blind flow is in test_compare_browser.py
     page.press("#compare-prompt textarea", "Enter")  # Enter runs the comparison, like the Compare button
     status = wait_status(page, "^Done", "#compare-status")

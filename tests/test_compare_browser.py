@@ -52,7 +52,7 @@ def mode_names(text: str) -> set[str]:
 
 def test_blind_comparison_hides_modes_until_the_vote(page, app_url):
     page.fill("#compare-prompt textarea", "Explain speculative decoding briefly.")
-    page.get_by_label("sample", exact=True).check()  # greedy, beam, dsbd are preselected: four answers
+    page.get_by_role("checkbox", name="sample", exact=True).check()  # greedy, beam, dsbd are preselected: four answers
     page.click("#compare-run")
     status = wait_text(page, "#compare-status", "^Done")
     assert "4 answers" in status and re.search(r"Seed \d+ for every answer", status)

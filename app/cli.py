@@ -8,7 +8,7 @@ import os
 import sys
 import threading
 
-from .config import BACKENDS, DTYPES, FOREST_POLICIES, MODES, QUALITY_LEVELS, ConfigError, DecodeParams, ModelSpec
+from app.config import BACKENDS, DTYPES, FOREST_POLICIES, MODES, QUALITY_LEVELS, ConfigError, DecodeParams, ModelSpec
 
 PRESET_DEFAULT = "tiny"
 
@@ -80,7 +80,7 @@ def cmd_generate(a) -> int:
     if a.n < 1:
         raise ConfigError(f"--n must be >= 1, got {a.n}")
     target, draft = _specs(a, need_draft=params.needs_draft)
-    from .engine import Engine
+    from app.engine.engine import Engine
 
     engine = Engine.load(target, draft if params.needs_draft or params.mode == "auto" else None)
     try:
@@ -168,14 +168,14 @@ def parse_auth(text: str | None) -> tuple[str, str] | None:
 def cmd_chat(a) -> int:
     host, auth = bind_address(a), parse_auth(a.auth)  # before the (slow) model load
     target, draft = _specs(a, need_draft=False)
-    from .ui import QUEUE_KWARGS, build_app, launch_kwargs
+    from app.serve.ui import QUEUE_KWARGS, build_app, launch_kwargs
 
     if a.no_worker:
-        from .engine import Engine
+        from app.engine.engine import Engine
 
         engine = Engine.load(target, draft)
     else:  # the models run in a supervised child process: a native crash ends one answer, not the server
-        from .worker import WorkerEngine
+        from app.engine.worker import WorkerEngine
 
         engine = WorkerEngine.load(target, draft)
     if draft is not None:  # the default preset sizes DSBD forests from timed passes: time them now, while the
@@ -187,7 +187,7 @@ def cmd_chat(a) -> int:
             app.queue(**QUEUE_KWARGS).launch(server_name=host, server_port=a.port, share=True, auth=auth,
                                              inbrowser=not a.no_browser, **launch_kwargs(app))
             return 0
-        from .api import serve
+        from app.serve.api import serve
 
         serve(engine, host=host, port=a.port, api_key=a.api_key, auth=auth, inbrowser=not a.no_browser)
         return 0
@@ -206,7 +206,7 @@ def _time_passes(engine) -> None:
 def cmd_bench(a) -> int:
     from pathlib import Path
 
-    from . import bench
+    from app.compare import bench
 
     base = _params(a, validate=False)  # each bench mode resolves its own defaults (W_S = W + 1 for dsbd)
     prompts = bench.load_suite(a.suite)[: a.prompts or None]
@@ -214,7 +214,7 @@ def cmd_bench(a) -> int:
     for m in modes:
         bench.parse_mode(m, base)  # bad settings fail before any model loads
     target, draft = _specs(a, need_draft=any(bench.parse_mode(m, base)[1].needs_draft for m in modes))
-    from .engine import Engine
+    from app.engine.engine import Engine
 
     engine = Engine.load(target, draft)
     try:
@@ -233,7 +233,7 @@ def cmd_compare(a) -> int:
     history like the Compare tab's: code tasks graded by their hidden tests, chat prompts left for blind votes."""
     from pathlib import Path
 
-    from . import bench, results
+    from app.compare import bench, results
 
     store = results.ResultStore(a.data_dir)
     if a.resume:
@@ -248,7 +248,7 @@ def cmd_compare(a) -> int:
         if len(params) < 2:
             raise ConfigError(f"--modes needs at least two modes to compare, got {a.modes!r}")
     target, draft = _specs(a, need_draft=any(p.needs_draft for p in params.values()))
-    from .engine import Engine
+    from app.engine.engine import Engine
 
     engine = Engine.load(target, draft)
     try:
@@ -283,7 +283,7 @@ def cmd_compare(a) -> int:
         path = Path(a.export)
         path.write_text(results.to_csv(records) if path.suffix == ".csv" else results.to_json(records))
     if a.report:
-        from .report import write_report
+        from app.compare.report import write_report
 
         out["report"] = [str(p) for p in write_report(records, Path(a.report))]
     if a.json:
@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
                 "plan": cmd_plan, "compare": cmd_compare}
     from backends.base import BackendError
 
-    from .chat import ChatError
+    from app.chat import ChatError
 
     try:
         return handlers[a.command](a)

@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 MODES = ("greedy", "sample", "beam", "beam-sample", "beam-sample-repl", "sps", "dsbd", "dsbd-mem", "auto")
-# auto's quality levels (app/auto.py): fast = sample | sps, beam = beam-sample | dsbd with W_min >= 2,
+# auto's quality levels (app/engine/auto.py): fast = sample | sps, beam = beam-sample | dsbd with W_min >= 2,
 # dynamic = dsbd with W_min = W (beam sampling's law), gamma 0..6 sized to the measured pass costs.
 QUALITY_LEVELS = ("fast", "beam", "dynamic")
 DRAFT_MODES = ("sps", "dsbd", "dsbd-mem")

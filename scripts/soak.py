@@ -4,7 +4,7 @@
     python scripts/soak.py --minutes 2 --json soak.json
     python scripts/soak.py --url http://127.0.0.1:7860 --pid 1234   # an already running server (API load only)
 
-In-process (the default) it loads the tiny engine, serves `app.api.build_server` on a free 127.0.0.1 port and
+In-process (the default) it loads the tiny engine, serves `app.serve.api.build_server` on a free 127.0.0.1 port and
 drives: streamed / plain chat completions, raw completions and clients hanging up mid-stream over HTTP,
 plus the Chat and Compare tabs' handlers (ChatUI / CompareUI, with history saves) on the same engine.
 RSS of the server process is sampled with psutil; after the warm-up it must grow by less than --max-growth,
@@ -108,14 +108,14 @@ class Soak:
 
     # -- the UI's Chat and Compare handlers on the same engine (in-process only) ----------------------
     def ui_worker(self, seed: int) -> None:
-        from app.ui.chat import ChatUI, Session
-        from app.ui.compare import CompareUI
-        from app.ui.history import HistoryStore
-        from app.ui.settings import FIELDS, default_settings
+        from app.serve.ui.chat import ChatUI, Session
+        from app.serve.ui.compare import CompareUI
+        from app.storage import HistoryStore
+        from app.serve.ui.settings import FIELDS, default_settings
 
         rng = random.Random(seed)
         store = HistoryStore(self.a.data_dir)
-        from app.results import ResultStore
+        from app.compare.results import ResultStore
 
         chat_ui, compare_ui = ChatUI(self.engine, store), CompareUI(self.engine, ResultStore(self.a.data_dir))
         session, turns = Session(), 0
@@ -161,9 +161,9 @@ def local_server(a):
     """Tiny engine + build_server on a free loopback port, uvicorn in a thread; yields (url, engine)."""
     import uvicorn
 
-    from app.api import build_server
+    from app.serve.api import build_server
     from app.config import ModelSpec
-    from app.engine import Engine
+    from app.engine.engine import Engine
 
     engine = Engine.load(ModelSpec(source=a.preset, n_ctx=1024), ModelSpec(source=a.preset, n_ctx=1024))
     sock = socket.socket()

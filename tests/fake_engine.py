@@ -11,10 +11,10 @@ import threading
 import time
 from typing import Iterator
 
-from app.auto import AutoPolicy, describe
+from app.engine.auto import AutoPolicy, describe
 from app.config import BEAM_MODES, ConfigError, DecodeParams
 from app.decoding.metrics import LayerStats, Metrics
-from app.engine import Event, PromptTooLong
+from app.engine.engine import Event, PromptTooLong
 
 
 class FakeTokenizer:

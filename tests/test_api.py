@@ -15,10 +15,10 @@ import time
 import httpx
 import pytest
 
-from app.api import build_api, build_server, model_id
+from app.serve.api import build_api, build_server, model_id
 from app.config import DecodeParams, ModelSpec
 from app.decoding import derive_seed
-from app.engine import Engine
+from app.engine.engine import Engine
 from backends.base import BackendError
 from fake_engine import FakeEngine
 

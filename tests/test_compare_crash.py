@@ -18,13 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 N_RECORDS, KILLS = 4, 8
 CHOICES = ["A", "B", "tie", "both-bad"]
 
-# The child stubs the app.ui package so that app.ui.history loads without app/ui/__init__ (gradio: seconds).
 CHILD = textwrap.dedent(f"""
-    import os, sys, types
+    import os, sys
     sys.path.insert(0, {str(ROOT)!r})
     import app
-    ui = types.ModuleType("app.ui"); ui.__path__ = [{str(ROOT / "app" / "ui")!r}]; sys.modules["app.ui"] = ui
-    from app import results as R
+    from app.compare import results as R
     store, i = R.ResultStore(sys.argv[1]), int(sys.argv[2])
     ids = sorted(r["id"] for r in store.list())
     choices = {CHOICES!r}
@@ -40,7 +38,7 @@ CHILD = textwrap.dedent(f"""
 
 @pytest.mark.skipif(os.name != "posix", reason="SIGKILL")
 def test_sigkill_mid_vote_never_loses_a_saved_vote(tmp_path):
-    from app import results as R
+    from app.compare import results as R
 
     store = R.ResultStore(tmp_path)
     ids = []

@@ -14,12 +14,12 @@ import pytest
 
 gr = pytest.importorskip("gradio")
 
-from app import results as R  # noqa: E402
+from app.compare import results as R  # noqa: E402
 from app.config import MODES, DecodeParams  # noqa: E402
-from app.report import figure, mode_table_html, pair_table_html, write_report  # noqa: E402
-from app.ui.chat import Session  # noqa: E402
-from app.ui.compare import CompareUI  # noqa: E402
-from app.ui.settings import FIELDS, default_settings  # noqa: E402
+from app.compare.report import figure, mode_table_html, pair_table_html, write_report  # noqa: E402
+from app.serve.ui.chat import Session  # noqa: E402
+from app.serve.ui.compare import CompareUI  # noqa: E402
+from app.serve.ui.settings import FIELDS, default_settings  # noqa: E402
 from fake_engine import FakeEngine  # noqa: E402
 
 NOP = lambda *a, **k: None  # noqa: E731  (a gr.Progress stand-in)

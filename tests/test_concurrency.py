@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from app.api import build_server
+from app.serve.api import build_server
 from app.config import DecodeParams, ModelSpec
-from app.engine import Engine
+from app.engine.engine import Engine
 from test_api import Recorder, running
 
 openai = pytest.importorskip("openai")
@@ -32,7 +32,7 @@ def request(i: int) -> dict:
     return r
 
 
-def params_of(r: dict) -> DecodeParams:  # what the API makes of it (app.api.decode_params)
+def params_of(r: dict) -> DecodeParams:  # what the API makes of it (app.serve.api.decode_params)
     greedy = r["temperature"] == 0
     return DecodeParams(mode="greedy" if greedy else "sample", max_new_tokens=r["max_tokens"],
                         temperature=1.0 if greedy else r["temperature"], seed=r["seed"])

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from scipy.stats import chi2_contingency
 
-from app.auto import CostCurve
+from app.engine.auto import CostCurve
 from app.config import DecodeParams
 from app.decoding import decoder
 from app.decoding.beams import Stopper

@@ -8,10 +8,10 @@ from dataclasses import replace
 
 import pytest
 
-from app.auto import describe
-from app.bench import parse_mode
+from app.engine.auto import describe
+from app.compare.bench import parse_mode
 from app.config import MODES, ConfigError, DecodeParams, ModelSpec
-from app.engine import Engine, PromptTooLong
+from app.engine.engine import Engine, PromptTooLong
 
 MESSAGES = [{"role": "user", "content": "List three colours."}]
 

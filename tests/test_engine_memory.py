@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from app.config import DecodeParams, ModelSpec
-from app.engine import Engine
+from app.engine.engine import Engine
 from backends.base import BackendError
 from offload.plan import Budget, PlanError, plan_for
 

@@ -9,7 +9,7 @@ import pytest
 
 import backends.registry
 from app.config import DecodeParams, ModelSpec
-from app.engine import Engine
+from app.engine.engine import Engine
 from backends.base import BackendError
 from backends.tokenizer import VocabMismatch
 

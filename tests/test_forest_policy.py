@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.auto import PRIOR_ACCEPTANCE, CostCurve
+from app.engine.auto import PRIOR_ACCEPTANCE, CostCurve
 from app.config import ConfigError, DecodeParams, ModelSpec
 from app.decoding import decoder
 from app.decoding.beams import Stopper
@@ -223,8 +223,8 @@ def test_observed_pass_rates_pull_the_model():
 # --- (d) stats, UI and the engine on the real tiny model ------------------------------------------------------
 
 def test_stats_line_and_forest_caption_show_the_sizes():
-    from app.ui.forest import forest_svg
-    from app.ui.stats import stats_markdown
+    from app.serve.ui.forest import forest_svg
+    from app.serve.ui.stats import stats_markdown
 
     _, m, steps = decode("dsbd", TARGET, DRAFT, seed=1, forest="adaptive", costs=VARYING, beams=2, draft_beams=3,
                          gamma=2, max_new_tokens=12)
@@ -242,9 +242,9 @@ def test_stats_line_and_forest_caption_show_the_sizes():
 
 
 def test_cli_settings_and_api_carry_the_forest_option():
-    from app.api import ChatRequest, decode_params
+    from app.serve.api import ChatRequest, decode_params
     from app.cli import build_parser
-    from app.ui.settings import params_from, relevant
+    from app.serve.ui.settings import params_from, relevant
 
     a = build_parser().parse_args(["generate", "--mode", "dsbd", "--forest", "adaptive", "--prompt", "hi"])
     assert a.forest == "adaptive"
@@ -256,7 +256,7 @@ def test_cli_settings_and_api_carry_the_forest_option():
 
 
 def test_engine_adaptive_forest_on_tiny(tiny_gguf_path):
-    from app.engine import Engine
+    from app.engine.engine import Engine
 
     e = Engine.load(ModelSpec(source="tiny", n_ctx=512), ModelSpec(source="tiny", n_ctx=512))
     try:

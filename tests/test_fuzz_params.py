@@ -20,7 +20,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from app.chat import ChatError  # noqa: E402
 from app.config import MODES, QUALITY_LEVELS, ConfigError, DecodeParams, ModelSpec  # noqa: E402
-from app.engine import Engine, PromptTooLong  # noqa: E402
+from app.engine.engine import Engine, PromptTooLong  # noqa: E402
 
 # 2,000 runs take ~65 s on the 2-core dev CPU (most invalid sets fail fast; valid ones decode <= 4 tokens).
 EXAMPLES = int(os.environ.get("DSBD_FUZZ_EXAMPLES", "2000"))

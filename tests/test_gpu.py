@@ -116,8 +116,8 @@ def test_streamed_pass_against_h2d_bound():
 
 def test_modes_under_capped_vram():
     """dsbd / beam-sample / sps on qwen-coder with the target streamed under a VRAM cap (default 3 GiB)."""
-    from app import bench
-    from app.engine import Engine
+    from app.compare import bench
+    from app.engine.engine import Engine
     from backends.pytorch import load
     from backends.registry import ModelNotFound, resolve
     from offload.cost import pass_cost, profile

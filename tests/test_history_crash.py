@@ -21,7 +21,7 @@ HISTORY_PY = ROOT / "app" / "ui" / "history.py"
 IDS = [f"chat-{k}" for k in range(4)]
 KILLS = 10
 
-# The child loads history.py by path: importing the `app.ui` package would pull in gradio (seconds).
+# The child loads history.py by path: importing the `app.serve.ui` package would pull in gradio (seconds).
 CHILD = textwrap.dedent(f"""
     import importlib.util, os, sys
     spec = importlib.util.spec_from_file_location("history", {str(HISTORY_PY)!r})

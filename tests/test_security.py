@@ -65,9 +65,9 @@ def test_parse_auth(text, want):
 
 @pytest.mark.parametrize("bad", ["nocolon", ":pw", "user:"])
 def test_bad_auth_fails_before_any_model_loads(capsys, bad, monkeypatch):
-    import app.engine
+    import app.engine.engine
 
-    monkeypatch.setattr(app.engine.Engine, "load", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr(app.engine.engine.Engine, "load", lambda *a, **k: pytest.fail("loaded a model"))
     assert main(["--auth", bad, "--no-browser"]) == 2
     assert "--auth needs USER:PASS" in capsys.readouterr().err
 
@@ -92,7 +92,7 @@ def fake():
 def test_api_accepts_the_login_as_basic_auth(fake):
     from fastapi.testclient import TestClient
 
-    from app.api import build_api
+    from app.serve.api import build_api
 
     with TestClient(build_api(fake, auth=("alice", "s3cret:x"))) as http:
         r = http.get("/v1/models")
@@ -107,7 +107,7 @@ def test_api_accepts_the_login_as_basic_auth(fake):
 def test_api_with_key_and_login_accepts_either(fake):
     from fastapi.testclient import TestClient
 
-    from app.api import build_api
+    from app.serve.api import build_api
 
     with TestClient(build_api(fake, api_key="k", auth=("alice", "pw"))) as http:
         assert http.get("/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
@@ -120,7 +120,7 @@ def test_api_with_key_and_login_accepts_either(fake):
 def test_api_open_without_key_or_login(fake):
     from fastapi.testclient import TestClient
 
-    from app.api import build_api
+    from app.serve.api import build_api
 
     with TestClient(build_api(fake)) as http:
         assert http.get("/v1/models").status_code == 200
@@ -130,7 +130,7 @@ def test_ui_needs_the_login(fake, tmp_path):
     pytest.importorskip("gradio")
     from fastapi.testclient import TestClient
 
-    from app.api import build_server
+    from app.serve.api import build_server
 
     with TestClient(build_server(fake, auth=("alice", "pw"), data_dir=tmp_path)) as http:
         assert http.get("/config").status_code == 401  # the UI's config (and its event routes) need a login
@@ -179,7 +179,7 @@ class _Templated:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_gguf_path):
-    from app.engine import Engine
+    from app.engine.engine import Engine
 
     e = Engine.load(ModelSpec(source="tiny", n_ctx=512))
     yield e

@@ -11,15 +11,15 @@ import pytest
 gr = pytest.importorskip("gradio")
 
 from app.config import MODES, DecodeParams  # noqa: E402
-from app.ui import build_app, launch_kwargs  # noqa: E402
-from app.ui.chat import ChatUI, ChatView, Session, drop_oldest_pair, prompt_messages  # noqa: E402
-from app.results import ResultStore  # noqa: E402
-from app.ui.compare import CompareUI, cards_html, scatter  # noqa: E402
-from app.ui.forest import COLOURS, forest_svg, origin_html  # noqa: E402
-from app.ui.history import ENV_VAR, HistoryError, HistoryStore, check_id, resolve_data_dir  # noqa: E402
-from app.ui.settings import (FIELDS, default_settings, load_presets, params_from,  # noqa: E402
+from app.serve.ui import build_app, launch_kwargs  # noqa: E402
+from app.serve.ui.chat import ChatUI, ChatView, Session, drop_oldest_pair, prompt_messages  # noqa: E402
+from app.compare.results import ResultStore  # noqa: E402
+from app.serve.ui.compare import CompareUI, cards_html, scatter  # noqa: E402
+from app.serve.ui.forest import COLOURS, forest_svg, origin_html  # noqa: E402
+from app.storage import ENV_VAR, HistoryError, HistoryStore, check_id, resolve_data_dir  # noqa: E402
+from app.serve.ui.settings import (FIELDS, default_settings, load_presets, params_from,  # noqa: E402
                              settings_from_values, visibility, widget_updates)
-from app.ui.stats import stats_markdown  # noqa: E402
+from app.serve.ui.stats import stats_markdown  # noqa: E402
 from backends.base import BackendError  # noqa: E402
 from backends.tokenizer import VocabMismatch  # noqa: E402
 from fake_engine import FakeEngine  # noqa: E402
@@ -345,7 +345,7 @@ def test_presets_exist_and_validate():
 
 
 def test_preset_keeps_length_and_seed():
-    from app.ui.settings import DecodingPanel
+    from app.serve.ui.settings import DecodingPanel
 
     with gr.Blocks():
         panel = DecodingPanel()
@@ -431,7 +431,7 @@ def test_session_state_is_not_copied():
 
 
 def test_models_tab_text():
-    from app.ui.models import SWITCH_NOTE, describe_markdown
+    from app.serve.ui.models import SWITCH_NOTE, describe_markdown
 
     md = describe_markdown(FakeEngine())
     assert "fake-target" in md and "Draft model" in md and "needs" not in md
@@ -451,7 +451,7 @@ class _Plan:
 def test_models_tab_swap_updates_the_displayed_info(store, monkeypatch):
     import offload.plan
     from app.config import ModelSpec
-    from app.ui.models import ModelsUI
+    from app.serve.ui.models import ModelsUI
 
     monkeypatch.setattr(offload.plan, "plan_for", lambda t, d, p: _Plan(f"plan: {t.source} + {d.source}, W={p.beams}"))
     eng = FakeEngine(draft=False)
@@ -476,7 +476,7 @@ def test_models_tab_swap_updates_the_displayed_info(store, monkeypatch):
 @pytest.mark.parametrize("err", [VocabMismatch("token 42 differs: draft b'x' vs target b'y'"),
                                  BackendError("llama.cpp could not load bad.gguf"), RuntimeError("bug")])
 def test_models_tab_failed_swap_shows_the_error_and_keeps_the_old_models(store, err):
-    from app.ui.models import ModelsUI
+    from app.serve.ui.models import ModelsUI
 
     eng = FakeEngine()
     ui = ModelsUI(eng)
@@ -491,7 +491,7 @@ def test_models_tab_failed_swap_shows_the_error_and_keeps_the_old_models(store, 
 
 def test_models_tab_form_errors_and_plan_errors(monkeypatch):
     import offload.plan
-    from app.ui.models import ModelsUI
+    from app.serve.ui.models import ModelsUI
     from offload.plan import PlanError
 
     eng = FakeEngine()

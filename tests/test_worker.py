@@ -1,4 +1,4 @@
-"""The supervised model process (app.worker) on the real `tiny` preset: answers equal the in-process engine's,
+"""The supervised model process (app.engine.worker) on the real `tiny` preset: answers equal the in-process engine's,
 errors keep their type, cancel works, and a killed model process (SIGKILL, SIGILL) ends one answer with a
 clear error while the next request is answered by a fresh process with the same (or swapped-in) models.
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from app.config import ConfigError, DecodeParams, ModelSpec
-from app.engine import Engine, PromptTooLong
-from app.worker import WorkerEngine, death_cause
+from app.engine.engine import Engine, PromptTooLong
+from app.engine.worker import WorkerEngine, death_cause
 from backends.base import BackendError
 
 # The repack off: what the probe picks on AMX CPUs anyway, and it skips the probe's 5 s metadata scan per load.
@@ -222,7 +222,7 @@ def test_the_model_process_ends_with_the_server(tiny_gguf_path):
     code = textwrap.dedent(f"""
         import os, signal
         from app.config import ModelSpec
-        from app.worker import WorkerEngine
+        from app.engine.worker import WorkerEngine
         if __name__ == "__main__":
             w = WorkerEngine.load(ModelSpec(source="tiny", n_ctx=512, llama_extra_bufts="off"))
             print(w.pid, flush=True)
@@ -252,9 +252,9 @@ def test_startup_load_errors_print_the_same_message(capsys, tmp_path, tiny_gguf_
 # -- the chat tab over the worker --------------------------------------------------------------------
 def test_chat_tab_shows_the_crash_and_the_next_message_answers(worker, tmp_path):
     pytest.importorskip("gradio")
-    from app.ui.chat import ChatUI, Session
-    from app.ui.history import HistoryStore
-    from app.ui.settings import FIELDS, default_settings
+    from app.serve.ui.chat import ChatUI, Session
+    from app.storage import HistoryStore
+    from app.serve.ui.settings import FIELDS, default_settings
 
     ui, s = ChatUI(worker, HistoryStore(tmp_path / "data")), Session()
     values = lambda n: [(default_settings() | {"mode": "greedy", "max_new_tokens": float(n)})[k] for k in FIELDS]  # noqa: E731
@@ -278,8 +278,8 @@ def test_api_answers_through_the_worker_and_reports_a_crash_in_band(worker, inpr
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
-    from app.api import build_api
-    from app.engine import final_event
+    from app.serve.api import build_api
+    from app.engine.engine import final_event
 
     client = TestClient(build_api(worker))
     r = client.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0})

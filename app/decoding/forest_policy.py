@@ -5,7 +5,7 @@ per second:
     rate(g, W_S) = E[steps | g, W_S] / (C_target(n_roots + W_S g) + C_draft(n_draft_roots) + (g - 1) C_draft(W_S))
     E[steps]     = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_g          (a_l: P(layer l passes | it is verified))
 
-C are the engine's timed pass costs (app.auto.CostCurve). a_l(W_S) models a layer the way the width DP of spec
+C are the engine's timed pass costs (app.engine.auto.CostCurve). a_l(W_S) models a layer the way the width DP of spec
 §6 does, with two acceptance rates per depth: beta1 for a draft tested against p_beam (the first of the layer
 and each one after an acceptance) and betaR for a draft tested after a rejection in a row (against the
 residual, which q rarely hits again: drafts drawn with replacement repeat q's favourite pairs). Then
@@ -14,7 +14,7 @@ residual, which q rarely hits again: drafts drawn with replacement repeat q's fa
 
 shrunk toward what this answer saw at (depth l, that W_S): (passed + k model) / (verified + k). beta1, betaR
 are this answer's counts at depth l (invalid-parent drafts count as rejections) shrunk toward depth l - 1's
-rates (depth 1: the priors, beta1 = 0.66 = app.auto.PRIOR_ACCEPTANCE, betaR = 0.15). The per-(depth, W_S)
+rates (depth 1: the priors, beta1 = 0.66 = app.engine.auto.PRIOR_ACCEPTANCE, betaR = 0.15). The per-(depth, W_S)
 counts correct what the two-rate model gets wrong within a few layers.
 
 Exactness: the choice reads only earlier iterations' counts, the fixed cost curves and the context (live beams,
@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-PRIOR = 0.66  # beta1 prior: app.auto.PRIOR_ACCEPTANCE (sum(min(p, q)) of the qwen-coder pair); kept equal by a test
+PRIOR = 0.66  # beta1 prior: app.engine.auto.PRIOR_ACCEPTANCE (sum(min(p, q)) of the qwen-coder pair); kept equal by a test
 PRIOR_RETRY = 0.15  # betaR prior: qwen-coder chat (docs/bench/qwen-auto-chat.json): 82% of depth-1 layers passed,
 #                     60% of tested drafts accepted, mostly at the first try
 STRENGTH = 4.0  # pseudo-observations behind each prior: a handful of layers outweigh it

@@ -16,11 +16,11 @@ from typing import Iterator, Sequence
 
 from backends.base import BackendError, ContextFull
 
-from .chat import encode_chat
-from .config import BEAM_MODES, ConfigError, DecodeParams, ModelSpec
-from .decoding import decoder, derive_seed
-from .decoding.beams import Stopper
-from .decoding.metrics import Metrics
+from app.chat import encode_chat
+from app.config import BEAM_MODES, ConfigError, DecodeParams, ModelSpec
+from app.decoding import decoder, derive_seed
+from app.decoding.beams import Stopper
+from app.decoding.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Engine:
         self.tokenizer = target.tokenizer
         self._ctx: dict[str, tuple[int, object, int]] = {}  # role -> (rows, context, KV cells)
         self.lock = threading.Lock()
-        self.policy = None  # app.auto.AutoPolicy: timed on the first auto request, dropped on a model swap
+        self.policy = None  # app.engine.auto.AutoPolicy: timed on the first auto request, dropped on a model swap
         self._finished: deque = deque(maxlen=64)  # (params, stats) of recent answers, taught to a new policy
         if draft is not None:
             from backends.tokenizer import check_compatible
@@ -200,7 +200,7 @@ class Engine:
     def pick(self, params: DecodeParams) -> tuple[DecodeParams, dict]:
         """Auto mode: the setting of params.quality with the best projected tok/s, and what it was based on.
         The first call after a load times the models' passes (seconds; waits for a running answer)."""
-        from .auto import describe
+        from app.engine.auto import describe
 
         params = params.validated()
         info = {"quality": params.quality}
@@ -214,7 +214,7 @@ class Engine:
         """Under the lock: time the passes once per model load (AutoPolicy); {"calibration_s": s} if it did now."""
         if self.policy is not None:
             return {}
-        from .auto import AutoPolicy
+        from app.engine.auto import AutoPolicy
 
         t0 = time.perf_counter()
         policy = AutoPolicy.calibrate(self)
@@ -225,7 +225,7 @@ class Engine:
         return {"calibration_s": took}
 
     def costs(self) -> tuple:
-        """(target, draft) pass-cost curves (app.auto.CostCurve) for adaptive DSBD forests: the calibration auto
+        """(target, draft) pass-cost curves (app.engine.auto.CostCurve) for adaptive DSBD forests: the calibration auto
         mode uses, timed on first use (seconds; waits for a running answer)."""
         with self.lock:
             self._calibrated()

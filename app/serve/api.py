@@ -31,10 +31,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backends.base import BackendError
 
-from .chat import ChatError
-from .config import ConfigError, DecodeParams
-from .decoding import derive_seed
-from .engine import PromptTooLong
+from app.chat import ChatError
+from app.config import ConfigError, DecodeParams
+from app.decoding import derive_seed
+from app.engine.engine import PromptTooLong
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"  # loopback by default, like the UI
@@ -475,11 +475,11 @@ def _data(obj: dict) -> str:
 
 def build_server(engine, *, api_key: str | None = None, auth: tuple[str, str] | None = None, max_waiting: int = 16,
                  data_dir=None, host: str = HOST, port: int = 7860) -> FastAPI:
-    """The API at /v1 with the Gradio chat UI (queued like `app.ui.serve`) mounted at "/".
+    """The API at /v1 with the Gradio chat UI (queued like `app.serve.ui.serve`) mounted at "/".
     `auth` (user, password): the UI asks for that login, and the API accepts it as HTTP basic auth."""
     import gradio as gr
 
-    from .ui import QUEUE_KWARGS, build_app, launch_kwargs
+    from app.serve.ui import QUEUE_KWARGS, build_app, launch_kwargs
 
     app = build_api(engine, api_key=api_key, auth=auth, max_waiting=max_waiting)
     blocks = build_app(engine, data_dir=data_dir)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import gradio as gr
 
-from ..config import BEAM_MODES, FOREST_POLICIES, MAX_BEAMS, MAX_GAMMA, MODES, QUALITY_LEVELS, DecodeParams
+from app.config import BEAM_MODES, FOREST_POLICIES, MAX_BEAMS, MAX_GAMMA, MODES, QUALITY_LEVELS, DecodeParams
 
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
+ASSETS = Path(__file__).resolve().parents[3] / "assets"
 SAMPLING_MODES = ("sample", "beam-sample", "beam-sample-repl", "sps", "dsbd", "dsbd-mem", "auto")
 FIELDS = ("preset", "mode", "quality", "max_new_tokens", "seed", "temperature", "top_k", "top_p", "beams",
           "draft_beams", "gamma", "threshold", "min_beams", "select", "length_penalty", "forest")

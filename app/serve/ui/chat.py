@@ -17,13 +17,13 @@ import gradio as gr
 
 from backends.base import BackendError
 
-from ..config import ConfigError
-from ..engine import PromptTooLong
-from .forest import forest_svg, origin_html
-from .history import CorruptChat, HistoryError, HistoryStore, title_of
-from .settings import (FIELDS, DecodingPanel, default_settings, params_from, settings_from_values, summary,
+from app.config import ConfigError
+from app.engine.engine import PromptTooLong
+from app.serve.ui.forest import forest_svg, origin_html
+from app.storage import CorruptChat, HistoryError, HistoryStore, title_of
+from app.serve.ui.settings import (FIELDS, DecodingPanel, default_settings, params_from, settings_from_values, summary,
                        widget_updates)
-from .stats import memory_line, stats_footer, stats_markdown
+from app.serve.ui.stats import memory_line, stats_footer, stats_markdown
 
 log = logging.getLogger(__name__)
 ENGINE_QUEUE = "engine"  # concurrency_id of every event that runs the engine

@@ -1,6 +1,6 @@
 """Saved comparisons of decoding modes: the store, blind votes, tallies with intervals, exports, prompt sets.
 
-No gradio: the Compare tab (app/ui/compare.py) and `dsbd-chat compare` both sit on top of this module.
+No gradio: the Compare tab (app/serve/ui/compare.py) and `dsbd-chat compare` both sit on top of this module.
 A comparison is one prompt answered by several modes with the same seed, shown under neutral labels
 (A, B, ...) in a random order; the vote names a label (or "tie" / "both-bad") and only then the modes
 are shown. Each comparison is one JSON file beside the chat history, written atomically.
@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 
 from backends.base import BackendError
 
-from .config import ConfigError, DecodeParams
+from app.config import ConfigError, DecodeParams
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
@@ -36,11 +36,9 @@ Z95 = 1.959963984540054  # two-sided 95% normal quantile
 
 
 def _history():
-    """app/ui/history.py (atomic writes, safe ids, the data folder), imported on first use: the app.ui package
-    imports gradio and this module's UI, so a top-level import would be slow for the CLI and circular."""
-    from .ui import history
+    from app import storage
 
-    return history
+    return storage
 
 
 class ResultsError(ValueError):
@@ -105,7 +103,7 @@ def answer_all(engine, rec: dict, params: dict[str, DecodeParams], *, cancel: th
         if cancel is not None and cancel.is_set() and a["stats"].get("finish_reason") == "cancelled":
             return False
         if rec.get("task") and not a["error"]:
-            from .bench import grade
+            from app.compare.bench import grade
 
             a["passed"] = grade(a["text"], rec["task"])
         if on_answer is not None:
@@ -345,7 +343,7 @@ def mode_summary(records: list[dict]) -> dict[str, dict]:
 
 
 def bench_runs(records: list[dict]) -> list[dict]:
-    """Answers as app.bench runs ({mode, stats, passed}), for bench.summarize (acceptance, widths)."""
+    """Answers as app.compare.bench runs ({mode, stats, passed}), for bench.summarize (acceptance, widths)."""
     runs = []
     for r in records:
         for a in r["answers"]:
@@ -465,7 +463,7 @@ def parse_prompts(text: str, *, name: str = "pasted") -> list:
 
 def load_prompt_source(source: str) -> list:
     """A packaged suite name (chat, code), a bench .json file, or a .jsonl / .txt file of prompts."""
-    from .bench import load_suite
+    from app.compare.bench import load_suite
 
     if source.endswith((".jsonl", ".txt")):
         path = Path(source)

@@ -4,7 +4,7 @@ acceptance per depth, widths).
 
 A suite is {"prompts": [str, ...]} (quality = mean target log-prob) or {"tasks": [{"prompt", "entry_point",
 "tests": [assert lines], "reference"}, ...]} (quality also = pass rate of the hidden tests, see `grade`).
-Mode `auto[:quality=fast|beam|dynamic]` is the engine's auto mode (app/auto.py): it picks per run, having
+Mode `auto[:quality=fast|beam|dynamic]` is the engine's auto mode (app/engine/auto.py): it picks per run, having
 observed every earlier run of every mode, as it would observe earlier turns of a chat.
 """
 
@@ -22,10 +22,10 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
-from .config import ConfigError, DecodeParams
-from .engine import final_event
+from app.config import ConfigError, DecodeParams
+from app.engine.engine import final_event
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets" / "bench"
+ASSETS = Path(__file__).resolve().parents[2] / "assets" / "bench"
 
 
 def load_suite(name: str) -> list:

@@ -40,8 +40,8 @@ from typing import Mapping
 
 from offload.cost import queries
 
-from .config import QUALITY_LEVELS as LEVELS
-from .config import ConfigError, DecodeParams
+from app.config import QUALITY_LEVELS as LEVELS
+from app.config import ConfigError, DecodeParams
 
 CAL_POINTS = (1, 2, 4, 8, 16, 32, 64)
 PRIOR_ACCEPTANCE = 0.66  # offload.cost.DEFAULT_ACCEPTANCE: the qwen-coder pair on mixed prose/code

@@ -5,7 +5,7 @@ Blind (the default): one prompt, two or more modes, all with the same seed, answ
 (the engine runs one generation at a time) and shown as they finish under labels A, B, ... in a random
 order. Nothing in the page names a mode until the vote; the label -> mode map stays on the server. Each
 mode reuses the decoding panel's settings with only the mode swapped, so a comparison varies one thing.
-Storage, tallies and the background runner live in app/results.py, the report in app/report.py.
+Storage, tallies and the background runner live in app/compare/results.py, the report in app/compare/report.py.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from typing import Iterator
 import gradio as gr
 from matplotlib.figure import Figure
 
-from ..config import MODES, ConfigError
-from ..results import (BOTH_BAD, TIE, ResultsError, ResultStore, SetRunner, answer_all, generate_answer,
+from app.config import MODES, ConfigError
+from app.compare.results import (BOTH_BAD, TIE, ResultsError, ResultStore, SetRunner, answer_all, generate_answer,
                        load_prompt_source, needs_vote, new_comparison, new_run, params_of_run, parse_prompts,
                        read_export)
-from .chat import ENGINE_QUEUE, Session
-from .settings import params_from, settings_from_values
+from app.serve.ui.chat import ENGINE_QUEUE, Session
+from app.serve.ui.settings import params_from, settings_from_values
 
 DEFAULT_MODES = ["greedy", "beam", "dsbd"]
 SOURCES = ("chat suite", "code suite", "paste", "upload")
@@ -345,7 +345,7 @@ class CompareUI:
     # -- results ------------------------------------------------------------------------------------
     def results_view(self) -> tuple:
         """(summary markdown, per-mode table, pair table, recent comparisons, runs dropdown)."""
-        from ..report import mode_table_html, pair_table_html
+        from app.compare.report import mode_table_html, pair_table_html
 
         records = self.store.list()
         pending = sum(needs_vote(r) for r in records)
@@ -384,7 +384,7 @@ class CompareUI:
 
     def report(self) -> tuple:
         """Write the report (PNG + HTML per model pair): (image, files, status)."""
-        from ..report import write_report
+        from app.compare.report import write_report
 
         records = self.store.list()
         if not records:

@@ -1,7 +1,7 @@
 """The engine in a supervised child process: a native crash ends one answer, never the chat server.
 
 llama.cpp can die with SIGILL (AMX), SIGSEGV or abort, and the kernel can OOM-kill a process; in-process
-that takes the whole server down. `WorkerEngine` runs `app.engine.Engine` in a "spawn" child (no forked
+that takes the whole server down. `WorkerEngine` runs `app.engine.engine.Engine` in a "spawn" child (no forked
 threads or llama state) and speaks a small RPC over a Pipe: a call answers once; a stream is opened
 (validation errors are raised at once, as in-process), started on the first `next`, then sends one pickled
 `Event` per step. Exceptions come back with their type, message and attributes (PromptTooLong stays one).
@@ -30,7 +30,7 @@ from typing import Callable, Iterator, Sequence
 
 from backends.base import BackendError
 
-from .config import DecodeParams, ModelSpec
+from app.config import DecodeParams, ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def _child_main(conn, target: ModelSpec, draft: ModelSpec | None, budget, on_sta
         try:
             if on_start is not None:
                 on_start()
-            from .engine import Engine
+            from app.engine.engine import Engine
 
             engine = Engine.load(target, draft, budget=budget)
         except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it

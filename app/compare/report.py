@@ -1,7 +1,7 @@
-"""Quality report: one page per model pair from saved comparisons (app/results.py), as PNG and HTML.
+"""Quality report: one page per model pair from saved comparisons (app/compare/results.py), as PNG and HTML.
 
 Speed against three quality figures with error bars (mean target log-prob, pass rate of hidden tests, blind
-win rate), acceptance per draft depth and the widths DSBD chose (from app.bench.summarize), the pairwise
+win rate), acceptance per draft depth and the widths DSBD chose (from app.compare.bench.summarize), the pairwise
 vote tallies and the settings the comparisons ran with. Figures use matplotlib's Figure (no pyplot), so
 the UI may draw them from any thread.
 """
@@ -18,12 +18,12 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from .results import bench_runs, by_pair, mode_summary, pair_tallies
+from app.compare.results import bench_runs, by_pair, mode_summary, pair_tallies
 
 
 def _acceptance_widths(records: list[dict], modes: list[str]) -> dict:
     """bench.summarize of the answers that carry full engine stats; {} when none do."""
-    from .bench import summarize
+    from app.compare.bench import summarize
 
     runs = bench_runs(records)
     try:
@@ -194,7 +194,7 @@ def _slug(text: str) -> str:
 
 def write_report(records: list[dict], out_dir: str | Path, *, stem: str = "report") -> list[Path]:
     """Per model pair: <stem>-<pair>.png and <stem>-<pair>.html in out_dir. Returns the paths (PNG, HTML, ...)."""
-    from .ui.history import atomic_write
+    from app.storage import atomic_write
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

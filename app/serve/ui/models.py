@@ -17,9 +17,9 @@ from backends.base import BackendError
 from backends.registry import PRESETS
 from backends.tokenizer import VocabMismatch
 
-from ..config import BACKENDS, ConfigError, ModelSpec
-from .settings import default_settings, params_from
-from .stats import memory_line
+from app.config import BACKENDS, ConfigError, ModelSpec
+from app.serve.ui.settings import default_settings, params_from
+from app.serve.ui.stats import memory_line
 
 log = logging.getLogger(__name__)
 LOAD_QUEUE = "model-load"  # its own concurrency group: a load neither waits behind nor blocks the answers

@@ -10,10 +10,10 @@ import os
 
 import gradio as gr
 
-from . import chat, compare, models
-from ..results import ResultStore
-from .history import HistoryStore, resolve_data_dir
-from .settings import ASSETS
+from app.serve.ui import chat, compare, models
+from app.compare.results import ResultStore
+from app.storage import HistoryStore, resolve_data_dir
+from app.serve.ui.settings import ASSETS
 
 HOST = "127.0.0.1"  # local only: the app has no authentication
 QUEUE_KWARGS = {"default_concurrency_limit": 1, "max_size": 64}

@@ -4,7 +4,7 @@ Runs DSBD on a preset pair with the target wrapped in a recorder, then scores ev
 answered (root suffixes and draft nodes) again from scratch, one sequence per pass, and compares the two
 next-token distributions: KL(sequential || forest), total variation, max |logit difference|, top-1 agreement.
 
-    python scripts/measure_forest_shift.py --preset qwen-coder --runs 20 --json docs/bench/forest-shift.json
+    python scripts/measure_forest_shift.py --preset qwen-coder --runs 20 --json docs/measurements/qwen-forest-shift.json
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--json", default=str(ROOT_DIR / "docs" / "bench" / "worker-overhead.json"))
+    ap.add_argument("--json", default=str(ROOT_DIR / "docs" / "measurements" / "worker-overhead.json"))
     a = ap.parse_args()
     spec = ModelSpec(source=a.preset, n_ctx=a.ctx)
     inproc = Engine.load(spec, spec)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 PRIOR = 0.66  # beta1 prior: app.engine.auto.PRIOR_ACCEPTANCE (sum(min(p, q)) of the qwen-coder pair); kept equal by a test
-PRIOR_RETRY = 0.15  # betaR prior: qwen-coder chat (docs/bench/qwen-auto-chat.json): 82% of depth-1 layers passed,
+PRIOR_RETRY = 0.15  # betaR prior: qwen-coder chat (docs/measurements/qwen-auto-chat.json): 82% of depth-1 layers passed,
 #                     60% of tested drafts accepted, mostly at the first try
 STRENGTH = 4.0  # pseudo-observations behind each prior: a handful of layers outweigh it
 

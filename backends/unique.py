@@ -1,0 +1,297 @@
+"""Unique-path evaluation (spec §16.1): a `Context` wrapper that scores each distinct token sequence once.
+
+Beam sampling with replacement makes identical rows, and i.i.d. drafts repeat (parent, token) pairs; equal
+sequences have equal logits, so the wrapper feeds the inner context only the first entry of every content
+key and hands the same logits row to every entry that has it. The caller sees the protocol unchanged: one
+logits row per entry, in order, and its own node numbering.
+
+Content keys are small ints: a row's committed tokens get a key when they are made (prefill, truncate,
+commit), and a sequence extended by one token gets the key interned for (its key, token), so equal keys
+always mean equal sequences. Every pending key that was fed has a *location* in the inner context, an inner
+(row, node) whose content it is (node ROOT: the row's committed tokens plus its fed suffix), and the logits
+the inner returned for it. Duplicate rows commit as repeated inner rows (llama.cpp shares the cells,
+PyTorch duplicates them by a row gather).
+
+Both classes count query tokens (the entries asked for: suffix tokens + nodes) and distinct tokens (what
+the inner context was fed) per `evaluate` (`last_query`, `last_distinct`) and in total.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from backends.base import ROOT, Context, Forest, Logits, Path
+
+
+class CountingContext:
+    """A pass-through `Context` that counts the tokens each `evaluate` asks for (all of them are fed)."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.inner = ctx
+        self.evaluations = 0
+        self.query_tokens = self.distinct_tokens = 0  # totals over every evaluate
+        self.last_query = self.last_distinct = 0  # the latest evaluate
+
+    def _count(self, query: int, distinct: int) -> None:
+        self.evaluations += 1
+        self.query_tokens += query
+        self.distinct_tokens += distinct
+        self.last_query, self.last_distinct = query, distinct
+
+    def counters(self) -> dict[str, float | int]:
+        """Per-evaluate means and totals, for the engine's stats."""
+        n = max(1, self.evaluations)
+        return {"evaluations": self.evaluations, "query_tokens": self.query_tokens,
+                "distinct_tokens": self.distinct_tokens, "query_tokens_per_pass": self.query_tokens / n,
+                "distinct_tokens_per_pass": self.distinct_tokens / n}
+
+    @property
+    def rows(self) -> int:
+        return self.inner.rows
+
+    def lengths(self) -> list[int]:
+        return self.inner.lengths()
+
+    def tokens(self, row: int) -> list[int]:
+        return self.inner.tokens(row)
+
+    def prefill(self, ids: Sequence[int]) -> None:
+        self.inner.prefill(ids)
+
+    def evaluate(self, forest: Forest) -> Logits:
+        out = self.inner.evaluate(forest)
+        n = sum(map(len, forest.suffix)) + len(forest.tokens)
+        self._count(n, n)
+        return out
+
+    def commit(self, paths: Sequence[Path]) -> None:
+        self.inner.commit(paths)
+
+    def truncate(self, n: int) -> None:
+        self.inner.truncate(n)
+
+    def kv_bytes(self) -> int:
+        return self.inner.kv_bytes()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __getattr__(self, name: str):  # runtime extras (max_tokens, n_batch, ...) read through
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class UniquePaths(CountingContext):
+    """`ctx` asked for each distinct content key of the pending forest once (roots and nodes, every call).
+
+    Expects `ctx` to have no pending forest when wrapped (a fresh context, or one whose next call is
+    prefill / truncate / commit); committed rows are read with `ctx.tokens(row)`.
+    """
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self._ids: dict[tuple[int, int], int] = {}  # (key, token) -> key of the sequence one token longer
+        self._next = 0
+        read = getattr(ctx, "tokens", None)  # rows of unknown content get keys of their own until a prefill
+        rows = [list(read(r)) if read else None for r in range(ctx.rows)]
+        self._set_rows([r or [] for r in rows], None if read else [self._fresh() for _ in rows])
+
+    # -- keys ------------------------------------------------------------------------------------------
+    def _fresh(self) -> int:
+        self._next += 1
+        return self._next
+
+    def _child(self, key: int, token: int) -> int:
+        k = self._ids.get((key, token))
+        if k is None:
+            k = self._ids[(key, token)] = self._fresh()
+        return k
+
+    def _set_rows(self, tokens: list[list[int]], keys: list[int] | None = None) -> None:
+        """Committed rows (inner rows hold the same tokens) and an empty pending forest."""
+        if keys is None:  # equal tokens, equal key
+            seen: dict[tuple[int, ...], int] = {}
+            keys = []
+            for t in tokens:
+                if tuple(t) not in seen:
+                    seen[tuple(t)] = self._fresh()
+                keys.append(seen[tuple(t)])
+        self._tokens, self._ckey = tokens, keys
+        n = len(tokens)
+        self._suffix: list[list[int]] = [[] for _ in range(n)]  # the caller's pending suffix per row
+        self._rkey = list(keys)  # key of committed tokens + the caller's suffix
+        self._has_nodes = [False] * n  # the caller hung nodes off this row (its suffix came first)
+        self._ifed = [False] * n  # the inner row got a suffix since the commit
+        self._ibusy = [False] * n  # the inner row carries nodes (its suffix can no longer be fed)
+        self._inode: list[tuple[int, int]] = []  # inner node id -> (inner row, inner parent)
+        self._at: dict[int, tuple[int, int, int, int]] = {}  # pending key -> (row, node, array, index)
+        self._arrays: list[np.ndarray] = []  # the inner logits of every evaluate since the commit
+        self._nodes: list[tuple[int, int, int, int]] = []  # caller node id -> (key, row, parent, token)
+
+    def _committed_at(self, key: int, row: int, ifed: list[bool]) -> tuple[int, int] | None:
+        """An inner row whose committed tokens alone have `key`: `row` itself if unfed, else a twin."""
+        for r in [row] + list(range(len(self._ckey))):
+            if self._ckey[r] == key and not ifed[r]:
+                return r, ROOT
+        return None
+
+    # -- protocol --------------------------------------------------------------------------------------
+    def tokens(self, row: int) -> list[int]:
+        return list(self._tokens[row])
+
+    def prefill(self, ids: Sequence[int]) -> None:
+        self.inner.prefill(ids)
+        self._ids.clear()
+        self._set_rows([[int(t) for t in ids]])
+
+    def truncate(self, n: int) -> None:
+        self.inner.truncate(n)
+        self._set_rows([t[:n] for t in self._tokens])
+
+    def evaluate(self, forest: Forest) -> Logits:
+        n_rows = len(self._tokens)
+        if len(forest.suffix) > n_rows:
+            raise ValueError(f"Forest.suffix has {len(forest.suffix)} entries for {n_rows} rows")
+        base = len(self._nodes)
+        for i, (par, r) in enumerate(zip(forest.parents, forest.rows)):
+            if not 0 <= r < n_rows:
+                raise ValueError(f"node {base + i}: row {r} out of range (rows={n_rows})")
+            if par != ROOT and not (0 <= par < base + i and
+                                    (self._nodes[par][1] if par < base else forest.rows[par - base]) == r):
+                raise ValueError(f"node {base + i}: parent {par} is not an earlier pending node of row {r}")
+        for r, suf in enumerate(forest.suffix):
+            if suf and self._has_nodes[r]:
+                raise ValueError(f"row {r} already has pending nodes; its suffix must come before them")
+
+        # Plan on copies: nothing changes unless the inner evaluate succeeds.
+        ifed, ibusy = list(self._ifed), list(self._ibusy)
+        fresh: dict[int, tuple[int, int, str, int]] = {}  # key fed now -> (row, node, "roots"|"nodes", index)
+        isuffix: list[tuple[int, ...]] = [() for _ in range(n_rows)]
+        itok: list[int] = []
+        ipar: list[int] = []
+        irow: list[int] = []
+        inode0 = len(self._inode)
+
+        def where(key: int, row: int) -> tuple[int, int] | None:
+            hit = fresh.get(key) or self._at.get(key)
+            return (hit[0], hit[1]) if hit else self._committed_at(key, row, ifed)
+
+        def feed_node(key: int, token: int, at: tuple[int, int]) -> tuple[int, int]:
+            nid = inode0 + len(itok)
+            itok.append(int(token))
+            ipar.append(at[1])
+            irow.append(at[0])
+            ibusy[at[0]] = True
+            fresh[key] = (at[0], nid, "nodes", len(itok) - 1)
+            return at[0], nid
+
+        rkey = list(self._rkey)
+        chains = {}  # row -> keys of its root and of each suffix prefix
+        for r, suf in enumerate(forest.suffix):
+            if suf:
+                chains[r] = keys = [rkey[r]]
+                for t in suf:
+                    keys.append(self._child(keys[-1], int(t)))
+        # A suffix prefix two rows share must be addressable (an inner row end or node) to hang the other on.
+        nexts: dict[int, set[int]] = {}
+        for keys in chains.values():
+            for a, b in zip(keys[1:], keys[2:]):
+                nexts.setdefault(a, set()).add(b)
+        ends = {keys[-1] for keys in chains.values()}
+        asked: list[int] = []  # the key of every caller entry with logits: roots (row order), then nodes
+        for r, keys in chains.items():
+            suf = forest.suffix[r]
+            if keys[-1] not in fresh and keys[-1] not in self._at:
+                # the longest known prefix (not the whole: a committed twin has no logits to hand out)
+                j = max(i for i in range(len(keys) - 1) if i == 0 or where(keys[i], r) is not None)
+                at = where(keys[j], r)
+                if j == 0 and not ifed[r] and not ibusy[r] and not self._suffix[r]:  # its own row: a suffix
+                    m = next((i for i in range(1, len(suf)) if len(nexts.get(keys[i], ())) > 1
+                              or (keys[i] in ends and keys[i] in nexts)), len(suf))
+                    isuffix[r] = tuple(int(t) for t in suf[:m])
+                    ifed[r] = True
+                    fresh[keys[m]] = (r, ROOT, "roots", sum(1 for s in isuffix if s) - 1)
+                    at, j = (r, ROOT), m
+                for i in range(j + 1, len(keys)):  # the rest as a chain of nodes
+                    at = feed_node(keys[i], suf[i - 1], at)
+            rkey[r] = keys[-1]
+            asked.append(keys[-1])
+        root_rows = tuple(r for r, s in enumerate(forest.suffix) if s)
+        new_nodes = []
+        for t, par, r in zip(forest.tokens, forest.parents, forest.rows):
+            pkey = rkey[r] if par == ROOT else (self._nodes[par][0] if par < base else new_nodes[par - base][0])
+            key = self._child(pkey, int(t))
+            if key not in fresh and key not in self._at:
+                feed_node(key, t, where(pkey, r))
+            new_nodes.append((key, r, par, int(t)))
+            asked.append(key)
+
+        query = sum(map(len, forest.suffix)) + len(forest.tokens)
+        distinct = sum(map(len, isuffix)) + len(itok)
+        if distinct or not asked:
+            out = self.inner.evaluate(Forest(suffix=tuple(isuffix) if any(isuffix) else (), tokens=tuple(itok),
+                                             parents=tuple(ipar), rows=tuple(irow)))
+        else:  # every entry was scored by an earlier call since the commit
+            out = None
+
+        # Apply.
+        self._ifed, self._ibusy, self._rkey = ifed, ibusy, rkey
+        for r, suf in enumerate(forest.suffix):
+            self._suffix[r].extend(int(t) for t in suf)
+        for _, r, _, _ in new_nodes:
+            self._has_nodes[r] = True
+        self._nodes.extend(new_nodes)
+        self._inode.extend(zip(irow, ipar))
+        if out is not None:
+            a = len(self._arrays)
+            self._arrays += [out.roots, out.nodes]
+            for key, (row, node, kind, i) in fresh.items():
+                self._at[key] = (row, node, a + (kind == "nodes"), i)
+        self._count(query, distinct)
+        if not asked:
+            return out
+        rows = self._gather(asked)
+        k = len(root_rows)
+        return Logits(root_rows, rows[:k], rows[k:])
+
+    def _gather(self, keys: list[int]) -> np.ndarray:
+        """The logits of `keys`, one row each, copied out of the inner results ([len(keys), vocab])."""
+        first = self._arrays[self._at[keys[0]][2]]
+        out = np.empty((len(keys), first.shape[1]), dtype=first.dtype)
+        for j, key in enumerate(keys):
+            _, _, a, i = self._at[key]
+            out[j] = self._arrays[a][i]
+        return out
+
+    def commit(self, paths: Sequence[Path]) -> None:
+        n_rows = len(self._tokens)
+        inner_paths, tokens, keys = [], [], []
+        for path in paths:
+            if not 0 <= path.row < n_rows:
+                raise ValueError(f"path row {path.row} out of range (rows={n_rows})")
+            prev = ROOT
+            for nid in path.nodes:
+                if not 0 <= nid < len(self._nodes) or self._nodes[nid][1] != path.row or self._nodes[nid][2] != prev:
+                    raise ValueError(f"path {path}: node {nid} does not continue the chain from row {path.row}")
+                prev = nid
+            key = self._nodes[prev][0] if path.nodes else self._rkey[path.row]
+            hit = self._at.get(key)
+            row, node = (hit[0], hit[1]) if hit else self._committed_at(key, path.row, self._ifed)
+            chain = []
+            while node != ROOT:
+                chain.append(node)
+                node = self._inode[node][1]
+            inner_paths.append(Path(row, tuple(chain[::-1])))
+            tokens.append(self._tokens[path.row] + self._suffix[path.row] + [self._nodes[n][3] for n in path.nodes])
+            keys.append(key)
+        self.inner.commit(inner_paths)
+        self._set_rows(tokens, keys)

@@ -1,0 +1,226 @@
+"""llama.cpp RPC scale-out: the target split over the host CPU and RPC workers started here on 127.0.0.1.
+
+Workers are `dsbd-chat rpc-worker` processes on free ports with one thread; each one exits by itself when the
+test process goes away or after WORKER_LIFETIME_S. Equivalence runs on the random float32 llama of
+test_llamacpp (the same tolerance), the end-to-end paths on the real `tiny` preset.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from app.config import DecodeParams
+from backends.base import BackendError
+from backends.llamacpp import rpc
+from backends.registry import ModelSpec, SpecError
+
+ROOT_DIR = Path(__file__).resolve().parent.parent
+WORKER_LIFETIME_S = 900
+HI = [{"role": "user", "content": "Say hello in five words."}]
+LONG = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+
+needs_rpc = pytest.mark.skipif(not rpc.supported(), reason="llama-cpp-python built without GGML_RPC "
+                                                           f"(rebuild: {rpc.REBUILD})")
+
+# A worker that ends itself: when its parent (the test run) is gone, or after WORKER_LIFETIME_S.
+_WORKER = textwrap.dedent("""
+    import os, sys, threading, time
+    parent, deadline = os.getppid(), time.monotonic() + float(sys.argv[2])
+    def watch():
+        while os.getppid() == parent and time.monotonic() < deadline:
+            time.sleep(0.5)
+        os._exit(0)
+    threading.Thread(target=watch, daemon=True).start()
+    from app.cli import main
+    sys.exit(main(["rpc-worker", "--port", sys.argv[1], "--threads", "1", *sys.argv[3:]]))
+""")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Worker:
+    """One rpc-worker subprocess on 127.0.0.1:port."""
+
+    def __init__(self, port: int | None = None, *extra: str) -> None:
+        self.port = port or free_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER, str(self.port), str(WORKER_LIFETIME_S), *extra],
+                                     cwd=ROOT_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                rpc.check(self.endpoint, timeout=1.0)
+                return
+            except rpc.WorkerUnreachable:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    out, err = self.proc.communicate(timeout=5)
+                    raise RuntimeError(f"rpc-worker on {self.endpoint} did not start: {err[-2000:]}")
+                time.sleep(0.2)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def restart(self) -> "Worker":
+        self.kill()
+        return Worker(self.port)
+
+
+@pytest.fixture(scope="module")
+def workers():
+    if not rpc.supported():
+        pytest.skip("llama-cpp-python built without GGML_RPC")
+    ws = [Worker(), Worker()]
+    yield ws
+    for w in ws:
+        w.kill()
+
+
+# -- endpoints and checks (no native library) ------------------------------------------------------------
+def test_endpoints_are_parsed_normalised_and_checked():
+    assert rpc.parse_endpoints(" 10.0.0.2:50052, host-b.lan:1 ,[fd00::2]:7") == \
+        ("10.0.0.2:50052", "host-b.lan:1", "[fd00::2]:7")
+    assert rpc.parse_endpoints(None) == () and rpc.parse_endpoints("") == ()
+    for bad, why in [("10.0.0.2", "HOST:PORT"), ("h:0", "between 1 and 65535"), ("h:99999", "between 1"),
+                     ("fd00::2:5", "HOST:PORT"), ("a b:5", "not a host name")]:
+        with pytest.raises(rpc.RPCError, match=why):
+            rpc.parse_endpoints(bad)
+    with pytest.raises(rpc.RPCError, match="listed twice"):
+        rpc.parse_endpoints("a:1,a:1")
+    assert rpc.is_loopback("127.0.0.1") and rpc.is_loopback("::1") and rpc.is_loopback("localhost")
+    assert not rpc.is_loopback("0.0.0.0") and not rpc.is_loopback("192.168.1.20")
+    with pytest.raises(SpecError, match="llamacpp"):
+        ModelSpec(source="x", backend="pytorch", rpc=("a:1",)).validated()
+    with pytest.raises(SpecError, match="tuple of HOST:PORT"):
+        ModelSpec(source="x", rpc=("a:1 ",)).validated()
+
+
+def test_a_refused_port_is_a_clear_error_not_an_abort(tmp_path):
+    port = free_port()  # nothing listens there
+    with pytest.raises(rpc.WorkerUnreachable, match=f"127.0.0.1:{port} is not usable: connection refused"):
+        rpc.check(f"127.0.0.1:{port}")
+    # The whole CLI path, in a child so that an abort would show as a signal rather than end this run.
+    r = subprocess.run([sys.executable, "-m", "app.cli", "generate", "--rpc", f"127.0.0.1:{port}", "--prompt", "hi",
+                        "--max-tokens", "2", "--llama-extra-bufts", "off", "--threads", "1"],
+                       cwd=ROOT_DIR, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"dsbd-chat: error: the RPC worker 127.0.0.1:{port} is not usable: connection refused")
+    assert "dsbd-chat rpc-worker" in last
+
+
+def test_a_silent_listener_times_out_with_the_busy_hint():
+    with socket.socket() as s:  # accepts TCP connections (backlog) but never answers the hello
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        ep = f"127.0.0.1:{s.getsockname()[1]}"
+        t0 = time.monotonic()
+        with pytest.raises(rpc.WorkerUnreachable, match="no handshake in 0.5 s .*one client at a time"):
+            rpc.check(ep, timeout=0.5)
+        assert time.monotonic() - t0 < 5
+
+
+@needs_rpc
+def test_the_worker_warns_off_loopback_and_not_on_it():
+    def start(host: str) -> str:
+        proc = subprocess.Popen([sys.executable, "-c", _WORKER, str(free_port()), "60", "--host", host],
+                                cwd=ROOT_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            err = ""
+            deadline = time.monotonic() + 60
+            while "Ctrl+C stops it" not in err and time.monotonic() < deadline:
+                err += proc.stderr.readline()
+            return err
+        finally:
+            proc.send_signal(signal.SIGINT)  # Ctrl+C stops it
+            assert proc.wait(20) != 0 or True
+            if proc.poll() is None:
+                proc.kill()
+
+    err = start("0.0.0.0")
+    assert "warning: serving on 0.0.0.0: the RPC protocol has no authentication" in err
+    assert "SSH tunnel" in err and "VPN" in err
+    err = start("127.0.0.1")
+    assert "warning" not in err and "Ctrl+C stops it" in err
+
+
+@needs_rpc
+def test_ctrl_c_stops_a_worker():
+    w = Worker()
+    w.proc.send_signal(signal.SIGINT)
+    assert w.proc.wait(20) == -signal.SIGINT
+    with pytest.raises(rpc.WorkerUnreachable, match="connection refused"):
+        rpc.check(w.endpoint)
+
+
+# -- the split model equals the local one ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def random_gguf(tmp_path_factory):
+    from test_llamacpp import write_random_llama
+
+    return write_random_llama(tmp_path_factory.mktemp("rpc") / "random.gguf", n_layer=3)
+
+
+def test_a_split_float32_model_gives_the_local_forest_logits(workers, random_gguf):
+    from test_llamacpp import Tree, check_logits, deepest, iterate, make_oracle, rows_of, three_rows
+
+    from backends.base import Path as KeepPath
+    from backends.llamacpp.runtime import LlamaModel
+
+    eps = [w.endpoint for w in workers]
+    local = LlamaModel(random_gguf, n_threads=1, extra_bufts="off")
+    split = LlamaModel(random_gguf, n_threads=1, extra_bufts="off", rpc=eps, n_gpu_layers=2)
+    oracle = make_oracle(local)  # from-scratch logits of the local load
+    try:
+        where = split.info.extra["placement"]
+        # layer 0 on the host CPU, the other two on the workers, the output head pinned to the host
+        assert where.startswith("layer 0 on the host CPU") and where.endswith("output head on the host CPU")
+        assert all(ep in where for ep in eps), where
+        assert set(split.info.extra["buffers_mib"]) == {"host CPU", *eps}
+        vocab = split.info.vocab_size
+        for seed in range(3):
+            with three_rows(split) as ctx:  # rows, forest, commit and the next step, all on the split model
+                tree = Tree(rows_of(ctx), seed, vocab=vocab)
+                ids = list(range(len(tree.tokens)))
+                check_logits(ctx.evaluate(tree.forest(ids, with_suffix=True)), tree, ids, oracle, roots=True)
+            with three_rows(split) as ctx:
+                iterate(ctx, oracle, 10 + seed,
+                        lambda t: [KeepPath(0, deepest(t, 0)), KeepPath(1, deepest(t, 1)[:1]), KeepPath(2)], vocab)
+    finally:
+        oracle.close()
+        split.close()
+        local.close()
+
+
+def test_a_split_float32_model_gives_the_local_greedy_answer(workers, random_gguf):
+    from app.engine.engine import Engine
+
+    spec = ModelSpec(source=str(random_gguf), n_threads=1, n_ctx=256, llama_extra_bufts="off")
+    params = DecodeParams(mode="greedy", max_new_tokens=24)
+    with_rpc = Engine.load(replace(spec, rpc=tuple(w.endpoint for w in workers)))
+    local = Engine.load(spec)
+    try:
+        from app.engine.engine import final_event
+
+        prompt = [1, 5, 200, 17, 42, 99]
+        a, b = final_event(with_rpc.generate(prompt, params)), final_event(local.generate(prompt, params))
+        assert a.tokens == b.tokens == 24 and a.text == b.text
+        assert "RPC" in with_rpc.describe()["target_placement"]
+    finally:
+        with_rpc.close()
+        local.close()

@@ -450,6 +450,33 @@ def load_model(spec: "ModelSpec", *, role: str = "target", verify: bool = False)
     return model
 
 
+def timing_identity(model) -> dict | None:
+    """What a loaded model's pass costs depend on, for caching them: its file (path, size, mtime), runtime and
+    build, CPU (model + flags), threads and weight placement. None when it has no file to key on."""
+    from backends.llamacpp.probe import build_id, cpu_id  # build_id imports llama_cpp only when asked
+
+    info = model.info
+    path = info.extra.get("path")
+    try:
+        st = Path(path).stat() if path else None
+    except OSError:
+        st = None
+    if st is None:
+        return None
+    if info.backend == "llamacpp":
+        build = build_id()
+    else:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            build = f"torch {version('torch')}"
+        except PackageNotFoundError:
+            build = "unknown"
+    return {"file": str(Path(path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "runtime": info.backend, "build": build, "cpu": cpu_id(), "threads": getattr(model, "n_threads", None),
+            "placement": [info.extra.get(k) for k in ("weight_repack", "dtype", "device", "n_gpu_layers")]}
+
+
 # ---------------------------------------------------------------- listing
 
 

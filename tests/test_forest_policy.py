@@ -1,21 +1,28 @@
-"""Cost-aware DSBD forests (issue 13, item 1): app/decoding/forest_policy.py and its use in the decoder.
+"""Cost-aware DSBD forests: app/decoding/forest_policy.py and its use in the decoder and the engine.
 
 Reductions (policy off == the decoder before the policy, token for token; a one-candidate policy == fixed;
 a gamma-0-only policy == beam sampling), the policy's choices on hand-made costs, the draft cache staying
-right when gamma = 0 iterations sit between drafted ones, and the engine path on the real tiny model.
+right when gamma = 0 iterations sit between drafted ones, the pricing of distinct tokens, verifier time and
+lookup nodes (spec §16.4), exploration, counts carried across answers, and the engine path on the real tiny
+model.
 Exactness with the policy on: tests/test_decoding.py runs its chi-square tests (W_min = W, t = 0, the R1 sps
 reduction) with forest="adaptive" under cost curves that make the policy vary gamma and W_S (asserted there).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from app.engine.auto import PRIOR_ACCEPTANCE, CostCurve
-from app.config import ConfigError, DecodeParams, ModelSpec
+from app.engine.auto import PRIOR_ACCEPTANCE
+from app.engine.timing import CostCurve
+from app.config import ConfigError, DecodeParams
+from backends.registry import ModelSpec
 from app.decoding import decoder
 from app.decoding.beams import Stopper
-from app.decoding.forest_policy import PRIOR, ForestPolicy, count_law, layer_pass
+from app.decoding.forest_policy import (PRIOR, Acceptance, ForestPolicy, count_law, expected_distinct,
+                                        layer_pass)
 from app.decoding.metrics import Metrics
 from app.decoding.sampling import log_softmax
 from test_decoding import DRAFT, TARGET, VARYING
@@ -45,7 +52,7 @@ class Scripted(ForestPolicy):
                          min_beams=params.min_beams, beams=params.beams)
         self.script = script
 
-    def choose(self, *, max_gamma, roots, draft_roots):
+    def choose(self, *, max_gamma, roots, draft_roots, **_):
         g, ws = self.script[len(self.chosen) % len(self.script)]
         self.chosen.append((min(g, max_gamma), ws))
         return self.chosen[-1]
@@ -151,9 +158,9 @@ def test_adaptive_needs_costs_and_forest_is_validated():
 
 # --- (c) the choice on hand-made costs -------------------------------------------------------------------
 
-def policy(costs, **kw) -> ForestPolicy:
-    params = DecodeParams(mode="dsbd", beams=4, draft_beams=kw.pop("draft_beams", 8), gamma=6, **kw).validated()
-    return ForestPolicy.for_params(params, *costs)
+def policy(costs, *, draft_beams=8, **kw) -> ForestPolicy:
+    params = DecodeParams(mode="dsbd", beams=4, draft_beams=draft_beams, gamma=6).validated()
+    return ForestPolicy.for_params(params, *costs, **kw)
 
 
 def test_prior_is_autos():
@@ -218,6 +225,169 @@ def test_observed_pass_rates_pull_the_model():
     assert p.pass_rate(2, 5) < 0.3  # an unseen depth starts from the one above it
     g, _ = p.choose(max_gamma=6, roots=4, draft_roots=4)
     assert g <= 1
+
+
+# --- distinct tokens, verifier time and lookup nodes (spec §16.4) ------------------------------------------
+
+STEEP = (CostCurve.of({1: 0.05, 2: 0.06, 4: 0.1, 8: 0.2, 32: 0.8}), CostCurve.of({1: 0.005, 64: 0.01}))
+
+
+def small(costs=STEEP, *, replacement="with") -> ForestPolicy:
+    params = DecodeParams(mode="dsbd", beams=2, draft_beams=6, gamma=4).validated()
+    return ForestPolicy.for_params(params, *costs, replacement=replacement == "with")
+
+
+def test_expected_distinct_is_the_occupancy_law():
+    # E[distinct] = sum_x 1 - (1 - q_x)^n: uniform over 4 with 2 draws -> 4 (1 - 9/16) = 1.75
+    assert expected_distinct([0.25] * 4, 2) == pytest.approx(1.75)
+    assert expected_distinct([1.0], 5) == pytest.approx(1.0)
+    assert expected_distinct([0.5, 0.5, 0, 0], 3) == pytest.approx(2 * (1 - 0.5 ** 3))
+    # unnormalised rows are normalised; many tiny entries count ws * q each
+    assert expected_distinct([[2.0, 2.0]], 2) == pytest.approx(1.5)
+    tiny = [1e-6] * 1_000_000  # 1 - (1 - q)^4 = 4q - 6q^2 + ...: 4 within 1e-5
+    assert expected_distinct(tiny, 4) == pytest.approx(1e6 * (1 - (1 - 1e-6) ** 4), rel=1e-5)
+    # without replacement every draft is distinct, up to the support
+    assert expected_distinct([0.9, 0.05, 0.05], 2, replacement=False) == 2
+    assert expected_distinct([0.9, 0.1], 6, replacement=False) == 2
+
+
+def test_pricing_distinct_tokens_picks_a_wider_forest():
+    """A peaked q makes W_S drafts with replacement few distinct tokens: wide layers get cheap on steep costs."""
+    blind, priced = small(), small()
+    assert blind.choose(max_gamma=4, roots=1, draft_roots=1) == (1, 2)
+    assert priced.choose(max_gamma=4, roots=1, draft_roots=1, q_rows=[0.95, 0.05]) == (1, 6)
+    assert priced.seconds(1, 6, roots=1, draft_roots=1) < blind.seconds(1, 6, roots=1, draft_roots=1)
+    # without replacement all W_S drafts are distinct: a broad q changes nothing against the blind price
+    broad = [1 / 50] * 50
+    wo = small(replacement="without")
+    assert not wo.replacement
+    assert wo.choose(max_gamma=4, roots=1, draft_roots=1, q_rows=broad) == (1, 2)
+    assert wo.seconds(2, 6, roots=1, draft_roots=1) == pytest.approx(blind.seconds(2, 6, roots=1, draft_roots=1))
+
+
+def test_observed_distinct_counts_pull_the_estimate():
+    p = small()
+    assert p.distinct_drafts(1, 6) == 6  # no q, nothing seen: every draft priced
+    for _ in range(40):
+        p.observe(1, 6, outcomes=[True, True], passed=True, distinct=2)
+    assert p.distinct_drafts(1, 6) == pytest.approx((40 * 2 + 4 * 6) / 44)
+    assert p.distinct_drafts(2, 6) == p.distinct_drafts(1, 6)  # a deeper layer starts from depth 1's
+
+
+def test_verifier_time_favours_shallower_forests():
+    cheap, slow = small(GPU), small(GPU)
+    slow.verify_cost = 1.0  # seconds per verified layer: dwarfs the passes
+    g_cheap, _ = cheap.choose(max_gamma=4, roots=2, draft_roots=2)
+    g_slow, _ = slow.choose(max_gamma=4, roots=2, draft_roots=2)
+    assert g_slow < g_cheap == 4
+    # observed verify_s replace the prior, per W_S
+    p = small(GPU)
+    p.observe(1, 3, outcomes=[True], passed=True, verify_s=0.5)
+    p.observe(1, 3, outcomes=[True], passed=True, verify_s=0.3)
+    assert p.verify_seconds(3) == pytest.approx(0.4) and p.verify_seconds(4) == 0.0
+
+
+def test_lookup_nodes_only_raise_the_pass_rate_and_are_priced():
+    p = ForestPolicy(*STEEP, gammas=(0, 1, 2), widths=(2,), threshold=0.9, min_beams=2, beams=2,
+                     lookups=(0, 2, 4), cache_rule=True)
+    rates = [p.pass_rate(1, 2, n) for n in (0, 2, 4)]
+    assert rates == sorted(rates) and rates[0] > p.acceptance_pass(1, 2)
+    # a lookup count seen to fail never prices below fewer lookups
+    for _ in range(50):
+        p.observe(1, 2, outcomes=[False], passed=False, by_cache=False, lookups=4)
+        p.observe(1, 2, outcomes=[False], passed=True, by_cache=True, lookups=2)
+    assert p.cache_pass(1, 2, 4) >= p.cache_pass(1, 2, 2) > 0.8
+    assert p.seconds(1, 2, roots=1, draft_roots=1, lookups=4) > p.seconds(1, 2, roots=1, draft_roots=1, lookups=0)
+    p.target_cost, p.draft_cost = GPU  # tokens nearly free: the cache rule's passes decide
+    g, ws, n = p.choose(max_gamma=2, roots=1, draft_roots=1, with_lookups=True)
+    assert (g, n) == (2, 2) and p.lookups_chosen == [2]  # 4 lookups pass no more often and cost more
+    # cache passes do not count as acceptance passes
+    assert p.acceptance_pass(1, 2) < 0.2
+    # without the cache rule and no observations lookups buy nothing: never chosen
+    plain = ForestPolicy(*STEEP, gammas=(0, 1, 2), widths=(2,), threshold=0.9, min_beams=2, beams=2,
+                         lookups=(0, 2, 4))
+    assert plain.pass_rate(1, 2, 4) == plain.pass_rate(1, 2, 0)
+    assert plain.choose(max_gamma=2, roots=1, draft_roots=1, with_lookups=True)[2] == 0
+
+
+def test_for_params_reads_the_optional_settings():
+    class P:  # a DecodeParams from a decoder that has the newer fields
+        gamma, beams, draft_beams, threshold, min_beams = 3, 2, 4, 0.9, 2
+        replacement, lookup_nodes, cache_rule = "without", 2, True
+
+    p = ForestPolicy.for_params(P, *STEEP)
+    assert (p.replacement, tuple(p.lookups), p.cache_rule) == (False, (0, 1, 2), True)
+    q = ForestPolicy.for_params(DecodeParams(mode="dsbd").validated(), *STEEP)
+    assert (q.replacement, tuple(q.lookups), q.cache_rule) == (True, (0,), False)
+
+
+# --- exploration and learning across answers --------------------------------------------------------------
+
+def test_exploration_drafts_the_cheapest_forest_then_stops():
+    p = policy(CPU, explore=3)
+    assert policy(CPU).choose(max_gamma=6, roots=4, draft_roots=4) == (0, 4)  # the prior alone never drafts
+    picks = []
+    for _ in range(5):
+        g, ws = p.choose(max_gamma=6, roots=4, draft_roots=4)
+        picks.append((g, ws))
+        if g:
+            p.observe(1, ws, outcomes=[False] * ws, passed=False)
+    assert picks == [(1, 4)] * 3 + [(0, 4)] * 2
+    assert p.observed == 3
+    # layers seen before this policy count: a pair already observed does not explore again
+    assert policy(CPU, explore=3, seen=3).choose(max_gamma=6, roots=4, draft_roots=4) == (0, 4)
+    # a budget without room to draft is respected
+    assert policy(CPU, explore=3).choose(max_gamma=0, roots=4, draft_roots=4) == (0, 4)
+
+
+def test_carried_counts_start_the_next_policy_and_are_capped():
+    first = policy(CPU)
+    for _ in range(100):
+        first.observe(1, 4, outcomes=[True, True, True, True], passed=True)
+    carried = first.known.carried(cap=20)
+    assert carried.layer_runs[(1, 4)] == pytest.approx([20, 20])
+    assert carried.depth_draws[1] == pytest.approx([20, 20, 0, 0])
+    assert first.known.layer_runs[(1, 4)] == [100, 100]  # the original is untouched
+    second = policy(CPU, known=carried)
+    assert second.pass_rate(1, 4) > 0.9 and second.observed == 0
+    assert second.expected_steps(3, 4) > 3.5 > policy(CPU).expected_steps(3, 4)
+    mid = (CostCurve.of({1: 0.08, 8: 0.18, 64: 1.0}), CostCurve.of({1: 0.01, 8: 0.015}))
+    second.target_cost, second.draft_cost = mid
+    # what the first answer saw makes deeper forests pay than the prior would draft
+    assert policy(mid).choose(max_gamma=6, roots=4, draft_roots=4) == (1, 4)
+    assert second.choose(max_gamma=6, roots=4, draft_roots=4) == (3, 4)
+    second.observe(1, 4, outcomes=[True], passed=True)
+    assert second.known.layers == 101 and second.observed == 1
+
+
+def test_engine_carries_counts_across_answers_and_explores_once(monkeypatch):
+    """Two adaptive answers on bigram-table models: the first explores (the prior says do not draft on these
+    costs), the second starts from the first's counts (no exploration left) and adds its own."""
+    import backends.tokenizer
+    from app.engine.auto import AutoPolicy
+    from app.engine.engine import EXPLORE_LAYERS, Engine, final_event
+
+    monkeypatch.setattr(backends.tokenizer, "check_compatible", lambda draft, target: None)  # table tokenizers
+    e = Engine(TARGET, DRAFT, n_ctx=256)
+    e.policy = AutoPolicy(*CPU)  # the pass costs, as if timed
+    made = []
+    build = e._forest_policy
+    monkeypatch.setattr(e, "_forest_policy", lambda *a: made.append(build(*a)) or made[-1])
+    params = DecodeParams(mode="dsbd", beams=2, draft_beams=3, gamma=3, max_new_tokens=30, min_beams=2, seed=1,
+                          forest="adaptive")
+    one = final_event(e.generate([1, 2], params)).stats
+    (key,) = e._acceptance
+    after_one = e._acceptance[key].layers
+    assert after_one == EXPLORE_LAYERS  # drafted (cheapest forest) exactly until the pair had enough layers
+    assert one["forest_sizes"].get("g1/ws2") == EXPLORE_LAYERS and "g0" in one["forest_sizes"]
+    assert made[0].observed == EXPLORE_LAYERS and made[0].known.depth_draws
+    two = final_event(e.generate([2, 1], replace(params, seed=2))).stats
+    assert made[1].seen == after_one and made[1].known is e._acceptance[key]
+    assert made[1].known.depth_draws[1][1] >= made[0].known.depth_draws[1][1]  # started from the first's counts
+    assert set(two["forest_sizes"]) == {"g0"}  # learnt from the first: drafting does not pay on these costs
+    # a fixed forest neither reads nor writes the counts
+    final_event(e.generate([1, 2], replace(params, forest="fixed")))
+    assert made[-1] is None and e._acceptance[key].layers == after_one
 
 
 # --- (d) stats, UI and the engine on the real tiny model ------------------------------------------------------

@@ -3,9 +3,9 @@ at the quality level the user chose.
 
     projected tok/s = tau / (C_target(n_t) + sum over the iteration's draft passes of C_draft(n_d))
 
-C(n) is the measured time of one pass scoring n tokens (timed once per model load, on the engine's first
-auto request, so users who never pick auto pay nothing; piecewise linear between
-1, 2, 4, ..., 64 tokens); n_t and the draft passes follow offload/cost.py's table. tau, the expected tokens
+C(n) is the measured time of one pass scoring n tokens (app.engine.timing: timed once per model file, build,
+CPU and thread count and cached on disk, on the engine's first auto or adaptive request, so users who never
+pick them pay nothing; piecewise linear between 1, 2, 4, ..., 64 tokens); n_t and the draft passes follow offload/cost.py's table. tau, the expected tokens
 per target pass, comes from per-depth layer pass rates a_l (spec §11 with one a per depth):
 
     tau(gamma) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_gamma      (= (1 - a^(gamma+1)) / (1 - a) for equal a)
@@ -34,7 +34,6 @@ generation, whatever its mode, so earlier turns and bench runs teach it).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
@@ -42,64 +41,11 @@ from offload.cost import queries
 
 from app.config import QUALITY_LEVELS as LEVELS
 from app.config import ConfigError, DecodeParams
+from app.engine.timing import CAL_POINTS, CostCurve, cached_costs  # noqa: F401  (CostCurve: re-exported)
 
-CAL_POINTS = (1, 2, 4, 8, 16, 32, 64)
 PRIOR_ACCEPTANCE = 0.66  # offload.cost.DEFAULT_ACCEPTANCE: the qwen-coder pair on mixed prose/code
 GAMMAS = (1, 2, 3, 4, 5, 6)
 EMA = 0.3  # weight of the newest generation: recent turns matter, one odd answer does not flip the choice
-
-
-@dataclass(frozen=True)
-class CostCurve:
-    """Seconds of one pass scoring n tokens: piecewise linear through measured points, linear beyond."""
-
-    points: tuple[tuple[int, float], ...]  # (n, seconds), n ascending
-
-    @classmethod
-    def of(cls, costs: Mapping[int, float]) -> "CostCurve":
-        if not costs:
-            raise ValueError("a cost curve needs at least one measured point")
-        pts, best = [], float("inf")
-        # A pass scoring more tokens never costs less, and other processes only ever add time: clip each
-        # point to the cheapest one at or above its n, so one disturbed measurement cannot lift the curve.
-        for n, s in sorted(((int(n), float(s)) for n, s in costs.items()), reverse=True):
-            best = min(best, s)
-            pts.append((n, best))
-        return cls(tuple(reversed(pts)))
-
-    def __call__(self, n: int) -> float:
-        pts = self.points
-        if len(pts) == 1:
-            return pts[0][1] * n / pts[0][0]  # one point: assume proportional
-        if n <= pts[0][0]:
-            return pts[0][1]
-        # Beyond the last point: extend the last segment's slope (compute-bound growth).
-        for (n0, s0), (n1, s1) in zip(pts, pts[1:]):
-            if n <= n1 or (n1, s1) == pts[-1]:
-                return s0 + (s1 - s0) * (n - n0) / (n1 - n0)
-        raise AssertionError("unreachable")
-
-
-def measure_costs(model, ns=CAL_POINTS, *, context: int = 128, repeats: int = 2) -> dict[int, float]:
-    """Min seconds of one evaluate() of a flat n-node forest after `context` tokens (scoring_cost's method)."""
-    from backends.base import ROOT, Forest
-
-    vocab = model.info.vocab_size
-    ids = [(i * 7919) % (vocab - 200) + 100 for i in range(context)]  # arbitrary but fixed tokens
-    out = {}
-    with model.context(rows=1, max_tokens=context + max(ns) + 8) as ctx:
-        ctx.prefill(ids)
-        for n in ns:
-            forest = Forest(tokens=tuple(ids[(i * 13) % context] for i in range(n)), parents=(ROOT,) * n,
-                            rows=(0,) * n)
-            times = []
-            for _ in range(repeats + 1):  # the first run warms caches and is dropped
-                t = time.perf_counter()
-                ctx.evaluate(forest)
-                times.append(time.perf_counter() - t)
-                ctx.truncate(context)
-            out[n] = min(times[1:])  # min: other processes on a shared machine only ever add time
-    return out
 
 
 def _key(p: DecodeParams) -> tuple:
@@ -121,9 +67,10 @@ class AutoPolicy:
 
     @classmethod
     def calibrate(cls, engine, ns=CAL_POINTS, **kw) -> "AutoPolicy":
-        """Measure the engine's loaded target (and draft) through the backend protocol (seconds, at load)."""
-        draft = measure_costs(engine.draft, ns, **kw) if engine.draft is not None else None
-        return cls.from_costs(measure_costs(engine.target, ns, **kw), draft)
+        """The engine's target (and draft) pass costs: from the timing cache, else measured through the backend
+        protocol (seconds) and cached (app.engine.timing)."""
+        draft = cached_costs(engine.draft, ns, **kw) if engine.draft is not None else None
+        return cls.from_costs(cached_costs(engine.target, ns, **kw), draft)
 
     # -- estimates ---------------------------------------------------------------------------------
     def pass_rates(self, p: DecodeParams, depth: int) -> list[float]:

@@ -66,6 +66,8 @@ class Engine:
         self.lock = threading.Lock()
         self.policy = None  # app.engine.auto.AutoPolicy: timed on the first auto request, dropped on a model swap
         self._finished: deque = deque(maxlen=64)  # (params, stats) of recent answers, taught to a new policy
+        # (model pair, setting) -> forest_policy.Acceptance: adaptive forests learn across answers and swaps
+        self._acceptance: dict = {}
         if draft is not None:
             from backends.tokenizer import check_compatible
 
@@ -311,9 +313,10 @@ class Engine:
             tok = self.tokenizer
             stopper = Stopper(eos_ids=tok.eos_ids, stop=params.stop, decode=tok.decode)
             metrics = Metrics(mode=params.mode, prompt_tokens=len(prompt))
+            policy = self._forest_policy(params, costs)
             steps = decoder(params.mode)(target=target, draft=draft, prompt=prompt, params=params,
                                          stopper=stopper, metrics=metrics, vocab=self.target.info.vocab_size,
-                                         costs=costs)
+                                         costs=costs, policy=policy)
             try:
                 for step in steps:
                     if cancel is not None and cancel.is_set() and not step.done:
@@ -343,6 +346,24 @@ class Engine:
                 raise BackendError(f"the context filled up during generation: {e}") from e
             finally:
                 steps.close()  # the decoder's own cleanup; the next prefill drops any pending forest
+                if policy is not None:  # what this answer saw (cancelled or not) teaches the next one
+                    self._acceptance[policy.setting] = policy.known
+
+    def _forest_policy(self, params: DecodeParams, costs):
+        """Adaptive DSBD: a forest policy starting from this model pair's counts at this setting, exploring
+        (cheapest drafted forest) until the pair has EXPLORE_LAYERS observed layers; None for fixed forests."""
+        if costs is None or params.forest != "adaptive" or costs[1] is None:
+            return None
+        from app.decoding.forest_policy import ForestPolicy, setting_key
+
+        pair = tuple(_model_id(m) for m in (self.target, self.draft))
+        key = (pair, setting_key(params))
+        known = self._acceptance.get(key)
+        seen = sum(a.layers for (p, _), a in self._acceptance.items() if p == pair)
+        policy = ForestPolicy.for_params(params, *costs, explore=EXPLORE_LAYERS, seen=seen,
+                                         **({"known": known.carried()} if known is not None else {}))
+        policy.setting = key
+        return policy
 
     @staticmethod
     def _stats(metrics: Metrics, tokens, score) -> dict:
@@ -364,6 +385,21 @@ class Engine:
             last = final_event(self.generate(prompt, p))
             out.append({"text": last.text, "tokens": last.tokens, "stats": last.stats})
         return out
+
+
+EXPLORE_LAYERS = 8  # adaptive forests draft (cheaply) until a model pair has this many verified layers
+
+
+def _model_id(model) -> tuple | None:
+    """What a model's acceptance belongs to: its runtime, name and file."""
+    return None if model is None else (model.info.backend, model.info.name, model.info.extra.get("path"))
+
+
+def _with_pass(forest: dict | None, target) -> dict | None:
+    """The decoder's forest snapshot plus the tokens its target pass was asked for and was fed."""
+    if forest is None or not isinstance(target, CountingContext):
+        return forest
+    return {**forest, "query_tokens": target.last_query, "distinct_tokens": target.last_distinct}
 
 
 def final_event(events: Iterator[Event]) -> Event:

@@ -101,13 +101,18 @@ def signal_name(sig: int) -> str:
 
 def probe_key(path: Path) -> str:
     """Build (llama-cpp-python version + library file), CPU (model + flags) and the file's weight types."""
+    parts = [build_id(), cpu_id(), ",".join(weight_types(path))]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+
+
+def build_id() -> str:
+    """The llama-cpp-python version and its library files (name, size, mtime): a rebuild changes it."""
     import llama_cpp
 
     lib = Path(llama_cpp.__file__).parent / "lib"
     libs = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in lib.glob("*") if p.is_file()) \
         if lib.is_dir() else []
-    parts = [llama_cpp.__version__, repr(libs), cpu_id(), ",".join(weight_types(path))]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+    return f"{llama_cpp.__version__}|{libs!r}"
 
 
 def weight_types(path: Path) -> list[str]:

@@ -1,0 +1,142 @@
+"""Pass-cost timing and its on-disk cache (app/engine/timing.py): a second load reads the cache, any change of
+the key (model file, threads, timing method) times again, a corrupt cache file is ignored with a log line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import replace
+
+import pytest
+
+import app.engine.timing as timing
+from app.engine.timing import CostCurve, cached_costs
+from refmodel import bigram
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSBD_CHAT_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / timing.CACHE_NAME
+
+
+@pytest.fixture
+def timed(monkeypatch):
+    """Counts the real timing runs (measure_costs calls), passing them through."""
+    calls = []
+    real = timing.measure_costs
+
+    def counting(model, ns, **kw):
+        calls.append((model.info.name, tuple(ns)))
+        return real(model, ns, **kw)
+
+    monkeypatch.setattr(timing, "measure_costs", counting)
+    return calls
+
+
+class _Ctx:
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def prefill(self, ids) -> None:
+        pass
+
+    def evaluate(self, forest) -> None:
+        self.model.passes += 1
+
+    def truncate(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def filed(tmp_path, name="m.gguf", seed=3, threads=2):
+    """A table model that says it was loaded from a file (what the cache keys on); its timing contexts only
+    count passes."""
+    f = tmp_path / name
+    if not f.exists():
+        f.write_bytes(b"GGUF weights")
+    m = bigram(5, seed)
+    m.info = replace(m.info, name=name, extra={"path": str(f)})
+    m.n_threads = threads
+    m.passes = 0
+    m.context = lambda **kw: _Ctx(m)
+    return m
+
+
+NS = (1, 2, 4)
+
+
+def test_second_load_reads_the_cache(tmp_path, cache, timed):
+    model = filed(tmp_path)
+    first = cached_costs(model, NS)
+    assert len(timed) == 1 and set(first) == set(NS) and all(s > 0 for s in first.values())
+    assert model.passes == 3 * len(NS)  # a warm-up and two timed runs per point
+    stored = json.loads(cache.read_text())
+    (entry,) = stored.values()
+    assert entry["file"] == str(tmp_path / "m.gguf") and entry["seconds"] == {str(n): first[n] for n in NS}
+    fresh = filed(tmp_path)  # a new load of the same file
+    again = cached_costs(fresh, NS)
+    assert again == first and len(timed) == 1 and fresh.passes == 0
+
+
+def test_a_changed_key_times_again(tmp_path, cache, timed):
+    cached_costs(filed(tmp_path), NS)
+    st = (tmp_path / "m.gguf").stat()
+    os.utime(tmp_path / "m.gguf", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file was replaced
+    cached_costs(filed(tmp_path), NS)
+    assert len(timed) == 2
+    cached_costs(filed(tmp_path, threads=4), NS)  # another thread count
+    cached_costs(filed(tmp_path), (1, 8))  # another timing method
+    cached_costs(filed(tmp_path, name="other.gguf"), NS)  # another file
+    assert len(timed) == 5
+    cached_costs(filed(tmp_path, threads=4), NS)  # each of them is cached now
+    assert len(timed) == 5 and len(json.loads(cache.read_text())) == 5
+
+
+def test_a_corrupt_cache_file_is_ignored_with_a_log_line(tmp_path, cache, timed, caplog):
+    cache.parent.mkdir(parents=True)
+    cache.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="app.engine.timing"):
+        costs = cached_costs(filed(tmp_path), NS)
+    assert len(timed) == 1 and set(costs) == set(NS)
+    assert any("corrupt pass-cost cache" in r.getMessage() and str(cache) in r.getMessage() for r in caplog.records)
+    assert len(json.loads(cache.read_text())) == 1  # rewritten, valid
+    # an entry of the wrong shape is re-timed too, not trusted
+    data = json.loads(cache.read_text())
+    key = next(iter(data))
+    data[key]["seconds"] = {"1": "fast"}
+    cache.write_text(json.dumps(data))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="app.engine.timing"):
+        cached_costs(filed(tmp_path), NS)
+    assert len(timed) == 2 and any("malformed pass-cost entry" in r.getMessage() for r in caplog.records)
+
+
+def test_a_model_without_a_file_is_timed_each_time(tmp_path, cache, timed):
+    m = filed(tmp_path)
+    m.info = replace(m.info, extra={})
+    cached_costs(m, NS)
+    cached_costs(m, NS)
+    assert len(timed) == 2 and not cache.exists()
+
+
+def test_engine_load_reuses_the_cached_costs(tmp_path, cache, timed, monkeypatch):
+    import backends.tokenizer
+    from app.engine.engine import Engine
+
+    monkeypatch.setattr(backends.tokenizer, "check_compatible", lambda draft, target: None)  # table tokenizers
+    first = Engine(filed(tmp_path, "t.gguf", 3), filed(tmp_path, "d.gguf", 4), n_ctx=256)
+    t1, d1 = first.costs()
+    assert len(timed) == 2 and isinstance(t1, CostCurve)
+    second = Engine(filed(tmp_path, "t.gguf", 3), filed(tmp_path, "d.gguf", 4), n_ctx=256)  # the next start
+    t2, d2 = second.costs()
+    assert len(timed) == 2 and (t2, d2) == (t1, d1)
+
+
+def test_cost_curve_is_importable_where_it_was():
+    from app.engine import auto
+
+    assert auto.CostCurve is CostCurve and auto.CAL_POINTS == timing.CAL_POINTS

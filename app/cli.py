@@ -53,6 +53,8 @@ def _decode_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--length-penalty", type=float, default=1.0)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--no-unique-paths", dest="unique_paths", action="store_false",
+                   help="score every forest entry, repeats included (same answers, more work; for comparisons)")
 
 
 def _params(a, *, validate: bool = True) -> DecodeParams:
@@ -60,7 +62,7 @@ def _params(a, *, validate: bool = True) -> DecodeParams:
                      top_p=a.top_p, beams=a.beams, draft_beams=a.draft_beams, gamma=a.gamma,
                      threshold=a.threshold, min_beams=a.min_beams, select=a.select,
                      length_penalty=a.length_penalty, seed=a.seed, stop=tuple(a.stop), quality=a.quality,
-                     forest=a.forest)
+                     forest=a.forest, unique_paths=getattr(a, "unique_paths", True))
     return p.validated() if validate else p
 
 

@@ -59,6 +59,7 @@ class DecodeParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     quality: str = "fast"  # auto mode only: which modes it may pick (QUALITY_LEVELS)
     forest: str = "fixed"  # dsbd / dsbd-mem: "fixed" gamma and W_S, or "adaptive" (FOREST_POLICIES)
+    unique_paths: bool = True  # score each distinct sequence of a forest pass once (spec §16.1; same output)
 
     def validated(self) -> "DecodeParams":
         """Check every field; return a copy with defaults resolved. Raises ConfigError."""
@@ -91,6 +92,8 @@ class DecodeParams:
             raise ConfigError(f"forest must be one of: {', '.join(FOREST_POLICIES)} (adaptive: per iteration "
                               f"gamma <= {self.gamma} and W <= W_S <= draft_beams, sized to the timed pass costs), "
                               f"got {self.forest!r}")
+        if not isinstance(self.unique_paths, bool):
+            raise ConfigError(f"unique_paths must be true or false, got {self.unique_paths!r}")
         if self.select not in ("best", "sample"):
             raise ConfigError(f"select must be 'best' or 'sample', got {self.select!r}")
         lp = _finite("length_penalty", self.length_penalty)

@@ -77,7 +77,13 @@ class ModelInfo:
 
 
 class Context(Protocol):
-    """KV state of one model for one generation at a time."""
+    """KV state of one model for one generation at a time.
+
+    `backends.unique.UniquePaths(ctx)` is a Context too: it feeds `ctx` each distinct sequence of the pending
+    forest once (spec §16.1) and, like the pass-through `CountingContext`, counts per evaluate the query
+    tokens asked for (suffix tokens + nodes) and the distinct tokens fed: `last_query`, `last_distinct`, and
+    totals `query_tokens`, `distinct_tokens` over `evaluations` calls. Logits carry no counts.
+    """
 
     @property
     def rows(self) -> int: ...

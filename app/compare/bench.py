@@ -109,7 +109,12 @@ def parse_mode(spec: str, base: DecodeParams) -> tuple[str, DecodeParams]:
         field = {"level": "quality"}.get(key.strip(), key.strip().replace("-", "_"))  # auto:level= (older runs)
         if field not in DecodeParams.__dataclass_fields__:
             raise ConfigError(f"unknown setting {key!r} in bench mode {spec!r}")
-        kw[field] = type(getattr(base, field) if getattr(base, field) is not None else 0)(value)
+        if isinstance(getattr(base, field), bool):  # bool("false") is True
+            if value.strip().lower() not in ("true", "false", "1", "0", "on", "off"):
+                raise ConfigError(f"{key} takes true or false, got {value!r} in bench mode {spec!r}")
+            kw[field] = value.strip().lower() in ("true", "1", "on")
+        else:
+            kw[field] = type(getattr(base, field) if getattr(base, field) is not None else 0)(value)
     return spec, replace(base, **kw).validated()
 
 
@@ -231,6 +236,12 @@ def summarize(runs: list[dict], modes: list[str]) -> dict:
             "mean_target_logprob_stdev": statistics.stdev(lp) if len(lp) > 1 else None,
             "new_tokens": tokens,
         }
+        for key in ("query_tokens_per_pass", "distinct_tokens_per_pass",
+                    "draft_query_tokens_per_pass", "draft_distinct_tokens_per_pass"):
+            passes = "draft_passes" if key.startswith("draft_") else "target_passes"
+            mine_pp = [(s[key] * s[passes], s[passes]) for s in stats if key in s]
+            if mine_pp:  # tokens a pass asked for / was fed (unique paths), over all passes of the mode
+                summary[mode][key] = sum(t for t, _ in mine_pp) / max(1, sum(n for _, n in mine_pp))
         drafted = [s["draft_tokens"] for s in stats if "draft_tokens" in s]
         if drafted:  # share of the returned tokens that were accepted draft tokens
             summary[mode]["draft_token_share"] = sum(drafted) / max(1, tokens)

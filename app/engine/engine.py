@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
 from backends.base import BackendError, ContextFull
+from backends.unique import CountingContext, UniquePaths
 
 from app.chat import encode_chat
 from app.config import BEAM_MODES, ConfigError, DecodeParams, ModelSpec
@@ -310,6 +311,9 @@ class Engine:
                 raise BackendError("the models changed while this request waited; send it again")
             target = self._context("target", rows, cells)
             draft = self._context("draft", rows, cells) if params.needs_draft else None
+            # Unique paths (spec §16.1) score each distinct sequence once; either wrapper counts the tokens.
+            wrap = UniquePaths if params.unique_paths else CountingContext
+            target, draft = wrap(target), (wrap(draft) if draft is not None else None)
             tok = self.tokenizer
             stopper = Stopper(eos_ids=tok.eos_ids, stop=params.stop, decode=tok.decode)
             metrics = Metrics(mode=params.mode, prompt_tokens=len(prompt))
@@ -323,11 +327,11 @@ class Engine:
                         metrics.finish_reason = "cancelled"
                         text = stopper.visible_text(step.final, final=True)
                         yield Event(text=text, tokens=len(step.final), live_beams=0, done=True,
-                                    stats=self._stats(metrics, step.final, None))
+                                    stats=self._stats(metrics, step.final, None, target, draft))
                         return
                     text = stopper.visible_text(step.final, final=step.done)
                     if step.done:
-                        stats = self._stats(metrics, step.output.tokens, step.output.score)
+                        stats = self._stats(metrics, step.output.tokens, step.output.score, target, draft)
                         drafted, segments = step.output.drafted, None
                         if drafted:  # how much of the answer the draft wrote (accepted by the target)
                             stats["draft_tokens"] = sum(drafted)
@@ -338,10 +342,11 @@ class Engine:
                         if auto:
                             stats["auto"] = auto
                         yield Event(text=text, tokens=len(step.output.tokens), live_beams=0, done=True,
-                                    stats=stats, forest=step.forest, notice=notice, segments=segments)
+                                    stats=stats, forest=_with_pass(step.forest, target), notice=notice,
+                                    segments=segments)
                         return
-                    yield Event(text=text, tokens=len(step.final), live_beams=step.live, forest=step.forest,
-                                notice=notice)
+                    yield Event(text=text, tokens=len(step.final), live_beams=step.live,
+                                forest=_with_pass(step.forest, target), notice=notice)
             except ContextFull as e:
                 raise BackendError(f"the context filled up during generation: {e}") from e
             finally:
@@ -366,12 +371,20 @@ class Engine:
         return policy
 
     @staticmethod
-    def _stats(metrics: Metrics, tokens, score) -> dict:
+    def _stats(metrics: Metrics, tokens, score, target=None, draft=None) -> dict:
         metrics.t_end = time.perf_counter()
         metrics.new_tokens = len(tokens)
         if score is not None:
             metrics.score = score
-        return metrics.as_dict()
+        stats = metrics.as_dict()
+        for prefix, ctx in (("", target), ("draft_", draft)):  # tokens asked for vs fed, per pass
+            if isinstance(ctx, CountingContext):
+                c = ctx.counters()
+                stats[f"{prefix}query_tokens_per_pass"] = c["query_tokens_per_pass"]
+                stats[f"{prefix}distinct_tokens_per_pass"] = c["distinct_tokens_per_pass"]
+        if isinstance(target, CountingContext):
+            stats["unique_paths"] = isinstance(target, UniquePaths)
+        return stats
 
     def chat(self, messages: list[dict], params: DecodeParams, *,
              cancel: threading.Event | None = None) -> Iterator[Event]:

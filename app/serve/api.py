@@ -59,6 +59,7 @@ class DsbdOptions(BaseModel):
     length_penalty: float | None = None
     quality: str | None = None  # mode "auto": fast | beam | dynamic
     forest: str | None = None  # dsbd / dsbd-mem: fixed | adaptive (cost-aware gamma and W_S per iteration)
+    unique_paths: bool | None = None  # false: score repeated sequences again (same answers, more work)
 
 
 class _Sampling(BaseModel):

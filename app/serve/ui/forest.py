@@ -89,6 +89,9 @@ def forest_svg(forest: dict | None, decode: Callable[[list[int]], bytes] | None 
     ws, how = forest.get("draft_beams"), " (chosen adaptively)" if forest.get("adaptive") else ""
     sizes = f"γ={g}" + (f", W_S={ws}" if ws is not None else "") + how
     caption = f"Latest iteration: {sizes}, {len(layers)} layer(s) verified." if g is not None else ""
+    if caption and forest.get("query_tokens") is not None:  # the engine adds the target pass's token counts
+        caption += (f" Target pass: {forest['query_tokens']} query / {forest.get('distinct_tokens')} distinct "
+                    "tokens.")
     return f'<div class="dsbd-forest">{"".join(parts)}<div class="dsbd-caption">{caption}</div></div>'
 
 

@@ -58,6 +58,19 @@ def forest_line(stats: dict) -> str:
     return " · ".join(parts)
 
 
+def pass_tokens_line(stats: dict) -> str:
+    """Tokens each pass was asked for vs fed (unique paths score a repeated sequence once), e.g.
+    'target 18.5 / 7.2 · draft 9.0 / 4.1'."""
+    parts = []
+    for label, prefix in (("target", ""), ("draft", "draft_")):
+        q, d = stats.get(f"{prefix}query_tokens_per_pass"), stats.get(f"{prefix}distinct_tokens_per_pass")
+        if isinstance(q, (int, float)) and isinstance(d, (int, float)):
+            parts.append(f"{label} {q:.1f} / {d:.1f}")
+    if parts and stats.get("unique_paths") is False:
+        parts.append("unique paths off")
+    return " · ".join(parts)
+
+
 def stats_markdown(stats: dict | None, *, memory: bool = True) -> str:
     """A small table of the headline numbers plus one line each for acceptance, widths, KV and memory."""
     if not stats:
@@ -85,6 +98,8 @@ def stats_markdown(stats: dict | None, *, memory: bool = True) -> str:
         lines.append(f"**Widths chosen:** {widths}  ")
     if forests := forest_line(stats):
         lines.append(f"**Forest sizes chosen (adaptive):** {forests}  ")
+    if tokens := pass_tokens_line(stats):
+        lines.append(f"**Query / distinct tokens per pass:** {tokens}  ")
     kv_t, kv_d = stats.get("peak_kv_bytes_target"), stats.get("peak_kv_bytes_draft")
     if kv_t or kv_d:
         lines.append(f"**Peak KV:** target {_bytes(kv_t)} · draft {_bytes(kv_d)}  ")

@@ -10,7 +10,9 @@ commit), and a sequence extended by one token gets the key interned for (its key
 always mean equal sequences. Every pending key that was fed has a *location* in the inner context, an inner
 (row, node) whose content it is (node ROOT: the row's committed tokens plus its fed suffix), and the logits
 the inner returned for it. Duplicate rows commit as repeated inner rows (llama.cpp shares the cells,
-PyTorch duplicates them by a row gather).
+PyTorch duplicates them by a row gather). Where two rows' suffixes share a first token but not the rest (a
+draft after a full pass), the suffix is cut there and the rest goes in as nodes, so the shared token is fed
+once; a row whose inner row is taken gets its suffix as nodes too.
 
 Both classes count query tokens (the entries asked for: suffix tokens + nodes) and distinct tokens (what
 the inner context was fed) per `evaluate` (`last_query`, `last_distinct`) and in total.
@@ -91,7 +93,7 @@ class CountingContext:
 
 
 class UniquePaths(CountingContext):
-    """`ctx` asked for each distinct content key of the pending forest once (roots and nodes, every call).
+    """Feeds `ctx` each distinct content key of the pending forest once (roots and nodes, across calls).
 
     Expects `ctx` to have no pending forest when wrapped (a fresh context, or one whose next call is
     prefill / truncate / commit); committed rows are read with `ctx.tokens(row)`.

@@ -342,3 +342,29 @@ def test_engine_answers_with_unique_paths_on_and_off(engine, mode):
         if mode == "dsbd":
             assert 0 < s["draft_distinct_tokens_per_pass"] <= s["draft_query_tokens_per_pass"]
     assert off.stats["distinct_tokens_per_pass"] == off.stats["query_tokens_per_pass"]
+
+
+def test_bench_settings_and_summary_and_the_stats_panel_carry_the_counts():
+    from app.compare.bench import parse_mode, summarize
+    from app.serve.ui.forest import forest_svg
+    from app.serve.ui.stats import stats_markdown
+
+    assert parse_mode("beam-sample-repl:unique_paths=false", DecodeParams())[1].unique_paths is False
+    assert parse_mode("dsbd:unique_paths=true", DecodeParams())[1].unique_paths is True
+    with pytest.raises(ConfigError, match="true or false"):
+        parse_mode("dsbd:unique_paths=maybe", DecodeParams())
+    stats = {"tokens_per_s": 1.0, "acceptance_by_depth": {}, "widths_histogram": {}, "steps_per_target_pass": 1.0,
+             "peak_kv_bytes_target": 0, "peak_kv_bytes_draft": 0, "mean_target_logprob": None, "new_tokens": 4,
+             "draft_passes": 0, "unique_paths": True}
+    runs = [{"mode": "m", "stats": stats | {"target_passes": 1, "query_tokens_per_pass": 10.0,
+                                            "distinct_tokens_per_pass": 4.0}},
+            {"mode": "m", "stats": stats | {"target_passes": 3, "query_tokens_per_pass": 2.0,
+                                            "distinct_tokens_per_pass": 2.0}}]
+    s = summarize(runs, ["m"])["m"]
+    assert (s["query_tokens_per_pass"], s["distinct_tokens_per_pass"]) == (4.0, 2.5)  # weighted by passes
+    line = stats_markdown(runs[0]["stats"] | {"draft_query_tokens_per_pass": 6.0,
+                                              "draft_distinct_tokens_per_pass": 3.0}, memory=False)
+    assert "**Query / distinct tokens per pass:** target 10.0 / 4.0 · draft 6.0 / 3.0" in line
+    forest = {"gamma": 1, "draft_beams": 2, "query_tokens": 7, "distinct_tokens": 3,
+              "layers": [{"width": 1, "passed": True, "nodes": [{"parent": 0, "token": 1, "status": "accepted"}]}]}
+    assert "Target pass: 7 query / 3 distinct tokens." in forest_svg(forest)

@@ -242,11 +242,6 @@ def summarize(runs: list[dict], modes: list[str]) -> dict:
             mine_pp = [(s[key] * s[passes], s[passes]) for s in stats if key in s]
             if mine_pp:  # tokens a pass asked for / was fed (unique paths), over all passes of the mode
                 summary[mode][key] = sum(t for t, _ in mine_pp) / max(1, sum(n for _, n in mine_pp))
-        for key in ("query_tokens_per_pass", "distinct_tokens_per_pass",
-                    "draft_query_tokens_per_pass", "draft_distinct_tokens_per_pass"):
-            per_pass = [s[key] for s in stats if key in s]  # tokens a pass asked for / was fed (unique paths)
-            if per_pass:
-                summary[mode][key] = statistics.mean(per_pass)
         drafted = [s["draft_tokens"] for s in stats if "draft_tokens" in s]
         if drafted:  # share of the returned tokens that were accepted draft tokens
             summary[mode]["draft_token_share"] = sum(drafted) / max(1, tokens)

@@ -99,6 +99,13 @@ class ScriptedRand:
         return self._choose([int(k) for k in keys[nz]], [float(w) for w in np.asarray(probs)[nz]])
 
 
+    def draws(self, p, n: int) -> np.ndarray:
+        return np.array([self.categorical(p.keys, p.probs) for _ in range(n)], dtype=np.int64)
+
+    def integer(self, n: int) -> int:
+        return self._choose(list(range(n)), [1.0 / n] * n)
+
+
 def enumerate_paths(
     run: Callable[[ScriptedRand], Any], branch_categorical: bool = True
 ) -> Iterator[tuple[Any, float]]:

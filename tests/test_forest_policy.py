@@ -60,21 +60,23 @@ class Scripted(ForestPolicy):
 
 # --- (a) reductions --------------------------------------------------------------------------------------
 
-# Answers of the decoder BEFORE the policy existed (commit db616c4), seeds 0..5, on the sequence-hash models.
+# Answers of the fixed-forest decoder (cache rule on, no lookup nodes), seeds 0..5, on the sequence-hash models.
+# Seeds whose run never hit the cache nor merged equal beams give the answers of the decoder before the cache
+# rule (commit db616c4) token for token: 14 of these 24.
 BEFORE = {
     ("dsbd", (("beams", 3), ("draft_beams", 4), ("gamma", 3), ("max_new_tokens", 12))): [
-        "9,11,1,2,4,8,0,3,11,5,10,0", "4,6,6,9,5,1,6,6,2,1,5,0", "10,3,1,7,4,11,4,10,7,7,5,11",
-        "7,8,2,2,8,1,10,11,10,3,6,0", "6,8,9,0,7,11,5,3,0,2,2,5", "3,4,1,4,0,0,2,10,8,9,0,4"],
+        "9,11,1,2,4,8,0,3,11,5,10,0", "4,6,6,9,5,5,10,6,0,6,0,8", "10,3,1,7,4,11,4,10,5,5,7,4",
+        "7,5,4,10,10,0,4,10,10,1,4,10", "6,8,8,9,11,4,6,5,5,10,4,4", "3,4,1,4,0,0,2,10,8,9,0,4"],
     ("dsbd", (("beams", 2), ("draft_beams", 3), ("gamma", 2), ("max_new_tokens", 10), ("min_beams", 2))): [
-        "3,4,11,6,2,7,9,5,8,7", "3,4,2,4,1,3,9,8,11,9", "9,9,2,2,2,4,5,10,9,6", "7,5,2,0,11,3,0,2,3,7",
+        "3,4,11,6,2,7,9,5,8,7", "3,4,2,4,1,3,9,8,11,9", "9,9,2,4,11,2,8,7,5,7", "7,5,2,0,11,3,0,2,3,7",
         "4,6,11,1,8,11,7,10,3,5", "3,1,1,10,5,4,4,4,0,3"],
     ("dsbd-mem", (("beams", 2), ("draft_beams", 3), ("gamma", 3), ("max_new_tokens", 12))): [
         "3,4,2,5,3,2,5,2,10,11,10,3", "3,4,6,5,6,3,0,1,3,7,3,8", "9,1,2,4,8,5,11,11,8,0,2,0",
-        "7,4,7,1,0,8,6,9,2,1,7,4", "4,5,4,1,9,9,7,0,5,4,8,1", "4,5,0,11,5,0,5,5,10,6,6,7"],
+        "7,9,3,3,11,6,10,3,0,9,0,4", "4,5,4,1,9,9,7,0,5,4,8,1", "4,5,0,11,2,5,2,6,5,3,1,0"],
     ("dsbd-mem", (("beams", 3), ("draft_beams", 5), ("gamma", 4), ("max_new_tokens", 12), ("select", "sample"),
                   ("threshold", 0.5))): [
-        "8,9,8,7,5,8,6,7,5,5,7,1", "3,1,3,2,8,1,1,10,2,5,6,4", "4,5,1,7,3,1,5,7,1,4,7,1",
-        "7,5,4,6,8,1,11,5,10,3,8,6", "1,3,3,4,3,11,11,9,2,9,11,6", "3,4,6,9,0,6,6,8,6,11,1,9"],
+        "8,9,8,7,5,1,7,10,4,9,11,2", "3,1,3,2,8,1,1,10,2,6,3,9", "4,5,1,7,3,1,5,7,1,4,7,1",
+        "7,1,1,9,10,10,1,9,2,4,3,2", "1,3,3,4,3,11,11,9,2,9,11,6", "3,4,6,9,0,6,6,8,6,11,1,9"],
 }
 CASES = [(mode, dict(kw)) for mode, kw in BEFORE]
 
@@ -116,17 +118,18 @@ def test_adaptive_gamma_zero_only_is_beam_sampling_token_for_token(seed):
 
 @pytest.mark.parametrize("mode", ["dsbd", "dsbd-mem"])
 def test_self_draft_accepts_everything_across_undrafted_iterations(mode):
-    """Draft = target on a whole-sequence model: every valid draft is accepted iff the draft saw exactly the
-    target's context. A gamma-0 iteration that left the draft's rows behind (rows not following their roots,
-    tokens not fed later) would make q differ from p and reject drafts."""
+    """Draft = target on a whole-sequence model: at depth 1 (parents = the live rows, so q = p_beam exactly)
+    every valid draft is accepted iff the draft saw exactly the target's context. A gamma-0 iteration that left
+    the draft's rows behind (rows not following their roots, tokens not fed later) would make q differ from p
+    and reject drafts. (Deeper, equal drafts merged by content can make q exceed p: rejections are legitimate.)"""
     for seed in range(8):
         params = DecodeParams(mode=mode, beams=3, draft_beams=4, gamma=3, max_new_tokens=16, seed=seed).validated()
         script = Scripted([(0, 3), (2, 4), (0, 3), (0, 3), (3, 3), (1, 4)], params)
         _, m, _ = decode(mode, SEQ_TARGET, SEQ_TARGET, seed=seed, vocab=SV, forest="adaptive", policy=script,
                          beams=3, draft_beams=4, gamma=3, max_new_tokens=16)
-        layers = m.layers.values()
-        assert sum(s.tested for s in layers) > 0 and m.draft_passes > 0
-        assert all(s.accepted == s.tested for s in layers), (seed, m.as_dict()["acceptance_by_depth"])
+        first = m.layers[1]
+        assert first.tested > 0 and m.draft_passes > 0
+        assert first.accepted == first.tested, (seed, m.as_dict()["acceptance_by_depth"])
         assert any(g == 0 for g, _ in m.forests[:-1]) and any(g > 0 for g, _ in m.forests[1:])
 
 
@@ -439,7 +442,11 @@ def test_engine_adaptive_forest_on_tiny(tiny_gguf_path):
         assert stats["forest_policy"] == "adaptive" and stats["new_tokens"] > 0
         assert sum(stats["forest_sizes"].values()) == stats["iterations"]
         assert all(ev.forest["adaptive"] for ev in events[:-1] if ev.forest)
-        # Same seed, same calibration: the same answer (the choice is deterministic given the past).
+        # Same seed, same calibration, same carried counts: the same answer (the choice is deterministic given
+        # the past); the counts the first answer left are the engine's now.
+        (key,) = e._acceptance
+        learnt = e._acceptance.pop(key)
+        assert learnt.layers > 0 and stats["forest_sizes"] != {"g0": stats["iterations"]}  # explored: drafted
         assert list(e.chat(msgs, params))[-1].text == events[-1].text
         # GPU-like costs: it drafts, and deep (the tiny preset drafts for itself, so nearly every layer passes).
         e.policy.target_cost, e.policy.draft_cost = GPU

@@ -15,7 +15,7 @@ from backends.base import ROOT, Context, Forest, Path
 from . import Step, rng_streams
 from .beams import Beam, Pool, Stopper, common_prefix, final_choice
 from .metrics import Metrics
-from .sampling import SeededRand, Warp, log_softmax, residual_chain, sample_iid, warp_joint
+from .sampling import Rand, SeededRand, Warp, draw_without_replacement, log_softmax, residual_chain, sample_iid, warp_joint
 
 
 def warp_of(params) -> Warp:
@@ -102,18 +102,22 @@ def beam_search(*, target, prompt, params, stopper, metrics, **_) -> Iterator[St
                       choose=choose)
 
 
-def beam_sampling(*, target, prompt, params, stopper, metrics, **_) -> Iterator[Step]:
-    """Baselines A (with replacement) and B (without replacement); W = 1 is multinomial sampling."""
+def beam_sampling(*, target, prompt, params, stopper, metrics, rand: Rand | None = None, **_) -> Iterator[Step]:
+    """Baselines A (with replacement) and B (without replacement); W = 1 is multinomial sampling.
+    `rand` replaces the seeded stream (tests enumerate every outcome; B then draws sequentially)."""
     _, rng = rng_streams(params.seed)
     warp = warp_of(params)
     width = 1 if params.mode == "sample" else params.beams
     replace = params.mode != "beam-sample"
+    draws = rand or SeededRand(rng)
 
     def choose(z: np.ndarray, _) -> list[tuple[int, int]]:
         p = warp_joint(z, warp)
         if replace:
-            keys = sample_iid(p, width, rng)
-        else:  # W distinct pairs: the W largest log p + Gumbel noise
+            keys = draws.draws(p, width)
+        elif rand is not None:
+            keys = draw_without_replacement(p, width, rand)
+        else:  # W distinct pairs: the W largest log p + Gumbel noise (the law of W sequential draws)
             g = np.log(p.probs) + rng.gumbel(size=len(p.probs))
             keys = p.keys[np.argsort(-g, kind="stable")[:width]]
         return [divmod(int(k), z.shape[1]) for k in keys]

@@ -1,15 +1,22 @@
-"""DSBD: dynamic-width speculative beam decoding (spec §3-§10), full and memory-reduced modes.
+"""DSBD: dynamic-width speculative beam decoding (spec §3-§10, §16), full and memory-reduced modes.
 
-One iteration: 1. draft beam sampling (g draft passes, W_S i.i.d. pairs per layer)  2. ONE target pass
-over the whole forest  3. verify layer by layer (multi-step speculative sampling over (beam, token)
-pairs, width from the acceptance DP)  4. commit both caches along the output beams' paths  5. reduce
-to one beam in memory mode and stream the final prefix.
+One iteration, in the order it runs:
+  1. draft   the draft beam-samples g layers of W_S pairs (with or without replacement), plus lookup nodes
+  2. score   ONE target pass over every root suffix and every forest node
+  3. verify  layer by layer: multi-step speculative sampling over (beam, token) pairs, width from the acceptance
+             DP; a layer passes when every output is already a forest node (the cache rule, spec §16.2)
+  4. retire  finished beams join the pool; memory mode keeps one beam
+  5. commit  both caches keep the KV along the kept beams' paths
+
+Beams inside an iteration are rows of a multiset: the outputs of the previous layer in slot order, duplicates
+kept, so p_beam is baseline A's (or B's) exactly. Drafts are mapped onto those rows by content (spec §16.2).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Iterator, Sequence
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -21,226 +28,434 @@ from .baselines import pad_vocab, warp_of
 from .beams import Beam, Pool, Stopper, common_prefix, final_choice
 from .forest_policy import ForestPolicy
 from .metrics import Metrics
-from .sampling import Draft, Joint, SeededRand, log_softmax, residual_chain, sample_iid, verify_layer, warp_joint
+from .sampling import (Draft, DraftWOR, Joint, Rand, SeededRand, draw_without_replacement, log_softmax,
+                       residual_chain, sample_without_replacement, verify_layer, verify_layer_without_replacement,
+                       warp_joint)
 from .width import choose_width
+
+
+# ------------------------------------------------------------------------------------------------ the forest
+
+@dataclass(eq=False)
+class Node:
+    """One forest node; `up` is its parent node (None at depth 1: it hangs off root row `root`)."""
+
+    token: int
+    up: "Node | None"
+    root: int
+    content: int  # content id: equal ids are equal token sequences (spec §16.1)
+    tid: int  # pending node id in the target context
+    slot: int | None = None  # draft slot in draw order; None for a lookup node (never a proposal, spec §16.3)
+    parent: int = -1  # draft: index of its parent in q's parent space (previous layer's drafts / root rows)
+    qval: float = 0.0  # draft: q_beam of its pair
+    rest: float = 1.0  # draft: q mass not drawn before it (without replacement; 1 with replacement)
+    ended: bool = False  # the path ends here (EOS / stop string): no children
+    did: int | None = None  # pending node id in the draft context (None: never fed to the draft)
+
+    def chain(self) -> tuple["Node", ...]:
+        out, n = [], self
+        while n is not None:
+            out.append(n)
+            n = n.up
+        return tuple(reversed(out))
+
+
+@dataclass
+class Layer:
+    q: Joint | None  # q_beam over (parent, token): parents = the previous layer's drafts (root rows at depth 1)
+    parent_content: list[int]  # content id of each of q's parents
+    drafts: list[Node]  # in draw order
+    lookups: list[Node]
+
+    @property
+    def nodes(self) -> list[Node]:
+        return self.drafts + self.lookups
+
+    def first_node(self) -> dict[int, Node]:
+        """content id -> the node that holds it (the lowest slot when several do)."""
+        out: dict[int, Node] = {}
+        for n in self.nodes:
+            out.setdefault(n.content, n)
+        return out
+
+
+class Contents:
+    """Interned content ids: a root's id from its tokens, a node's from (parent id, token)."""
+
+    def __init__(self) -> None:
+        self.ids: dict = {}
+
+    def root(self, tokens: tuple[int, ...]) -> int:
+        return self.ids.setdefault(("r", tokens), len(self.ids))
+
+    def child(self, parent: int, token: int) -> int:
+        return self.ids.setdefault((parent, token), len(self.ids))
+
+    def find(self, parent: int, token: int) -> int | None:
+        return self.ids.get((parent, token))
 
 
 @dataclass(frozen=True)
 class Handle:
-    """A beam inside an iteration: its root row, accepted forest nodes (depth order), target log-probs."""
+    """A beam inside an iteration: root row, the forest nodes it runs through (depth order), target log-probs."""
 
     root: int
-    chain: tuple[int, ...]
+    chain: tuple[Node, ...]
     beam: Beam
-    lp: np.ndarray | None  # [vocab] raw target log p(. | beam); None for an output-layer beam
+    content: int
+    lp: np.ndarray | None  # [vocab] raw target log p(. | beam); None for an output beam
 
 
-@dataclass
-class DraftLayer:
-    q: Joint  # q_beam^(l) over (parent slot, token) keys
-    parents: np.ndarray  # [W_S] parent index (root row at l = 1, layer-(l-1) slot after)
-    tokens: np.ndarray  # [W_S]
-    qvals: np.ndarray  # [W_S]
-    roots: np.ndarray  # [W_S]
-    finished: np.ndarray  # [W_S] bool: the drafted path ended (EOS / stop string)
+# lookups(depth, parent contents, previous layer's nodes or None, q_beam or None, drafts) -> [(parent, token)]:
+# parent indexes the previous layer's nodes, drafts first (the root rows at depth 1); parent contents are theirs.
+# Chosen from what is known before the layer's tests (spec §16.3).
+Lookups = Callable[[int, list[int], Sequence[Node] | None, Joint | None, list[Node]], list[tuple[int, int]]]
 
 
-def _draft(*, draft: Context, live: Sequence[Beam], suffix, g: int, ws: int, params, stopper: Stopper,
-           vocab: int, rng: np.random.Generator, metrics: Metrics) -> list[DraftLayer]:
-    """Draft beam sampling for up to g layers of ws drafts; fewer if every drafted path ended."""
-    warp = warp_of(params)
-    scores = np.array([b.score for b in live])
-    dscore = scores - scores.max()  # seeded with target scores (spec §4.1), best = 0
-    roots = np.arange(len(live))
-    paths = [b.tokens for b in live]
-    ended = np.zeros(len(live), bool)
-    layers: list[DraftLayer] = []
-    logits = draft.evaluate(Forest(suffix=tuple(suffix))).roots  # [n_in, V]
-    metrics.draft_passes += 1
-    for l in range(1, g + 1):
-        lq = log_softmax(pad_vocab(logits, vocab))  # [parents, V] raw draft log-probs
-        z = dscore[:, None] + lq
-        z[ended] = -np.inf  # a drafted path that ended has no children
-        q = warp_joint(z, warp)
-        keys = sample_iid(q, ws, rng)  # i.i.d. with replacement (spec §4: exactness needs it)
-        par, tok = keys // vocab, keys % vocab
-        paths = [paths[p] + (int(t),) for p, t in zip(par, tok)]
-        layer = DraftLayer(q=q, parents=par, tokens=tok, qvals=q.lookup(keys), roots=roots[par],
-                           finished=np.array([stopper.finished(p) for p in paths]))
-        layers.append(layer)
-        dscore, roots, ended = dscore[par] + lq[par, tok], layer.roots, layer.finished
-        if l == g or ended.all():
-            break
-        # Feed layer l so its logits give layer l+1; node ids continue across layers (slot + (l-1) W_S).
-        base = (l - 1) * ws
-        logits = draft.evaluate(Forest(
-            tokens=tuple(int(t) for t in tok),
-            parents=tuple(ROOT if l == 1 else int(base - ws + p) for p in par),
-            rows=tuple(int(r) for r in layer.roots))).nodes
-        metrics.draft_passes += 1
-    return layers
-
-
-def _target_forest(suffix, layers: list[DraftLayer], ws: int) -> Forest:
-    tokens, parents, rows = [], [], []
-    for l, layer in enumerate(layers, start=1):
-        for p, t, r in zip(layer.parents, layer.tokens, layer.roots):
-            tokens.append(int(t))
-            parents.append(ROOT if l == 1 else int((l - 2) * ws + p))
-            rows.append(int(r))
-    return Forest(suffix=tuple(suffix), tokens=tuple(tokens), parents=tuple(parents), rows=tuple(rows))
-
-
-def _extend(h: Handle, token: int, node: int | None, node_lp: np.ndarray | None, *,
-            drafted: bool | None = None) -> Handle:
-    """h + token; `node` (the forest node holding token) joins the chain of KV kept at commit."""
-    beam = Beam(h.beam.tokens + (token,), h.beam.score + float(h.lp[token]),
-                drafted=h.beam.drafted + (node is not None if drafted is None else drafted,))
-    return Handle(h.root, h.chain + ((node,) if node is not None else ()), beam, node_lp)
-
+# -------------------------------------------------------------------------------------------------- decoder
 
 def dsbd(*, target: Context, draft: Context, prompt: Sequence[int], params, stopper: Stopper,
-         metrics: Metrics, vocab: int, costs=None, policy: ForestPolicy | None = None, **_) -> Iterator[Step]:
+         metrics: Metrics, vocab: int, costs=None, policy: ForestPolicy | None = None,
+         lookups: Lookups | None = None, rands: tuple[Rand, Rand] | None = None, **_) -> Iterator[Step]:
     """DSBD generator; `params.mode` is "dsbd" (full) or "dsbd-mem" (one beam between iterations).
 
-    params.forest == "adaptive": a ForestPolicy picks gamma <= params.gamma and W <= W_S <= params.draft_beams
-    before each iteration from `costs` = (target, draft) pass-cost curves (or an injected `policy`).
+    params.replacement "with" reproduces beam sampling with replacement (baseline A), "without" conventional
+    beam sampling (baseline B, spec §16.5). params.forest == "adaptive": a ForestPolicy picks gamma and W_S per
+    iteration from `costs` = (target, draft) pass-cost curves (or an injected `policy`). `lookups` overrides the
+    choice of lookup nodes (default: q_beam's most likely pairs no draft drew, params.lookup_nodes per layer).
+    `rands` = (draft, verify) randomness replaces the seeded streams (tests enumerate every outcome).
     """
-    memory = params.mode == "dsbd-mem"
-    w = params.beams
-    policy = _forest_policy(params, costs, policy)
-    metrics.forest_policy = params.forest
-    warp, lam = warp_of(params), params.length_penalty
-    rng_draft, rng_verify = rng_streams(params.seed)
-    rand = SeededRand(rng_verify)
-    n_extra = 1 if memory and params.select == "sample" else w
-
+    run = _Run(params, stopper, metrics, vocab, _forest_policy(params, costs, policy),
+               lookups or _top_q_lookups(getattr(params, "lookup_nodes", 0)), rands)
     target.prefill(prompt[:-1])
     draft.prefill(prompt[:-1])
     metrics.mark_prefilled()
-    live = [Beam((), 0.0)]
-    t_suffix, d_suffix = [(prompt[-1],)], [(prompt[-1],)]
-    pool = Pool(w, lam)
-
-    def finish(candidates: Sequence[Beam]) -> Step:
-        best = final_choice(pool.beams, candidates, lam)
-        metrics.finish_reason = "stop" if best.finished else "length"
-        return Step(final=best.tokens, live=0, done=True, output=best)
-
+    live, t_suffix, d_suffix = [Beam((), 0.0)], [(prompt[-1],)], [(prompt[-1],)]
     while True:
         metrics.iterations += 1
-        g = min(params.gamma, params.max_new_tokens - len(live[0].tokens) - 1)
-        ws = params.draft_beams
-        if policy is not None:  # from the past only (earlier layers' counts): the output law is unchanged
-            g, ws = policy.choose(max_gamma=g, roots=sum(map(len, t_suffix)), draft_roots=sum(map(len, d_suffix)))
-        metrics.forests.append((g, ws))
-        # 1. draft
-        layers = _draft(draft=draft, live=live, suffix=d_suffix, g=g, ws=ws, params=params, stopper=stopper,
-                        vocab=vocab, rng=rng_draft, metrics=metrics) if g > 0 else []
-        g = len(layers)
-        # 2. one target pass over every root suffix and every draft node
-        out = target.evaluate(_target_forest(t_suffix, layers, ws))
-        metrics.target_passes += 1
+        g, ws = run.sizes(live, t_suffix, d_suffix)
+        contents = Contents()
+        roots = [contents.root(b.tokens) for b in live]
+        layers, evaluated = run.draft(draft, live, roots, d_suffix, g, ws, contents)       # 1. draft
+        root_lp, node_lp = run.score(target, t_suffix, layers)                              # 2. score
         metrics.track_kv(target, draft)
-        root_lp = log_softmax(out.roots)  # [n_in, V]
-        node_lp = _LazyRows(out.nodes)  # [g * W_S, V], log-softmaxed only for the nodes a layer accepts
-        # 3. verify layer by layer
-        parents = [Handle(r, (), b, root_lp[r]) for r, b in enumerate(live)]  # index = parent key space
-        valid = np.ones(len(parents), bool)
-        output: list[Handle] | None = None
-        stop_now = False
-        snapshot = []
-        for l, layer in enumerate(layers, start=1):
-            p = _p_beam(parents, valid, warp, vocab)
-            S, R, alpha = residual_chain(p, layer.q, ws)
-            width = choose_width(alpha, params.threshold, params.min_beams, w)
-            drafts = [Draft(key=int(pa * vocab + t), qval=float(qv), valid=bool(valid[pa]))
-                      for pa, t, qv in zip(layer.parents, layer.tokens, layer.qvals)]
-            passed, picked = verify_layer(drafts, S, R, width, rand)
-            used = _count(metrics, l, drafts, picked, passed, width)
-            if policy is not None:
-                accepted = {i for _, i in picked if i is not None}
-                policy.observe(l, ws, outcomes=[i in accepted for i in range(used)], passed=passed)
-            snapshot.append(_layer_view(layer, drafts, picked, passed, width, vocab))
-            base = (l - 1) * ws
-            beams = [_extend(parents[k // vocab], k % vocab,
-                             None if i is None else base + i,
-                             None if i is None else node_lp[base + i]) for k, i in picked]
-            if not passed:
-                # Failed layer = output layer (exactly W_L beams). Its tokens, drafted or not, are the next
-                # uncached suffix x_o (spec §8): an accepted draft's node must not join the committed chain,
-                # or the target would see x_o twice (bigram toy models cannot tell; real models can).
-                output = [_extend(parents[k // vocab], k % vocab, None, None, drafted=i is not None)
-                          for k, i in picked]
-                break
-            ended = [stopper.finished(h.beam.tokens) for h in beams]
-            if not memory:
-                for h, e in zip(beams, ended):
-                    if e:
-                        pool.add(replace(h.beam, finished=True))
-            still = [h for h, e in zip(beams, ended) if not e]
-            if not still:  # a passed layer that leaves no live beam becomes the output layer
-                output = beams
-                break
-            if not memory and pool.is_done([h.beam for h in still]):
-                stop_now, output = True, still
-                break
-            # accepted, unfinished nodes parent the next layer; keyed by their draft slot
-            parents = [None] * ws
-            valid = np.zeros(ws, bool)
-            for (_, i), h, e in zip(picked, beams, ended):
-                if not e:
-                    parents[i], valid[i] = h, True
-        else:  # every layer passed: the extra layer from the last layer's logits
-            p = _p_beam(parents, valid, warp, vocab)
-            keys = sample_iid(p, n_extra, rng_verify)
-            output = [_extend(parents[k // vocab], int(k % vocab), None, None) for k in keys]
+        rows = [Handle(r, (), b, roots[r], root_lp[r]) for r, b in enumerate(live)]
+        output, stop = run.verify(layers, rows, node_lp, contents)                          # 3. verify
         metrics.steps.append(len(output[0].beam.tokens) - len(live[0].tokens))
         metrics.mark_first_token()
-
-        if stop_now:
-            yield finish([h.beam for h in output])
+        nxt, done = run.retire(output, stop)                                                # 4. retire
+        if done is not None:
+            yield run.finish(done)
             return
-        # 5. retire finished beams; memory mode carries one
-        ended = [stopper.finished(h.beam.tokens) for h in output]
-        if memory:
-            if params.select == "sample":
-                keep = 0  # slot 1: an exact p_beam draw (spec §9)
-            else:  # best: highest s; ties lowest slot
-                keep = max(range(len(output)), key=lambda i: (output[i].beam.score, -i))
-            carried = output[keep]
+        metrics.carried.append(len(nxt))
+        target.commit([Path(h.root, tuple(n.tid for n in h.chain)) for h in nxt])          # 5. commit
+        d_suffix = run.commit_draft(draft, nxt, live, d_suffix, evaluated)
+        live = [h.beam for h in nxt]
+        t_suffix = [(b.tokens[-1],) for b in live]
+        final = live[0].tokens if run.memory else common_prefix([b.tokens for b in live + run.pool.beams])
+        yield Step(final=final, live=len(live), forest=run.view(g, ws))
+
+
+class _Run:
+    """One generation's settings and state; one method per phase of the iteration."""
+
+    def __init__(self, params, stopper: Stopper, metrics: Metrics, vocab: int, policy, lookups: Lookups,
+                 rands: tuple[Rand, Rand] | None) -> None:
+        self.params, self.stopper, self.metrics, self.vocab = params, stopper, metrics, vocab
+        self.policy, self.lookups = policy, lookups
+        self.memory = params.mode == "dsbd-mem"
+        self.without = getattr(params, "replacement", "with") == "without"
+        self.w, self.warp, self.lam = params.beams, warp_of(params), params.length_penalty
+        self.draft_rand, self.rand = rands or tuple(SeededRand(r) for r in rng_streams(params.seed))
+        self.n_extra = 1 if self.memory and params.select == "sample" else self.w
+        self.pool = Pool(self.w, self.lam)
+        self.snapshot: list[dict] = []
+        metrics.forest_policy = params.forest
+
+    # -- sizes -----------------------------------------------------------------------------------------
+    def sizes(self, live, t_suffix, d_suffix) -> tuple[int, int]:
+        """(gamma, W_S) of this iteration; an adaptive policy decides from the past only (spec §16.4)."""
+        g = min(self.params.gamma, self.params.max_new_tokens - len(live[0].tokens) - 1)
+        ws = self.params.draft_beams
+        if self.policy is not None:
+            g, ws = self.policy.choose(max_gamma=g, roots=sum(map(len, t_suffix)),
+                                       draft_roots=sum(map(len, d_suffix)))
+        self.metrics.forests.append((g, ws))
+        return g, ws
+
+    # -- 1. draft ----------------------------------------------------------------------------------------
+    def draft(self, draft: Context, live: Sequence[Beam], roots: list[int], suffix, g: int, ws: int,
+              contents: Contents) -> tuple[list[Layer], bool]:
+        """Draft beam sampling (spec §4) for up to g layers of ws pairs, plus lookup nodes. Layer l's q comes from
+        feeding layer l-1's drafts; drafting stops early when every drafted path ended. Returns the layers and
+        whether the draft context was evaluated."""
+        if g == 0:
+            return [], False
+        drafting = ws > 0
+        scores = np.array([b.score for b in live])
+        dscore = scores - scores.max()  # seeded with target scores (spec §4.1), best = 0
+        prev: list[Node] | None = None  # previous layer's nodes (None: the root rows)
+        q_parents: list[Node] | None = None  # q's parents: the previous layer's drafts
+        parent_content, ended, paths = list(roots), np.zeros(len(live), bool), [b.tokens for b in live]
+        logits = draft.evaluate(Forest(suffix=tuple(suffix))).roots if drafting else None  # [n_in, V]
+        self.metrics.draft_passes += int(drafting)
+        layers: list[Layer] = []
+        tid = fed = 0  # pending node ids handed out in the target / draft context
+        for l in range(1, g + 1):
+            q, drafts = None, []
+            if drafting:
+                lq = log_softmax(pad_vocab(logits, self.vocab))  # [parents, V] raw draft log-probs
+                z = dscore[:, None] + lq
+                z[ended] = -np.inf  # an ended path has no children
+                q = warp_joint(z, self.warp)
+                if self.without:  # distinct pairs, each with the q mass left before it (spec §16.5)
+                    keys, rest = sample_without_replacement(q, ws, self.draft_rand)
+                else:  # i.i.d. (spec §4)
+                    keys, rest = self.draft_rand.draws(q, ws), np.ones(ws)
+                for j, (k, qv, rs) in enumerate(zip(keys, q.lookup(keys), rest)):
+                    par, tok = int(k // self.vocab), int(k % self.vocab)
+                    up = None if q_parents is None else q_parents[par]
+                    drafts.append(Node(tok, up, par if up is None else up.root,
+                                       contents.child(parent_content[par], tok), tid + j, slot=j, parent=par,
+                                       qval=float(qv), rest=float(rs),
+                                       ended=self.stopper.finished(paths[par] + (tok,))))
+                tid += len(drafts)
+            lookups = []
+            for par, tok in self.lookups(l, roots if prev is None else [n.content for n in prev], prev, q, drafts):
+                up = None if prev is None else prev[par]
+                lookups.append(Node(tok, up, par if up is None else up.root,
+                                    contents.child(roots[par] if up is None else up.content, tok), tid))
+                tid += 1
+            layers.append(Layer(q, parent_content, drafts, lookups))
+            if l == g or not (drafts or lookups):
+                break
+            prev = drafts + lookups
+            drafting = drafting and not all(n.ended for n in drafts)
+            if not drafting:
+                continue  # lookup nodes only from here on
+            for j, n in enumerate(drafts):  # layer l is fed: it parents layer l + 1
+                n.did = fed + j
+            logits = draft.evaluate(Forest(
+                tokens=tuple(n.token for n in drafts),
+                parents=tuple(ROOT if n.up is None else n.up.did for n in drafts),
+                rows=tuple(n.root for n in drafts))).nodes
+            self.metrics.draft_passes += 1
+            fed += len(drafts)
+            par = np.array([n.parent for n in drafts])
+            dscore = dscore[par] + lq[par, [n.token for n in drafts]]
+            paths = [paths[n.parent] + (n.token,) for n in drafts]
+            ended = np.array([n.ended for n in drafts])
+            q_parents, parent_content = drafts, [n.content for n in drafts]
+        return layers, logits is not None
+
+    # -- 2. score ----------------------------------------------------------------------------------------
+    def score(self, target: Context, suffix, layers: list[Layer]):
+        """ONE target pass over every root suffix and every node (spec §7), nodes in target-id order."""
+        nodes = [n for layer in layers for n in layer.nodes]
+        out = target.evaluate(Forest(suffix=tuple(suffix), tokens=tuple(n.token for n in nodes),
+                                     parents=tuple(ROOT if n.up is None else n.up.tid for n in nodes),
+                                     rows=tuple(n.root for n in nodes)))
+        self.metrics.target_passes += 1
+        return log_softmax(out.roots), _LazyRows(out.nodes)
+
+    # -- 3. verify ---------------------------------------------------------------------------------------
+    def verify(self, layers: list[Layer], rows: list[Handle], node_lp, contents: Contents):
+        """Layer by layer (spec §5, §6, §16.2). Returns (output beams, stop now)."""
+        self.snapshot = []
+        for l, layer in enumerate(layers, start=1):
+            outputs, drafts, by_drafts, width = self.verify_layer(layer, rows)
+            hits = layer.first_node()
+            nodes = [hits.get(contents.find(rows[k // self.vocab].content, k % self.vocab)) for k, _ in outputs]
+            passed = all(n is not None for n in nodes)
+            self._record(l, layer, drafts, outputs, nodes, by_drafts, passed, width)
+            if not passed:  # the output layer: its tokens are the next uncached suffix (spec §8)
+                return [self._extend(rows[k // self.vocab], k % self.vocab, None, drafted=i is not None)
+                        for k, i in outputs], False
+            beams = [self._extend(rows[k // self.vocab], k % self.vocab, n, node_lp[n.tid], drafted=i is not None)
+                     for (k, i), n in zip(outputs, nodes)]
+            ended = [self.stopper.finished(h.beam.tokens) for h in beams]
+            still = [h for h, e in zip(beams, ended) if not e]
+            if not self.memory:
+                for h, e in zip(beams, ended):
+                    if e:
+                        self.pool.add(replace(h.beam, finished=True))
+            if not still:  # a passed layer that leaves no live beam becomes the output layer
+                return beams, False
+            if not self.memory and self.pool.is_done([h.beam for h in still]):
+                return still, True
+            rows = still
+        p = self._p_beam(rows)  # every layer passed: the extra layer from the last logits
+        if self.without:
+            keys = draw_without_replacement(p, self.n_extra, self.rand)
+        else:
+            keys = self.rand.draws(p, self.n_extra)
+        return [self._extend(rows[k // self.vocab], int(k % self.vocab), None) for k in keys], False
+
+    def verify_layer(self, layer: Layer, rows: list[Handle]):
+        """One layer's W_L outputs [(key over rows, draft index or None)], its drafts as tested, whether the
+        drafts alone filled it, and W_L."""
+        p = self._p_beam(rows)
+        q, drafts = self._drafts_on_rows(layer, rows)
+        if drafts:
+            S, R, alpha = residual_chain(p, q, len(drafts))
+        else:
+            S, R, alpha = p.keys, None, np.zeros(0)
+        width = choose_width(alpha, self.params.threshold, self.params.min_beams, self.w)
+        if self.without:
+            width = min(width, len(p))
+            q_S = q.lookup(S) if drafts else np.zeros(len(S))
+            by_drafts, outputs = verify_layer_without_replacement(drafts, p, q_S, width, self.rand)
+        elif drafts:
+            by_drafts, outputs = verify_layer(drafts, S, R, width, self.rand)
+        else:  # lookup nodes only: baseline A's step on cached logits (spec §16.3)
+            by_drafts, outputs = False, [(int(k), None) for k in self.rand.draws(p, width)]
+        return outputs, drafts, by_drafts, width
+
+    def _drafts_on_rows(self, layer: Layer, rows: list[Handle]):
+        """The layer's drafts as proposals over the rows, keyed by content (spec §16.2): a draft under content c
+        goes to one of c's m rows at random, and q_rows(row, t) = (q summed over c's parents) / m, the law of
+        the mapped draft. A draft whose parent content has no row is an invalid-parent draft (certain
+        rejection; its q mass stays off S)."""
+        if not layer.drafts:
+            return None, []
+        V, q = self.vocab, layer.q
+        members: dict[int, list[int]] = defaultdict(list)
+        for i, h in enumerate(rows):
+            members[h.content].append(i)
+        par_content = np.array(layer.parent_content)[q.keys // V]  # [|q|] content of each pair's parent
+        keys, vals = [], []
+        for c, idx in members.items():
+            sel = par_content == c  # q's pairs under content c
+            if sel.any():  # else: a valid row with no drafted children (q mass 0 there)
+                for i in idx:
+                    keys.append(i * V + q.keys[sel] % V)
+                    vals.append(q.probs[sel] / len(idx))
+        if keys:
+            uk, inv = np.unique(np.concatenate(keys), return_inverse=True)  # slots of one content add up
+            q_rows = Joint(uk.astype(np.int64), np.bincount(inv, weights=np.concatenate(vals)), V)
+        else:
+            q_rows = Joint(np.zeros(0, np.int64), np.zeros(0), V)
+        out: list = []
+        for n in layer.drafts:
+            idx = members.get(layer.parent_content[n.parent], [])
+            if idx:
+                key = idx[self.draft_rand.integer(len(idx)) if len(idx) > 1 else 0] * V + n.token
+                qv = float(q_rows.lookup(np.array([key]))[0])
+            else:
+                key, qv = len(rows) * V + n.token, n.qval  # outside S
+            out.append(DraftWOR(key, qv, n.rest, bool(idx)) if self.without else Draft(key, qv, bool(idx)))
+        return q_rows, out
+
+    def _p_beam(self, rows: Sequence[Handle]) -> Joint:
+        """p_beam over rows x V: joint raw target log-scores, warped (spec §2.1)."""
+        return warp_joint(np.stack([h.beam.score + h.lp for h in rows]), self.warp)  # [rows, V]
+
+    def _extend(self, h: Handle, token: int, node: Node | None, lp=None, *, drafted: bool = False) -> Handle:
+        """h + token; on a node, the beam runs through that node's own path (equal content, same tokens)."""
+        beam = Beam(h.beam.tokens + (token,), h.beam.score + float(h.lp[token]), drafted=h.beam.drafted + (drafted,))
+        if node is None:
+            return Handle(h.root, h.chain, beam, -1, None)
+        return Handle(node.root, node.chain(), beam, node.content, lp)
+
+    # -- 4. retire -----------------------------------------------------------------------------------------
+    def retire(self, output: list[Handle], stop: bool):
+        """(beams carried to the next iteration, None) or ([], the candidates to finish with)."""
+        if stop:
+            return [], [h.beam for h in output]
+        ended = [self.stopper.finished(h.beam.tokens) for h in output]
+        if self.memory:  # carry one beam: slot 1 (an exact p_beam draw, spec §9) or the best (ties: lower slot)
+            keep = 0 if self.params.select == "sample" else \
+                max(range(len(output)), key=lambda i: (output[i].beam.score, -i))
             if ended[keep]:
-                yield finish([replace(carried.beam, finished=True)])
-                return
-            nxt = [carried]
+                return [], [replace(output[keep].beam, finished=True)]
+            nxt = [output[keep]]
         else:
             for h, e in zip(output, ended):
                 if e:
-                    pool.add(replace(h.beam, finished=True))
+                    self.pool.add(replace(h.beam, finished=True))
             nxt = [h for h, e in zip(output, ended) if not e]
         live = [h.beam for h in nxt]
-        metrics.carried.append(len(live))
-        if not live or len(live[0].tokens) >= params.max_new_tokens or pool.is_done(live):
-            yield finish(live)
-            return
-        # 4. commit: keep the KV of every output beam's accepted path, in both caches
-        target.commit([Path(h.root, h.chain) for h in nxt])
-        t_suffix = [(b.tokens[-1],) for b in live]
-        if g > 0:
-            fed = g - 1  # layer-g tokens were never fed to the draft
-            draft.commit([Path(h.root, h.chain[:fed]) for h in nxt])
-            d_suffix = [tuple(b.tokens[len(b.tokens) - 1 - len(h.chain[fed:]):]) for h, b in zip(nxt, live)]
-        else:  # no draft pass: the draft catches up next time it drafts, from its root rows' committed KV
-            if policy is not None:  # rows follow their roots (a fixed gamma = 0 never drafts: nothing to keep)
-                draft.commit([Path(h.root, ()) for h in nxt])
-            d_suffix = [tuple(d_suffix[h.root]) + (b.tokens[-1],) for h, b in zip(nxt, live)]
-        final = live[0].tokens if memory else common_prefix([b.tokens for b in live + pool.beams])
-        yield Step(final=final, live=len(live), forest={"layers": snapshot, "gamma": g, "draft_beams": ws,
-                                                        "adaptive": policy is not None})
+        if not live or len(live[0].tokens) >= self.params.max_new_tokens or self.pool.is_done(live):
+            return [], live
+        return nxt, None
+
+    def finish(self, candidates: Sequence[Beam]) -> Step:
+        best = final_choice(self.pool.beams, candidates, self.lam)
+        self.metrics.finish_reason = "stop" if best.finished else "length"
+        return Step(final=best.tokens, live=0, done=True, output=best)
+
+    # -- 5. commit (the draft's side) ----------------------------------------------------------------------
+    def commit_draft(self, draft: Context, nxt: Sequence[Handle], live: Sequence[Beam], d_suffix, evaluated: bool):
+        """Keep the draft KV of each beam's fed nodes; its other new tokens become the draft's next suffix.
+        Without a draft pass the rows follow their roots and the suffix grows (the draft catches up later)."""
+        if evaluated:
+            paths = [Path(h.root, tuple(n.did for n in h.chain if n.did is not None)) for h in nxt]
+            draft.commit(paths)
+            return [h.beam.tokens[len(live[h.root].tokens) + len(p.nodes):] for h, p in zip(nxt, paths)]
+        if self.policy is not None or self.params.gamma > 0:
+            draft.commit([Path(h.root, ()) for h in nxt])
+        return [tuple(d_suffix[h.root]) + h.beam.tokens[len(live[h.root].tokens):] for h in nxt]
+
+    # -- stats and the forest view (outside the arithmetic) ---------------------------------------------
+    def _record(self, l: int, layer: Layer, drafts, outputs, nodes, by_drafts: bool, passed: bool,
+                width: int) -> None:
+        st = self.metrics.layer(l)
+        st.attempted += 1
+        st.passed += int(passed)
+        st.passed_by_cache += int(passed and not by_drafts)
+        accepted = {i for _, i in outputs if i is not None}
+        consumed = (max(accepted) + 1) if by_drafts else len(drafts)
+        invalid = sum(not d.valid for d in drafts[:consumed])
+        st.accepted += len(accepted)
+        st.auto_rejected += invalid
+        st.tested += consumed - invalid
+        st.untested += len(drafts) - consumed
+        st.lookup_nodes += len(layer.lookups)
+        hit = {id(n) for (_, i), n in zip(outputs, nodes) if n is not None and i is None}
+        st.cache_hits += len(hit)
+        st.lookup_hits += sum(id(n) in hit for n in layer.lookups)
+        self.metrics.widths.append(width)
+        if self.policy is not None:
+            self.policy.observe(l, len(layer.drafts), outcomes=[j in accepted for j in range(consumed)],
+                                passed=passed)
+        status = lambda j, n, d: ("accepted" if j in accepted else "hit" if id(n) in hit else
+                                  "auto-rejected" if not d.valid else "rejected" if j < consumed else "untested")
+        self.snapshot.append({
+            "width": width, "passed": passed, "passed_by": ("acceptance" if by_drafts else "cache") if passed else None,
+            "nodes": [{"parent": n.parent, "token": n.token, "status": status(j, n, d)}
+                      for j, (n, d) in enumerate(zip(layer.drafts, drafts))],
+            "lookups": [{"token": n.token, "status": "hit" if id(n) in hit else "lookup"} for n in layer.lookups],
+            "corrections": [int(k % self.vocab) for (k, i), n in zip(outputs, nodes) if i is None and n is None]})
+
+    def view(self, g: int, ws: int) -> dict:
+        return {"layers": self.snapshot, "gamma": g, "draft_beams": ws, "adaptive": self.policy is not None}
+
+
+def _top_q_lookups(n: int) -> Lookups:
+    """Lookup nodes: the layer's n most likely q_beam pairs whose content no draft holds."""
+    def pick(l: int, parent_content: list[int], prev, q: Joint | None, drafts: list[Node]) -> list[tuple[int, int]]:
+        if n <= 0 or q is None or not len(q):
+            return []
+        drafted = {(parent_content[d.parent], d.token) for d in drafts}
+        k = min(len(q), n + len(drafts))
+        top = np.argpartition(-q.probs, k - 1)[:k] if k < len(q) else np.arange(len(q))
+        top = top[np.lexsort((q.keys[top], -q.probs[top]))]  # descending q, ties by lower key
+        out, seen = [], set()
+        for i in top:
+            par, tok = int(q.keys[i] // q.vocab), int(q.keys[i] % q.vocab)
+            c = (parent_content[par], tok)
+            if c in seen or c in drafted or (prev is not None and prev[par].ended):
+                continue
+            seen.add(c)
+            out.append((par, tok))
+            if len(out) == n:
+                break
+        return out
+    return pick
 
 
 class _LazyRows:
-    """Row-wise log_softmax on demand: only accepted nodes need their target log-probs (issue 13, item 5).
+    """Row-wise log_softmax on demand: only the nodes outputs land on need their target log-probs.
     A row gives bit-for-bit the values of log_softmax over the whole [n, V] block."""
 
     def __init__(self, logits: np.ndarray) -> None:
@@ -251,44 +466,6 @@ class _LazyRows:
         if row is None:
             row = self.rows[i] = log_softmax(self.logits[i])  # [V]
         return row
-
-
-def _p_beam(parents: Sequence[Handle | None], valid: np.ndarray, warp, vocab: int) -> Joint:
-    """p_beam over valid parents x V: joint raw target log-scores, warped (spec §2.1)."""
-    z = np.full((len(parents), vocab), -np.inf)  # [parents, V]
-    for i, h in enumerate(parents):
-        if valid[i]:
-            z[i] = h.beam.score + h.lp
-    return warp_joint(z, warp)
-
-
-def _count(metrics: Metrics, depth: int, drafts, picked, passed: bool, width: int) -> int:
-    """Record one verified layer; returns how many drafts it consumed (tested or auto-rejected)."""
-    st = metrics.layer(depth)
-    st.attempted += 1
-    st.passed += int(passed)
-    accepted = [i for _, i in picked if i is not None]
-    consumed = (max(accepted) + 1) if passed else len(drafts)
-    invalid = sum(not d.valid for d in drafts[:consumed])
-    st.accepted += len(accepted)
-    st.auto_rejected += invalid
-    st.tested += consumed - invalid
-    st.untested += len(drafts) - consumed
-    metrics.widths.append(width)
-    return consumed
-
-
-def _layer_view(layer: DraftLayer, drafts, picked, passed: bool, width: int, vocab: int) -> dict:
-    """A small picture of one forest layer for the UI: nodes and their fate."""
-    accepted = {i for _, i in picked if i is not None}
-    return {
-        "width": width,
-        "passed": passed,
-        "nodes": [{"parent": int(d.key // vocab), "token": int(d.key % vocab),
-                   "status": "accepted" if i in accepted else ("auto-rejected" if not d.valid else "rejected")}
-                  for i, d in enumerate(drafts)],
-        "corrections": [int(k % vocab) for k, i in picked if i is None],
-    }
 
 
 def _forest_policy(params, costs, policy: ForestPolicy | None) -> ForestPolicy | None:

@@ -15,6 +15,10 @@ class LayerStats:
     accepted: int = 0
     auto_rejected: int = 0  # drafts whose parent was rejected or finished
     untested: int = 0
+    passed_by_cache: int = 0  # passed although the drafts alone did not fill it: every output was a node (§16.2)
+    cache_hits: int = 0  # correction / fill outputs that landed on a forest node
+    lookup_nodes: int = 0
+    lookup_hits: int = 0
 
 
 @dataclass

@@ -380,11 +380,15 @@ def residual_chain(p: Joint, q: Joint, n: int) -> tuple[np.ndarray, Residuals, n
 
 
 class Rand(Protocol):
-    """Randomness used by `verify_layer`: seeded in production, an enumerator in tests (spec §13)."""
+    """Randomness of the decoders: seeded in production, an enumerator in tests (spec §13)."""
 
     def bernoulli(self, prob: float) -> bool: ...
 
     def categorical(self, keys: np.ndarray, probs: np.ndarray) -> int: ...
+
+    def draws(self, p: "Joint", n: int) -> np.ndarray: ...
+
+    def integer(self, n: int) -> int: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -398,6 +402,14 @@ class SeededRand:
 
     def categorical(self, keys: np.ndarray, probs: np.ndarray) -> int:
         return int(keys[_draw(np.asarray(probs), np.array([self.rng.random()]))[0]])  # same rule as sample_iid
+
+    def draws(self, p: "Joint", n: int) -> np.ndarray:
+        """n i.i.d. keys from p: n `categorical` calls in one pass (`sample_iid`)."""
+        return sample_iid(p, n, self.rng)
+
+    def integer(self, n: int) -> int:
+        """Uniform over 0..n-1."""
+        return int(self.rng.integers(n))
 
 
 @dataclass(frozen=True)
@@ -454,3 +466,96 @@ def verify_layer(
     while len(out) < width:
         out.append((rand.categorical(S, R[0]), None))  # fill: fresh p_beam draws
     return False, out
+
+
+# ------------------------------------------------------------------------ without replacement (spec §16.5)
+
+
+def sample_without_replacement(p: Joint, n: int, rand: "Rand") -> tuple[np.ndarray, np.ndarray]:
+    """Up to n distinct keys drawn sequentially without replacement from p, and for each the mass of p not yet
+    drawn before it (key j's conditional law is p over the undrawn keys divided by that mass).
+
+    Draw j is `rand.categorical` over p with the earlier keys' cells zeroed (one uniform each when seeded).
+    """
+    n = min(n, len(p))
+    probs = p.probs.copy()  # [|p|] drawn cells zeroed as we go
+    keys = np.empty(n, dtype=np.int64)
+    rest = np.empty(n)
+    for j in range(n):
+        rest[j] = float(probs.sum())  # summed afresh: no cancellation when the first keys hold most mass
+        keys[j] = rand.categorical(p.keys, probs / rest[j])
+        probs[positions(p.keys, keys[j:j + 1])[0]] = 0.0
+    return keys, rest
+
+
+@dataclass(frozen=True)
+class DraftWOR:
+    """One draft of a layer drawn without replacement: flat key, its unconditional q, the q mass not yet drawn
+    before it (its conditional law is q / rest on the undrawn pairs), and whether its parent is valid."""
+
+    key: int
+    qval: float
+    rest: float
+    valid: bool
+
+
+def verify_layer_without_replacement(
+    drafts: Sequence[DraftWOR], p: Joint, q_S: np.ndarray, width: int, rand: Rand
+) -> tuple[bool, list[tuple[int, int | None]]]:
+    """Recursive rejection over drafts drawn without replacement, verifying baseline B's layer (spec §16.5).
+
+    Output slot k is a draw from p_k = p renormalised over the pairs not yet output. The current target r starts
+    at p_1; draft j (conditional law q_j = q / rest_j on the pairs not drawn before it) is accepted with
+    probability min(1, r(x_j) / q_j(x_j)); acceptance fills the next slot and resets r to p_(k+1); rejection sets
+    r <- norm(max(r - q_j, 0)). When the drafts run out: one correction draw from r, then sequential fills from
+    p_(k+1), p_(k+2), ... q_S [|S|] is q looked up at S = p.keys (unconditional, not renormalised).
+
+    Returns (passed, out) like `verify_layer`: passed iff `width` drafts were accepted; otherwise exactly
+    `width` slots (accepted drafts, the correction, the fills). width must not exceed len(p).
+    """
+    S = p.keys
+    if not 1 <= width <= len(S):
+        raise ValueError(f"width must be in 1..{len(S)} (pairs in supp(p)), got {width}")
+    pos = positions(S, np.array([d.key for d in drafts], dtype=np.int64))  # [n], -1 outside S
+    p_left = p.probs.copy()  # [|S|] p with the output pairs zeroed: p_k = p_left / sum(p_left)
+    q_left = np.asarray(q_S, dtype=np.float64).copy()  # [|S|] q with the drawn pairs zeroed
+    r = p_left / p_left.sum()  # [|S|] current target
+    out: list[tuple[int, int | None]] = []
+
+    def output(key_pos: int, draft: int | None) -> None:
+        out.append((int(S[key_pos]), draft))
+        p_left[key_pos] = 0.0
+
+    for j, d in enumerate(drafts):
+        if len(out) == width:
+            break  # layer full: the rest stay untested
+        if not d.qval > 0 or not d.rest > 0:
+            raise ValueError(f"draft {j} has q {d.qval} and undrawn mass {d.rest}; a drawn pair needs both > 0")
+        i = int(pos[j])
+        ok = d.valid and i >= 0 and r[i] > 0
+        if ok and rand.bernoulli(min(1.0, float(r[i]) * d.rest / d.qval)):
+            output(i, j)
+            r = p_left / p_left.sum()  # reset to p_(k+1)
+        else:
+            res = np.maximum(r - q_left / d.rest, 0.0)  # [|S|] max(r - q_j, 0) on S
+            mass = float(res.sum())
+            r = res / mass if mass >= RESIDUAL_EPS else p_left / p_left.sum()
+        if i >= 0:
+            q_left[i] = 0.0  # later drafts exclude this pair
+    if len(out) == width:
+        return True, out
+    output(int(positions(S, np.array([rand.categorical(S, r)]))[0]), None)  # correction: one draw from r
+    while len(out) < width:
+        output(int(positions(S, np.array([rand.categorical(S, p_left / p_left.sum())]))[0]), None)  # fills
+    return False, out
+
+
+def draw_without_replacement(p: Joint, n: int, rand: Rand) -> list[int]:
+    """n sequential draws without replacement from p through `rand` (baseline B's step; n <= len(p))."""
+    left = p.probs.copy()
+    keys: list[int] = []
+    for _ in range(min(n, len(p))):
+        k = rand.categorical(p.keys, left / left.sum())
+        keys.append(int(k))
+        left[positions(p.keys, np.array([k]))[0]] = 0.0
+    return keys

@@ -8,7 +8,8 @@ import os
 import sys
 import threading
 
-from app.config import BACKENDS, DTYPES, FOREST_POLICIES, MODES, QUALITY_LEVELS, ConfigError, DecodeParams, ModelSpec
+from app.config import ACCEPTANCE_PRIOR, FOREST_POLICIES, MODES, QUALITY_LEVELS, ConfigError, DecodeParams
+from backends.registry import BACKENDS, DTYPES, ModelSpec
 
 PRESET_DEFAULT = "tiny"
 
@@ -20,39 +21,48 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", help="draft model (same forms as --target); defaults to the preset's draft")
     g.add_argument("--target-backend", choices=BACKENDS, default="llamacpp")
     g.add_argument("--draft-backend", choices=BACKENDS, default="llamacpp")
+    g.add_argument("--draft-quant", choices=("q4_0", "q4_0-head", "q8_0", "q4_k_m"), default=None,
+                   help="run the draft from a requantized copy (made once, cached beside the original): q4_0-head "
+                        "(Q4_0, vocabulary head too) makes qwen-coder's draft passes 5-25%% cheaper at 2%% lower "
+                        "sum(min(p, q)); see docs/measurements/draft-cost.md")
     g.add_argument("--dtype", choices=DTYPES, default="float32", help="pytorch runtime dtype")
     g.add_argument("--device", default="cpu", help="pytorch runtime device: cpu | cuda | cuda:N")
     g.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: physical cores)")
     g.add_argument("--n-gpu-layers", type=int, default=None,
                    help="llama.cpp layers on the GPU (-1 = all; default: from the memory plan)")
     g.add_argument("--ctx", type=int, default=4096, help="context window in tokens (prompt + answer + draft tree)")
+    g.add_argument("--rpc", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+                   help="spread the target's layers over llama.cpp RPC workers (started there with `dsbd-chat "
+                        "rpc-worker`); the output head and the draft stay on this machine; --n-gpu-layers then "
+                        "counts the layers on the workers (default: all)")
     g.add_argument("--llama-extra-bufts", choices=("auto", "on", "off"), default="auto",
                    help="llama.cpp weight repack (AMX and others); auto: $DSBD_CHAT_LLAMA_EXTRA_BUFTS, else a "
                         "cached one-time probe that turns it off where it crashes (AMX CPUs)")
 
 
 def _decode_args(ap: argparse.ArgumentParser) -> None:
+    d = DecodeParams()  # the defaults live in the dataclass; the API and the UI read them too
     g = ap.add_argument_group("decoding")
-    g.add_argument("--mode", choices=MODES, default="greedy",
+    g.add_argument("--mode", choices=MODES, default=d.mode,
                    help="auto: the fastest setting of --quality, from timed passes and measured acceptance")
-    g.add_argument("--quality", choices=QUALITY_LEVELS, default="fast",
+    g.add_argument("--quality", choices=QUALITY_LEVELS, default=d.quality,
                    help="auto only: fast = sample/sps, beam = beam-sample/dsbd (W_min >= 2), dynamic = dsbd with W_min = W")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0 = off; counts (beam, token) pairs")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--beams", type=int, default=4, help="W: beams carried between steps")
-    g.add_argument("--draft-beams", type=int, default=None, help="W_S: drafts per forest layer (default W+1)")
-    g.add_argument("--gamma", type=int, default=3, help="draft depth per iteration")
-    g.add_argument("--threshold", type=float, default=0.9, help="t: dynamic-width threshold in [0, 1]")
-    g.add_argument("--min-beams", type=int, default=1, help="W_min: smallest layer width")
-    g.add_argument("--select", choices=("best", "sample"), default="best", help="dsbd-mem: carried beam")
-    g.add_argument("--forest", choices=FOREST_POLICIES, default="fixed",
+    g.add_argument("--max-tokens", type=int, default=d.max_new_tokens)
+    g.add_argument("--temperature", type=float, default=d.temperature)
+    g.add_argument("--top-k", type=int, default=d.top_k, help="0 = off; counts (beam, token) pairs")
+    g.add_argument("--top-p", type=float, default=d.top_p)
+    g.add_argument("--beams", type=int, default=d.beams, help="W: beams carried between steps")
+    g.add_argument("--draft-beams", type=int, default=d.draft_beams, help="W_S: drafts per forest layer (default W+1)")
+    g.add_argument("--gamma", type=int, default=d.gamma, help="draft depth per iteration")
+    g.add_argument("--threshold", type=float, default=d.threshold, help="t: dynamic-width threshold in [0, 1]")
+    g.add_argument("--min-beams", type=int, default=d.min_beams, help="W_min: smallest layer width")
+    g.add_argument("--select", choices=("best", "sample"), default=d.select, help="dsbd-mem: carried beam")
+    g.add_argument("--forest", choices=FOREST_POLICIES, default=d.forest,
                    help="dsbd / dsbd-mem: fixed gamma and W_S, or adaptive: per iteration gamma in 0..--gamma and "
                         "W_S in W..--draft-beams, sized to the timed pass costs (times the passes on first use)")
-    g.add_argument("--length-penalty", type=float, default=1.0)
+    g.add_argument("--length-penalty", type=float, default=d.length_penalty)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--no-unique-paths", dest="unique_paths", action="store_false",
                    help="score every forest entry, repeats included (same answers, more work; for comparisons)")
 
@@ -69,12 +79,39 @@ def _params(a, *, validate: bool = True) -> DecodeParams:
 def _specs(a, *, need_draft: bool) -> tuple[ModelSpec, ModelSpec | None]:
     common = dict(dtype=a.dtype, device=a.device, n_threads=a.threads, n_gpu_layers=a.n_gpu_layers, n_ctx=a.ctx,
                   llama_extra_bufts=a.llama_extra_bufts)
-    target = ModelSpec(source=a.target or a.preset, backend=a.target_backend, **common).validated()
+    target = ModelSpec(source=a.target or a.preset, backend=a.target_backend, rpc=_rpc_endpoints(a),
+                       **common).validated()  # only the target goes to RPC workers: the draft stays local
     draft_src = a.draft or (a.preset if not a.target else None)
     if need_draft and draft_src is None:
         raise ConfigError("this mode needs a draft model: pass --draft (a small model sharing the target's vocabulary)")
-    draft = ModelSpec(source=draft_src, backend=a.draft_backend, **common).validated() if draft_src else None
+    draft = ModelSpec(source=draft_src, backend=a.draft_backend, quant=getattr(a, "draft_quant", None),
+                      **common).validated() if draft_src else None
     return target, draft
+
+
+def _rpc_endpoints(a) -> tuple[str, ...]:
+    """--rpc as normalised endpoints; an install without RPC support says how to rebuild it."""
+    if not getattr(a, "rpc", None):
+        return ()
+    from backends.registry import require_rpc
+    from backends.remote import parse_endpoints
+
+    endpoints = parse_endpoints(a.rpc)
+    if endpoints:
+        require_rpc()
+    return endpoints
+
+
+def _load(target: ModelSpec, draft: ModelSpec | None):
+    """The engine for generate / bench / compare: in this process, or, with RPC workers, in a supervised model
+    process (the native RPC client aborts its process when a worker goes away)."""
+    if target.rpc:
+        from app.engine.worker import WorkerEngine
+
+        return WorkerEngine.load(target, draft)
+    from app.engine.engine import Engine
+
+    return Engine.load(target, draft)
 
 
 def cmd_generate(a) -> int:
@@ -82,9 +119,7 @@ def cmd_generate(a) -> int:
     if a.n < 1:
         raise ConfigError(f"--n must be >= 1, got {a.n}")
     target, draft = _specs(a, need_draft=params.needs_draft)
-    from app.engine.engine import Engine
-
-    engine = Engine.load(target, draft if params.needs_draft or params.mode == "auto" else None)
+    engine = _load(target, draft if params.needs_draft or params.mode == "auto" else None)
     try:
         tok = engine.tokenizer
         if a.raw:
@@ -131,15 +166,27 @@ def _aggregate(completions: list[dict]) -> dict:
 
 
 def cmd_models(a) -> int:
-    from backends.registry import format_models_table, list_models
-
-    from backends.llamacpp.probe import cpu_summary, probe_summary
+    from backends.registry import cpu_report, format_models_table, list_models
 
     rows = list_models()
-    cpu = {"cpu": cpu_summary(), "llama_weight_repack": probe_summary()}
-    print(json.dumps({"models": rows} | cpu, indent=2) if a.json else
-          format_models_table(rows) + f"\nCPU: {cpu['cpu']}; {cpu['llama_weight_repack']}")
+    cpu = cpu_report()
+    workers = _worker_rows(_rpc_endpoints(a))
+    text = format_models_table(rows) + f"\nCPU: {cpu['cpu']}; {cpu['llama_weight_repack']}"
+    if workers:
+        text += "\nwith --rpc: target layers on " + "; ".join(
+            f"{w['endpoint']} {w['device']} ({w['free'] / 2**30:.1f} GiB free of {w['total'] / 2**30:.1f})"
+            for w in workers) + "; the target's output head, embeddings and the draft on this machine"
+    print(json.dumps({"models": rows} | cpu | ({"rpc_workers": workers} if workers else {}), indent=2)
+          if a.json else text)
     return 0
+
+
+def _worker_rows(endpoints) -> list[dict]:
+    if not endpoints:
+        return []
+    from backends.registry import rpc_devices
+
+    return rpc_devices(endpoints)
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -172,6 +219,9 @@ def cmd_chat(a) -> int:
     target, draft = _specs(a, need_draft=False)
     from app.serve.ui import QUEUE_KWARGS, build_app, launch_kwargs
 
+    if a.no_worker and target.rpc:
+        raise ConfigError("--rpc needs the supervised model process (a lost worker aborts the process that "
+                          "holds the model): drop --no-worker")
     if a.no_worker:
         from app.engine.engine import Engine
 
@@ -216,9 +266,7 @@ def cmd_bench(a) -> int:
     for m in modes:
         bench.parse_mode(m, base)  # bad settings fail before any model loads
     target, draft = _specs(a, need_draft=any(bench.parse_mode(m, base)[1].needs_draft for m in modes))
-    from app.engine.engine import Engine
-
-    engine = Engine.load(target, draft)
+    engine = _load(target, draft)
     try:
         out = Path(a.json) if a.json else None
         result = bench.run_bench(engine, modes=modes, prompts=prompts, base=base, repeats=a.repeats, out=out)
@@ -235,55 +283,37 @@ def cmd_compare(a) -> int:
     history like the Compare tab's: code tasks graded by their hidden tests, chat prompts left for blind votes."""
     from pathlib import Path
 
-    from app.compare import bench, results
+    from app.compare import runner
+    from app.compare.store import ResultStore, to_csv, to_json
 
-    store = results.ResultStore(a.data_dir)
-    if a.resume:
-        run = store.load_run(a.resume)
-        if run["state"] == "done":
-            raise ConfigError(f"run {a.resume} is complete")
-        params = results.params_of_run(run)
-    else:
-        base = _params(a, validate=False)
-        params = dict(bench.parse_mode(m, base) for m in bench.split_modes(a.modes))
-        items = results.load_prompt_source(a.suite)[: a.prompts or None]
-        if len(params) < 2:
-            raise ConfigError(f"--modes needs at least two modes to compare, got {a.modes!r}")
+    store = ResultStore(a.data_dir)
+    base = _params(a, validate=False)
+    run, params, items = runner.prepare(store, resume=a.resume, modes=a.modes, suite=a.suite, prompts=a.prompts,
+                                        base=base)
     target, draft = _specs(a, need_draft=any(p.needs_draft for p in params.values()))
     from app.engine.engine import Engine
 
     engine = Engine.load(target, draft)
     try:
-        params = {m: engine.check_params(p) for m, p in params.items()}
-        if a.resume and run["models"] != engine.describe():
-            raise ConfigError(f"run {a.resume} was made with {run['models']}; load the same models to resume it")
-        if not a.resume:
-            run = results.new_run(source=a.suite, items=items, params=params, settings=base.as_dict(),
-                                  models=engine.describe(), seed=a.seed, system=a.system or "")
+        run, params = runner.start(engine, store, run, params, items=items, source=a.suite,
+                                   settings=base.as_dict(), seed=a.seed, system=a.system or "")
         total = len(run["items"])
         print(f"dsbd-chat: run {run['id']}: {total} prompts x {len(params)} modes, {len(run['done'])} done; "
               f"results in {store.dir}", file=sys.stderr)
-
-        def report(r, rec):
-            print(f"dsbd-chat: {len(r['done'])}/{total} done", file=sys.stderr)
-
         try:
-            results.run_items(engine, store, run, params, cancel=threading.Event(), on_item=report)
+            for _rec in runner.iter_run(engine, store, run, params, cancel=threading.Event()):
+                print(f"dsbd-chat: {len(run['done'])}/{total} done", file=sys.stderr)
         except KeyboardInterrupt:
-            run["state"] = "stopped"
-            store.save_run(run)
+            runner.stop(store, run)
             print(f"dsbd-chat: stopped at {len(run['done'])}/{total}; resume with --resume {run['id']}",
                   file=sys.stderr)
             return 130
     finally:
         engine.close()
-    records = [store.load(i) for i in run["comparisons"]]
-    out = {"run": run["id"], "state": run["state"], "done": len(run["done"]), "prompts": total,
-           "waiting_for_votes": sum(results.needs_vote(r) for r in records),
-           "summary": results.mode_summary(records)}
+    out, records = runner.summary(store, run)
     if a.export:
         path = Path(a.export)
-        path.write_text(results.to_csv(records) if path.suffix == ".csv" else results.to_json(records))
+        path.write_text(to_csv(records) if path.suffix == ".csv" else to_json(records))
     if a.report:
         from app.compare.report import write_report
 
@@ -304,11 +334,7 @@ def cmd_compare(a) -> int:
 
 def cmd_plan(a) -> int:
     """Memory plan (and, with a hardware profile, speed projections) without loading any weights."""
-    from dataclasses import replace
-
-    from backends.registry import resolve
-    from offload.geometry import read_geometry
-    from offload.plan import GiB, Budget, PlanRequest, parse_size, plan
+    from app.engine.planning import PlanRequest, parse_size, plan_models
 
     def size(flag: str, text: str | None) -> int | None:
         try:
@@ -316,55 +342,59 @@ def cmd_plan(a) -> int:
         except ValueError as e:
             raise ConfigError(f"{flag}: {e}") from None
 
-    hw = None
-    if a.profile or any(x is not None for x in (a.h2d_gbps, a.tflops, a.mem_gbps)):
-        from offload.cost import profile
-
-        hw = profile(a.profile, h2d_gbps=a.h2d_gbps, tflops=a.tflops, mem_gbps=a.mem_gbps)
-    vram, ram = size("--vram", a.vram), size("--ram", a.ram)
-    from_profile = vram is None and a.profile is not None
-    if from_profile:
-        vram = int(hw.vram_gb * GiB)
-    budget = Budget.detect(vram=vram, ram=ram, vram_reserve=size("--reserve", a.reserve),
-                           ram_reserve=size("--ram-reserve", a.ram_reserve),
-                           device=a.device if a.device.startswith("cuda") else "cuda")  # --vram 0 plans CPU-only
-    source = f"VRAM {'profile ' + a.profile if from_profile else 'explicit' if a.vram else 'detected'}, " \
-             f"RAM {'explicit' if a.ram else 'detected'}"
-    budget = replace(budget, source=source)
     target, draft = _specs(a, need_draft=False)
-    t = resolve(target.source, role="target")
-    d = resolve(draft.source, role="draft") if draft is not None else None
-    tgeo = read_geometry(t.path, name=t.name)
-    dgeo = read_geometry(d.path, name=d.name) if d is not None else None
     request = PlanRequest(context=a.ctx, beams=a.beams, draft_beams=a.draft_beams, gamma=a.gamma, mode=a.mode,
                           target_backend=a.target_backend, draft_backend=a.draft_backend, dtype=a.dtype, ring=a.ring)
-    p = plan(tgeo, dgeo, request, budget)
-    projections = []
-    if hw is not None:
-        from offload.cost import DEFAULT_MODES, assumed_stats, format_projections, project, read_bench
-
-        req = request.validated()
-        if a.bench_json:
-            stats = read_bench(a.bench_json, beams=req.beams, draft_beams=req.draft_beams, gamma=req.gamma)
-        else:
-            stats = [assumed_stats(m, beams=req.beams, draft_beams=req.draft_beams, gamma=req.gamma,
-                                   acceptance=a.acceptance) for m in DEFAULT_MODES]
-        projections = project(tgeo, dgeo, req, budget, hw, stats)
+    report = plan_models(target, draft, request, vram=size("--vram", a.vram), ram=size("--ram", a.ram),
+                         vram_reserve=size("--reserve", a.reserve), ram_reserve=size("--ram-reserve", a.ram_reserve),
+                         device=a.device, profile=a.profile, h2d_gbps=a.h2d_gbps, tflops=a.tflops,
+                         mem_gbps=a.mem_gbps, bench_json=a.bench_json, acceptance=a.acceptance)
+    hosts = _rpc_hosts(target, draft, a) if target.rpc else None
     if a.json:
-        out = {"plan": p.as_dict(), "models": {"target": tgeo.__dict__ | {"path": str(t.path)},
-                                               "draft": dgeo.__dict__ | {"path": str(d.path)} if dgeo else None}}
-        if hw is not None:
-            out |= {"hardware": hw.__dict__, "projections": [x.as_dict() for x in projections]}
-        print(json.dumps(out, indent=2))
-        return 0
-    desc = f"target {tgeo.name} ({tgeo.quant}, {tgeo.n_layers} layers, {tgeo.weight_bytes / GiB:.2f} GiB)"
-    if dgeo is not None:
-        desc += f"; draft {dgeo.name} ({dgeo.quant}, {dgeo.n_layers} layers, {dgeo.weight_bytes / GiB:.2f} GiB)"
-    print(desc)
-    print(p.format())
-    if hw is not None:
-        print()
-        print(format_projections(hw, projections))
+        print(json.dumps(report.as_dict() | ({"rpc_hosts": [h.__dict__ | {"fits": h.fits} for h in hosts]}
+                                             if hosts else {}), indent=2))
+    else:
+        print(report.format())
+        if hosts:
+            from offload.plan import format_hosts
+
+            print()
+            print(format_hosts(hosts))
+    return 0
+
+
+def _rpc_hosts(target: ModelSpec, draft: ModelSpec | None, a):
+    """`plan --rpc`: memory per machine, from what each worker reports free."""
+    import psutil
+
+    from backends.registry import resolve, rpc_devices
+    from offload.geometry import read_geometry
+    from offload.plan import plan_hosts
+
+    r = resolve(target.source, role="target")
+    geo = read_geometry(r.path, name=r.name)
+    devices = rpc_devices(target.rpc)
+    draft_bytes = resolve(draft.source, role="draft").path.stat().st_size if draft is not None else 0
+    layers = target.n_gpu_layers if target.n_gpu_layers is not None and target.n_gpu_layers >= 0 else geo.n_layers
+    workers = [(f"{d['endpoint']} {d['device']}", d["free"]) for d in devices]
+    return plan_hosts(geo, workers, context=a.ctx, rows=a.beams, host_free=psutil.virtual_memory().available, draft_bytes=draft_bytes,
+                      host_layers=geo.n_layers - min(layers, geo.n_layers))
+
+
+def cmd_rpc_worker(a) -> int:
+    """Serve this machine's devices to one dsbd-chat (its target's layers) over llama.cpp's RPC protocol."""
+    from backends import remote
+    from backends.registry import require_rpc, serve_rpc
+
+    if a.threads is not None and a.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {a.threads}")
+    endpoint = remote.join(*remote.split(remote.join(a.host, a.port)))
+    require_rpc()
+    if not remote.is_loopback(a.host):
+        print(f"dsbd-chat: warning: serving on {a.host}: {remote.SECURITY}", file=sys.stderr)
+    print(f"dsbd-chat: RPC worker on {endpoint}; on the chat machine run: dsbd-chat --rpc {endpoint} "
+          f"(with this machine's address); Ctrl+C stops it", file=sys.stderr, flush=True)
+    serve_rpc(a.host, a.port, threads=a.threads, cache=a.cache)
     return 0
 
 
@@ -425,6 +455,19 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--json", action="store_true", help="print the summary as JSON")
     models = sub.add_parser("models", help="list model presets and their install state")
     models.add_argument("--json", action="store_true")
+    models.add_argument("--rpc", default=None, metavar="HOST:PORT[,...]",
+                        help="also list these RPC workers' devices and free memory (where a --rpc target's "
+                             "layers would live)")
+    rpcw = sub.add_parser("rpc-worker", help="serve this machine's devices (GPU, else CPU) to one dsbd-chat "
+                                             "as a llama.cpp RPC worker (holds target layers for --rpc)")
+    rpcw.add_argument("--host", default="127.0.0.1",
+                      help="address to listen on (default 127.0.0.1: loopback only; anything else prints a "
+                           "warning: the protocol has no authentication, tunnel it over SSH or a VPN)")
+    rpcw.add_argument("--port", type=int, default=50052)
+    rpcw.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    rpcw.add_argument("--cache", default=None, metavar="DIR",
+                      help="keep received weights here by hash, so a reload of the same model sends hashes, "
+                           "not gigabytes")
     plan = sub.add_parser("plan", help="memory plan for target + draft + beams (and projected speed); loads no weights")
     _model_args(plan)
     plan.add_argument("--context", dest="ctx", type=int, default=argparse.SUPPRESS,
@@ -432,9 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--mode", choices=MODES, default="auto",
                       help="decoding mode to plan for; auto: dsbd or dsbd-mem, whichever keeps more weights in "
                            "VRAM (beam-sample without a draft)")
-    plan.add_argument("--beams", type=int, default=4, help="W: beams carried between steps")
+    plan.add_argument("--beams", type=int, default=DecodeParams.beams, help="W: beams carried between steps")
     plan.add_argument("--draft-beams", type=int, default=None, help="W_S: drafts per forest layer (default W+1)")
-    plan.add_argument("--gamma", type=int, default=3, help="draft depth per iteration")
+    plan.add_argument("--gamma", type=int, default=DecodeParams.gamma, help="draft depth per iteration")
     plan.add_argument("--vram", help="GPU memory to use, e.g. 8GiB, 8GB, 512MiB; 0 = CPU only (default: free VRAM)")
     plan.add_argument("--ram", help="host memory to use (default: available RAM)")
     plan.add_argument("--reserve", default="512MiB", help="VRAM kept free for the CUDA context and allocator")
@@ -446,8 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tflops", type=float, help="custom hardware: GPU matmul TFLOP/s")
     plan.add_argument("--mem-gbps", type=float, help="custom hardware: GPU memory GB/s")
     plan.add_argument("--bench-json", help="acceptance statistics from `dsbd-chat bench --json FILE`")
-    plan.add_argument("--acceptance", type=float, default=0.66,
-                      help="assumed per-token acceptance when no --bench-json is given (default 0.66)")
+    plan.add_argument("--acceptance", type=float, default=ACCEPTANCE_PRIOR,
+                      help=f"assumed per-token acceptance when no --bench-json is given (default {ACCEPTANCE_PRIOR})")
     plan.add_argument("--json", action="store_true")
     return ap
 
@@ -458,14 +501,14 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["chat", *argv]  # the chat app is the default command
     a = build_parser().parse_args(argv)
     handlers = {"chat": cmd_chat, "generate": cmd_generate, "models": cmd_models, "bench": cmd_bench,
-                "plan": cmd_plan, "compare": cmd_compare}
-    from backends.base import BackendError
-
+                "plan": cmd_plan, "compare": cmd_compare, "rpc-worker": cmd_rpc_worker}
     from app.chat import ChatError
+    from app.compare.records import ResultsError
+    from backends.base import BackendError
 
     try:
         return handlers[a.command](a)
-    except (ConfigError, BackendError, ChatError) as e:
+    except (ConfigError, BackendError, ChatError, ResultsError) as e:
         print(f"dsbd-chat: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -5,17 +5,81 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-MODES = ("greedy", "sample", "beam", "beam-sample", "beam-sample-repl", "sps", "dsbd", "dsbd-mem", "auto")
+
+
+@dataclass(frozen=True)
+class Mode:
+    """What one decoding mode is, as every layer needs to know it (read from MODE_FACTS, never restated)."""
+
+    name: str
+    needs_draft: bool  # drafts with the small model (sps, dsbd, dsbd-mem)
+    beams: bool  # uses W (beams) and the length penalty
+    keeps_rows: bool  # keeps W target KV rows between steps (full mode); False: one row
+    samples: bool  # draws from the warped distribution (T, top-k, top-p matter)
+    verifier: str  # "none" | "sps" (one chain) | "dsbd" (forest, layer by layer)
+    draft_width: str  # W_S when unset: "1" (one chain), "W+1" (DSBD's default), "W" (no draft)
+    concrete: bool = True  # False for auto, which picks a concrete mode per request
+
+    @property
+    def forest(self) -> bool:
+        """DSBD's forest knobs apply (W_S, t, W_min, the forest policy)."""
+        return self.verifier == "dsbd"
+
+    def default_draft_beams(self, w: int) -> int:
+        return {"1": 1, "W+1": w + 1, "W": w}[self.draft_width]
+
+    def rows(self, w: int) -> int:
+        """Target KV rows for W beams."""
+        return w if self.keeps_rows else 1
+
+    def tree_tokens(self, draft_beams: int, gamma: int) -> int:
+        """Context cells one iteration's draft tree needs beyond the committed tokens (1: the next token)."""
+        return draft_beams * gamma + 1 if self.needs_draft else 1
+
+    def target_tokens(self, w: int, draft_beams: int, gamma: int) -> tuple[int, list[int]]:
+        """(tokens one target pass scores, tokens scored by each draft pass) for one iteration."""
+        roots = w if self.keeps_rows or (self.beams and not self.needs_draft) else 1
+        if not self.needs_draft:
+            return roots, []
+        ws = 1 if self.verifier == "sps" else draft_beams
+        return roots + ws * gamma, ([roots] + [ws] * (gamma - 1)) if gamma else []
+
+
+MODE_FACTS: dict[str, Mode] = {m.name: m for m in (
+    Mode("greedy", needs_draft=False, beams=False, keeps_rows=False, samples=False, verifier="none", draft_width="W"),
+    Mode("sample", needs_draft=False, beams=False, keeps_rows=False, samples=True, verifier="none", draft_width="W"),
+    Mode("beam", needs_draft=False, beams=True, keeps_rows=True, samples=False, verifier="none", draft_width="W"),
+    Mode("beam-sample", needs_draft=False, beams=True, keeps_rows=True, samples=True, verifier="none",
+         draft_width="W"),
+    Mode("beam-sample-repl", needs_draft=False, beams=True, keeps_rows=True, samples=True, verifier="none",
+         draft_width="W"),
+    Mode("sps", needs_draft=True, beams=False, keeps_rows=False, samples=True, verifier="sps", draft_width="1"),
+    Mode("dsbd", needs_draft=True, beams=True, keeps_rows=True, samples=True, verifier="dsbd", draft_width="W+1"),
+    Mode("dsbd-mem", needs_draft=True, beams=True, keeps_rows=False, samples=True, verifier="dsbd",
+         draft_width="W+1"),
+    # auto picks one of the above per request; its own facts only steer the settings panel
+    Mode("auto", needs_draft=False, beams=True, keeps_rows=False, samples=True, verifier="none", draft_width="W",
+         concrete=False),
+)}
+MODES = tuple(MODE_FACTS)
+DRAFT_MODES = tuple(m for m, f in MODE_FACTS.items() if f.needs_draft)
+BEAM_MODES = tuple(m for m, f in MODE_FACTS.items() if f.beams and f.concrete)
 # auto's quality levels (app/engine/auto.py): fast = sample | sps, beam = beam-sample | dsbd with W_min >= 2,
 # dynamic = dsbd with W_min = W (beam sampling's law), gamma 0..6 sized to the measured pass costs.
 QUALITY_LEVELS = ("fast", "beam", "dynamic")
-DRAFT_MODES = ("sps", "dsbd", "dsbd-mem")
 # DSBD forest sizes: fixed = the user's gamma and W_S every iteration; adaptive = per iteration, gamma in
 # 0..gamma and W_S in W..draft_beams with the most expected beam steps per second (app/decoding/forest_policy.py)
 FOREST_POLICIES = ("fixed", "adaptive")
-BEAM_MODES = ("beam", "beam-sample", "beam-sample-repl", "dsbd", "dsbd-mem")
-BACKENDS = ("llamacpp", "pytorch")
-DTYPES = ("float32", "bfloat16", "float16")
+REPLACEMENTS = ("with", "without")
+# Per-token acceptance sum(min(p, q)) assumed before any answer is measured: the qwen-coder pair on mixed
+# prose and code (llama.cpp, CPU). Auto mode, adaptive forests and `dsbd-chat plan` start from it.
+ACCEPTANCE_PRIOR = 0.66
+# The edges' defaults. The CLI's `generate` is greedy (DecodeParams' own default: reproducible output without
+# a seed, and it runs on a target alone); the API follows OpenAI's meaning (temperature 0 = greedy, else
+# sampling at T = 1 by default); the chat UI opens on its Balanced preset (dsbd-mem: the chat app always loads
+# a draft, and the preset is the measured best trade of speed and log-prob).
+API_MODES = {"argmax": "greedy", "sampling": "sample"}
+UI_PRESET = "Balanced"
 MAX_BEAMS = 16
 MAX_GAMMA = 16
 MIN_TEMPERATURE = 1e-6  # below this sampling is argmax anyway
@@ -60,6 +124,10 @@ class DecodeParams:
     quality: str = "fast"  # auto mode only: which modes it may pick (QUALITY_LEVELS)
     forest: str = "fixed"  # dsbd / dsbd-mem: "fixed" gamma and W_S, or "adaptive" (FOREST_POLICIES)
     unique_paths: bool = True  # score each distinct sequence of a forest pass once (spec §16.1; same output)
+    # dsbd / dsbd-mem: "with" reproduces beam sampling with replacement (beam-sample-repl), "without" conventional
+    # beam sampling (beam-sample): drafts drawn without replacement, verified by recursive rejection
+    replacement: str = "with"
+    lookup_nodes: int = 0  # dsbd / dsbd-mem: extra forest nodes per layer (q's likeliest undrawn pairs)
 
     def validated(self) -> "DecodeParams":
         """Check every field; return a copy with defaults resolved. Raises ConfigError."""
@@ -78,16 +146,19 @@ class DecodeParams:
         th = _finite("threshold", self.threshold)
         if not 0 <= th <= 1:
             raise ConfigError(f"threshold must be in [0, 1], got {th}")
-        ws = self.draft_beams
-        if ws is None:
-            ws = 1 if self.mode == "sps" else w + 1 if self.mode in ("dsbd", "dsbd-mem") else w
+        facts = MODE_FACTS[self.mode]
+        ws = facts.default_draft_beams(w) if self.draft_beams is None else self.draft_beams
         _int("draft_beams", ws, 1, 4 * MAX_BEAMS)
-        if self.mode in ("dsbd", "dsbd-mem") and ws < w:
+        if facts.forest and ws < w:
             raise ConfigError(f"draft_beams (W_S={ws}) must be >= beams (W={w})")
         _int("min_beams", self.min_beams, 1, w)
         if self.quality not in QUALITY_LEVELS:
             raise ConfigError(f"unknown quality level {self.quality!r} for auto; choose one of: "
                               f"{', '.join(QUALITY_LEVELS)}")
+        if self.replacement not in REPLACEMENTS:
+            raise ConfigError(f"replacement must be 'with' or 'without' (without: DSBD reproduces beam-sample, "
+                              f"conventional beam sampling), got {self.replacement!r}")
+        _int("lookup_nodes", self.lookup_nodes, 0, 4 * MAX_BEAMS)
         if self.forest not in FOREST_POLICIES:
             raise ConfigError(f"forest must be one of: {', '.join(FOREST_POLICIES)} (adaptive: per iteration "
                               f"gamma <= {self.gamma} and W <= W_S <= draft_beams, sized to the timed pass costs), "
@@ -108,37 +179,10 @@ class DecodeParams:
 
     @property
     def needs_draft(self) -> bool:
-        return self.mode in DRAFT_MODES
+        facts = MODE_FACTS.get(self.mode)  # unvalidated params may name no mode
+        return facts is not None and facts.needs_draft
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["stop"] = list(self.stop)
         return d
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Where a model comes from and how to run it."""
-
-    source: str  # preset role ("tiny"), local .gguf, safetensors folder, or "org/name[:file.gguf]"
-    backend: str = "llamacpp"
-    dtype: str = "float32"  # pytorch only
-    device: str = "cpu"  # pytorch only: cpu | cuda | cuda:N
-    n_threads: int | None = None  # llama.cpp; None = physical cores
-    n_gpu_layers: int | None = None  # llama.cpp; None = from the memory plan (0 without a GPU)
-    n_ctx: int = 4096
-    llama_extra_bufts: str = "auto"  # llama.cpp weight repack: on | off | auto ($DSBD_CHAT_LLAMA_EXTRA_BUFTS, probe)
-
-    def validated(self) -> "ModelSpec":
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"unknown backend {self.backend!r}; choose one of: {', '.join(BACKENDS)}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of: {', '.join(DTYPES)}")
-        _int("n_ctx", self.n_ctx, 16, 1 << 20)
-        if self.n_gpu_layers is not None:
-            _int("n_gpu_layers", self.n_gpu_layers, -1, 100_000)
-        if self.n_threads is not None:
-            _int("n_threads", self.n_threads, 1, 1024)
-        if self.llama_extra_bufts not in ("auto", "on", "off"):
-            raise ConfigError(f"llama_extra_bufts must be auto, on or off, got {self.llama_extra_bufts!r}")
-        return self

@@ -13,15 +13,16 @@ positions, so backends take positions explicitly and never derive them from cach
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Iterable, Protocol, Sequence
 
 import numpy as np
 
+from offload.errors import BackendError, BadModelFile, OutOfMemory
+
+__all__ = ["ROOT", "BackendError", "BadModelFile", "OutOfMemory", "ContextFull", "Forest", "Logits", "Path",
+           "ModelInfo", "Context", "Model", "Tokenizer"]
+
 ROOT = -1  # parent id of a node that hangs directly off its row's suffix
-
-
-class BackendError(RuntimeError):
-    """A runtime failed in a way the user can act on (bad file, out of memory, context full)."""
 
 
 class ContextFull(BackendError):
@@ -109,9 +110,41 @@ class Context(Protocol):
     def close(self) -> None: ...
 
 
+class Tokenizer:
+    """What decoders and the chat layer need from a tokenizer."""
+
+    name: str
+    n_vocab: int
+    bos_id: int | None
+    eos_id: int | None  # the model's declared EOS (what a chat template calls eos_token)
+    eos_ids: frozenset[int]  # every end-of-generation id (EOS, EOT, ...), eos_id included
+    vocab_type: str  # "bpe" | "spm" | "wpm" | "ugm" | ...
+    add_bos: bool  # does the model expect BOS at the start of a prompt
+    chat_template: str | None
+
+    def encode(self, text: str, *, add_bos: bool = False, special: bool = False) -> list[int]:
+        """Token ids of `text`; `special=False` tokenizes marker-like text ("<|im_end|>") as plain text."""
+        raise NotImplementedError
+
+    def decode(self, ids: Iterable[int]) -> bytes:
+        """Raw bytes of `ids` (may end mid-UTF-8); control tokens give b""."""
+        raise NotImplementedError
+
+    def piece(self, token: int) -> bytes:
+        """The token's own text as bytes, specials rendered (used by `check_compatible`)."""
+        raise NotImplementedError
+
+    def is_eog(self, token: int) -> bool:
+        return token in self.eos_ids
+
+    def is_unused(self, token: int) -> bool:
+        """True for padding / unused ids that a model never produces (allowed to differ across vocabularies)."""
+        return False
+
+
 class Model(Protocol):
     info: ModelInfo
-    tokenizer: "object"  # backends.tokenizer.Tokenizer
+    tokenizer: Tokenizer
 
     def context(self, *, rows: int, max_tokens: int) -> Context:
         """A KV context for up to `rows` committed rows of up to `max_tokens` tokens (tree included)."""

@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Callable
 from backends.base import BackendError
 
 if TYPE_CHECKING:
-    from app.config import ModelSpec
     from backends.base import Model
 
 ROLES = ("target", "draft")
+BACKENDS = ("llamacpp", "pytorch")
+DTYPES = ("float32", "bfloat16", "float16")
 _BLOCK = 1 << 20  # 1 MiB reads: large enough to stream at disk speed, small enough for a smooth bar
 
 
@@ -38,6 +39,67 @@ class RegistryError(BackendError):
 
 class ModelNotFound(RegistryError):
     """The source names nothing we can find (missing path, package, repo or file)."""
+
+
+class SpecError(BackendError, ValueError):
+    """A model setting is out of range; the message says which and what is allowed."""
+
+
+# ---------------------------------------------------------------- model specs
+
+
+def _int(name: str, value, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{name} must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise SpecError(f"{name} must be between {lo} and {hi}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a model comes from and how to run it."""
+
+    source: str  # preset role ("tiny"), local .gguf, safetensors folder, or "org/name[:file.gguf]"
+    backend: str = "llamacpp"
+    dtype: str = "float32"  # pytorch only
+    device: str = "cpu"  # pytorch only: cpu | cuda | cuda:N
+    n_threads: int | None = None  # llama.cpp; None = physical cores
+    n_gpu_layers: int | None = None  # llama.cpp; None = from the memory plan (0 without a GPU)
+    n_ctx: int = 4096
+    llama_extra_bufts: str = "auto"  # llama.cpp weight repack: on | off | auto ($DSBD_CHAT_LLAMA_EXTRA_BUFTS, probe)
+    rpc: tuple[str, ...] = ()  # llama.cpp RPC workers HOST:PORT holding this model's layers (the target only)
+    quant: str | None = None  # llama.cpp: run a requantized copy (backends/llamacpp/quantize.py), made once, cached
+
+    def validated(self) -> ModelSpec:
+        """Check every field; raises SpecError."""
+        if self.backend not in BACKENDS:
+            raise SpecError(f"unknown backend {self.backend!r}; choose one of: {', '.join(BACKENDS)}")
+        if self.dtype not in DTYPES:
+            raise SpecError(f"unknown dtype {self.dtype!r}; choose one of: {', '.join(DTYPES)}")
+        _int("n_ctx", self.n_ctx, 16, 1 << 20)
+        if self.n_gpu_layers is not None:
+            _int("n_gpu_layers", self.n_gpu_layers, -1, 100_000)
+        if self.n_threads is not None:
+            _int("n_threads", self.n_threads, 1, 1024)
+        if self.llama_extra_bufts not in ("auto", "on", "off"):
+            raise SpecError(f"llama_extra_bufts must be auto, on or off, got {self.llama_extra_bufts!r}")
+        if self.rpc:
+            from backends.remote import parse_endpoints  # plain Python: no native library loaded
+
+            if self.backend != "llamacpp":
+                raise SpecError("--rpc spreads a llama.cpp (GGUF) target over RPC workers: use --target-backend "
+                                "llamacpp")
+            if not isinstance(self.rpc, tuple) or parse_endpoints(self.rpc) != self.rpc:
+                raise SpecError(f"rpc must be a tuple of HOST:PORT endpoints, got {self.rpc!r}")
+        if self.quant is not None:
+            from backends.llamacpp.quantize import TYPES  # plain Python: no native library loaded
+
+            if self.quant not in TYPES:
+                raise SpecError(f"unknown quantization {self.quant!r}; choose one of: {', '.join(TYPES)}")
+            if self.backend != "llamacpp":
+                raise SpecError("a requantized copy runs on llama.cpp: use --draft-backend llamacpp with --draft-quant")
+        return self
 
 
 # ---------------------------------------------------------------- presets
@@ -420,22 +482,22 @@ def _offline_message(source: str) -> str:
 # ---------------------------------------------------------------- runtimes
 
 
-def _llamacpp(path: Path, spec: "ModelSpec") -> "Model":
+def _llamacpp(path: Path, spec: ModelSpec) -> "Model":
     from backends.llamacpp import load  # lazy: llama_cpp is heavy and only needed for this runtime
 
     return load(path, spec)
 
 
-def _pytorch(path: Path, spec: "ModelSpec") -> "Model":
+def _pytorch(path: Path, spec: ModelSpec) -> "Model":
     from backends.pytorch import load  # lazy: importing torch takes seconds
 
     return load(path, spec)
 
 
-RUNTIMES: dict[str, Callable[[Path, "ModelSpec"], "Model"]] = {"llamacpp": _llamacpp, "pytorch": _pytorch}
+RUNTIMES: dict[str, Callable[[Path, ModelSpec], "Model"]] = {"llamacpp": _llamacpp, "pytorch": _pytorch}
 
 
-def load_model(spec: "ModelSpec", *, role: str = "target", verify: bool = False) -> "Model":
+def load_model(spec: ModelSpec, *, role: str = "target", verify: bool = False) -> "Model":
     """Resolve `spec.source` and load it with the runtime `spec.backend` names."""
     spec = spec.validated()
     resolved = resolve(spec.source, role=role, verify=verify)
@@ -444,10 +506,30 @@ def load_model(spec: "ModelSpec", *, role: str = "target", verify: bool = False)
             f"{spec.source} is a safetensors checkpoint and llama.cpp reads only GGUF: "
             f"use --{role}-backend pytorch, or pass a .gguf file"
         )
-    model = RUNTIMES[spec.backend](resolved.path, spec)
+    path = resolved.path
+    if spec.quant is not None:  # a cheaper copy of the same weights, made once beside the original
+        from backends.llamacpp.quantize import requantized
+
+        path = requantized(path, spec.quant, folder=cache_dir())
+    model = RUNTIMES[spec.backend](path, spec)
     if resolved.preset is not None:  # our name for a preset file reads better than its GGUF general.name
         model.info = replace(model.info, name=resolved.name)
     return model
+
+
+def cpu_report() -> dict[str, str]:
+    """What the CPU runtime uses here ("cpu": e.g. 'AVX2, AVX-512, AMX') and the llama.cpp weight-repack
+    verdicts for this CPU ("llama_weight_repack"), for `dsbd-chat models` and the engine's description."""
+    from backends.llamacpp.probe import cpu_summary, probe_summary  # reads /proc/cpuinfo; imports no llama_cpp
+
+    return {"cpu": cpu_summary(), "llama_weight_repack": probe_summary()}
+
+
+def cpu_summary() -> str:
+    """The instruction sets llama.cpp's CPU backend uses here, e.g. 'AVX2, AVX-512, AMX'."""
+    from backends.llamacpp.probe import cpu_summary as summary
+
+    return summary()
 
 
 def timing_identity(model) -> dict | None:
@@ -532,3 +614,28 @@ def format_models_table(rows: list[dict]) -> str:
     lines = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip() for line in (head, *body)]
     hints = dict.fromkeys(f"{r['preset']}: {r['install']}" for r in rows if r["status"] == "missing packages")
     return "\n".join(lines + [f"install {h}" for h in hints])
+
+
+# ---------------------------------------------------------------- RPC workers (llama.cpp), native side on use
+
+
+def require_rpc() -> None:
+    """Raise backends.remote.NoRPCSupport, with the exact rebuild command, when the install lacks RPC."""
+    from backends.llamacpp import rpc
+
+    rpc.require_support()
+
+
+def rpc_devices(endpoints) -> list[dict]:
+    """Each RPC worker's devices: {endpoint, device, description, free, total} (bytes), each worker checked first."""
+    from backends.llamacpp import rpc
+
+    return [{"endpoint": d.endpoint, "device": d.name, "description": d.description, "free": d.free,
+             "total": d.total} for d in rpc.worker_memory(endpoints)]
+
+
+def serve_rpc(host: str, port: int, *, threads: int | None = None, cache: str | None = None) -> None:
+    """Serve this machine's devices to one client at a time as an RPC worker (blocks; Ctrl+C ends it)."""
+    from backends.llamacpp import rpc
+
+    rpc.serve(host, port, threads=threads, cache=cache)

@@ -1,7 +1,8 @@
 """Tokenizers behind one small interface, and the draft/target vocabulary compatibility check.
 
-Two implementations: GGUF files through llama.cpp's vocabulary (vocab-only load, in backends/llamacpp)
-and Hugging Face folders through the `tokenizers` library (`HFTokenizer`, below).
+The interface (`Tokenizer`) sits in backends.base beside the model protocol; two implementations: GGUF files
+through llama.cpp's vocabulary (vocab-only load, in backends/llamacpp) and Hugging Face folders through the
+`tokenizers` library (`HFTokenizer`, below). `load_tokenizer` is the factory that picks one by path.
 
 Byte semantics: `decode` concatenates raw token bytes, so `decode(a + b) == decode(a) + decode(b)` and a
 stream can decode token by token (a chunk may end inside a UTF-8 character). Control tokens (BOS, EOS,
@@ -16,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Iterable
 
-from backends.base import BackendError
+from backends.base import BackendError, Tokenizer
 
 # End-of-generation texts llama.cpp also treats as EOG; used for tokenizer.json folders.
 EOG_TEXTS = frozenset({
@@ -27,38 +28,6 @@ EOG_TEXTS = frozenset({
 
 class VocabMismatch(BackendError):
     """Draft and target tokenizers do not map ids to the same tokens."""
-
-
-class Tokenizer:
-    """What decoders and the chat layer need from a tokenizer."""
-
-    name: str
-    n_vocab: int
-    bos_id: int | None
-    eos_id: int | None  # the model's declared EOS (what a chat template calls eos_token)
-    eos_ids: frozenset[int]  # every end-of-generation id (EOS, EOT, ...), eos_id included
-    vocab_type: str  # "bpe" | "spm" | "wpm" | "ugm" | ...
-    add_bos: bool  # does the model expect BOS at the start of a prompt
-    chat_template: str | None
-
-    def encode(self, text: str, *, add_bos: bool = False, special: bool = False) -> list[int]:
-        """Token ids of `text`; `special=False` tokenizes marker-like text ("<|im_end|>") as plain text."""
-        raise NotImplementedError
-
-    def decode(self, ids: Iterable[int]) -> bytes:
-        """Raw bytes of `ids` (may end mid-UTF-8); control tokens give b""."""
-        raise NotImplementedError
-
-    def piece(self, token: int) -> bytes:
-        """The token's own text as bytes, specials rendered (used by `check_compatible`)."""
-        raise NotImplementedError
-
-    def is_eog(self, token: int) -> bool:
-        return token in self.eos_ids
-
-    def is_unused(self, token: int) -> bool:
-        """True for padding / unused ids that a model never produces (allowed to differ across vocabularies)."""
-        return False
 
 
 def check_compatible(draft: Tokenizer, target: Tokenizer) -> None:

@@ -24,7 +24,7 @@ launches, Python). One decoding iteration costs one target pass and d draft pass
 
 tau and d come from a `dsbd-chat bench --json` file when given (tau = 1 / target_passes_per_token,
 d = draft_passes / target_passes from its runs); otherwise tau = (1 - a^(gamma+1)) / (1 - a) with an
-assumed per-token acceptance a (0.66, measured for the qwen-coder pair) and d = gamma.
+assumed per-token acceptance a (the caller's prior: app.config.ACCEPTANCE_PRIOR) and d = gamma.
 Not modelled: attention FLOPs, Layout R padding (a full-mode PyTorch pass computes W (1 + N_max) queries),
 prefill, and the sampler's own time.
 """
@@ -35,9 +35,21 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from offload.plan import DRAFT_MODES, Budget, Placement, PlanError, PlanRequest, plan
+from typing import TYPE_CHECKING
 
-DEFAULT_ACCEPTANCE = 0.66  # mean sum(min(p, q)) of the qwen-coder pair on mixed prose/code (llama.cpp, CPU)
+from offload.plan import DRAFT_MODES, SHAPES, Budget, GiB, Placement, PlanError, PlanRequest, Shape, plan
+
+if TYPE_CHECKING:
+    from offload.geometry import ModelGeometry
+    from offload.plan import Plan
+
+_ONE_ROW = Shape(beams=False, keeps_rows=False, drafts=False)
+
+
+def _shape(mode: str) -> Shape:
+    """A mode's shape; a label the planner does not know (auto, in a bench file) prices as one row."""
+    return SHAPES.get(mode, _ONE_ROW)
+
 DEFAULT_MODES = ("sample", "beam-sample", "sps", "dsbd", "dsbd-mem")
 
 
@@ -136,18 +148,22 @@ class ModeStats:
     gamma: int
     tokens_per_target_pass: float  # tau
     draft_passes_per_target_pass: float  # d
-    source: str  # "bench" | "assumed a=0.66"
+    source: str  # "bench" | "assumed a=..."
 
 
 def assumed_stats(mode: str, *, beams: int, draft_beams: int, gamma: int,
-                  acceptance: float = DEFAULT_ACCEPTANCE) -> ModeStats:
-    """tau = (1 - a^(gamma+1)) / (1 - a) for draft modes (standard speculative sampling), 1 otherwise."""
-    if mode not in DRAFT_MODES:
-        w = beams if mode.startswith("beam") else 1
+                  acceptance: float | None = None) -> ModeStats:
+    """tau = (1 - a^(gamma+1)) / (1 - a) for draft modes (standard speculative sampling), 1 otherwise;
+    a draft mode needs the assumed acceptance a."""
+    shape = _shape(mode)
+    if not shape.drafts:
+        w = beams if shape.beams else 1
         return ModeStats(mode, mode, w, w, 0, 1.0, 0.0, "1 token/pass")
+    if acceptance is None:
+        raise PlanError(f"{mode} needs an assumed acceptance (or a bench file) to project its speed")
     a = min(max(acceptance, 0.0), 0.999)
     tau = (1 - a ** (gamma + 1)) / (1 - a)
-    w, ws = (1, 1) if mode == "sps" else (beams, draft_beams)
+    w, ws = (1, 1) if shape.chain else (beams, draft_beams)
     return ModeStats(mode, mode, w, ws, gamma, tau, float(gamma), f"assumed a={acceptance:g}")
 
 
@@ -170,10 +186,11 @@ def read_bench(path: str | Path, *, beams: int = 4, draft_beams: int | None = No
         for item in filter(None, opts.split(",")):
             key, _, value = item.partition("=")
             kw[key.strip().replace("-", "_")] = value
-        w = int(kw.get("beams") or beams) if mode.startswith(("beam", "dsbd")) else 1  # one row otherwise
+        shape = _shape(mode)
+        w = int(kw.get("beams") or beams) if shape.beams else 1  # one row otherwise
         g = int(kw.get("gamma") if kw.get("gamma") is not None else gamma)
         ws = kw.get("draft_beams")
-        ws = 1 if mode == "sps" else int(ws) if ws is not None else draft_beams or w + 1  # sps drafts one chain
+        ws = 1 if shape.chain else int(ws) if ws is not None else draft_beams or w + 1  # sps drafts one chain
         try:
             per_token = float(s["target_passes_per_token"])
             tau = 1 / per_token if per_token > 0 else float(s["steps_per_target_pass"])
@@ -216,14 +233,12 @@ class Projection:
 
 def queries(mode: str, w: int, ws: int, g: int) -> tuple[int, list[int]]:
     """(target tokens scored per pass, tokens scored by each draft pass)."""
-    if mode == "sps":
-        return 1 + g, [1] * g
-    if mode in ("dsbd", "dsbd-mem"):
-        roots = w if mode == "dsbd" else 1
-        return roots + ws * g, ([roots] + [ws] * (g - 1)) if g else []
-    if mode.startswith("beam"):
-        return w, []
-    return 1, []
+    shape = _shape(mode)
+    roots = w if shape.keeps_rows or (shape.beams and not shape.drafts) else 1
+    if not shape.drafts:
+        return roots, []
+    ws = 1 if shape.chain else ws
+    return roots + ws * g, ([roots] + [ws] * (g - 1)) if g else []
 
 
 def project(target, draft, request: PlanRequest, budget: Budget, hw: HardwareProfile,
@@ -275,3 +290,55 @@ def format_projections(hw: HardwareProfile, rows: list[Projection]) -> str:
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
     lines += [f"  {r.label}: {r.why}" for r in rows if not r.fits]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the plan command's report
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """`dsbd-chat plan`'s answer: the memory plan and, with a hardware profile, the projected speeds."""
+
+    target: "ModelGeometry"
+    draft: "ModelGeometry | None"
+    plan: "Plan"
+    hardware: HardwareProfile | None = None
+    projections: tuple[Projection, ...] = ()
+    paths: tuple[str, str | None] = ("", None)  # where the target and draft files are
+
+    def as_dict(self) -> dict:
+        out = {"plan": self.plan.as_dict(),
+               "models": {"target": self.target.__dict__ | {"path": self.paths[0]},
+                          "draft": self.draft.__dict__ | {"path": self.paths[1]} if self.draft else None}}
+        if self.hardware is not None:
+            out |= {"hardware": self.hardware.__dict__, "projections": [x.as_dict() for x in self.projections]}
+        return out
+
+    def format(self) -> str:
+        def one(role, g):
+            return f"{role} {g.name} ({g.quant}, {g.n_layers} layers, {g.weight_bytes / GiB:.2f} GiB)"
+
+        lines = ["; ".join(one(r, g) for r, g in (("target", self.target), ("draft", self.draft)) if g is not None),
+                 self.plan.format()]
+        if self.hardware is not None:
+            lines += ["", format_projections(self.hardware, list(self.projections))]
+        return "\n".join(lines)
+
+
+def plan_report(target: "ModelGeometry", draft: "ModelGeometry | None", request: PlanRequest, budget: Budget, *,
+                hardware: HardwareProfile | None = None, bench_json: str | Path | None = None,
+                acceptance: float | None = None, modes: tuple[str, ...] = DEFAULT_MODES,
+                paths: tuple[str, str | None] = ("", None)) -> PlanReport:
+    """Plan `request`; with a hardware profile, project each of `modes` from a bench file's acceptance or
+    from the assumed `acceptance`."""
+    p = plan(target, draft, request, budget)
+    if hardware is None:
+        return PlanReport(target, draft, p, paths=paths)
+    req = request.validated()
+    if bench_json:
+        stats = read_bench(bench_json, beams=req.beams, draft_beams=req.draft_beams, gamma=req.gamma)
+    else:
+        stats = [assumed_stats(m, beams=req.beams, draft_beams=req.draft_beams, gamma=req.gamma,
+                               acceptance=acceptance) for m in modes]
+    rows = project(target, draft, req, budget, hardware, stats)
+    return PlanReport(target, draft, p, hardware, tuple(rows), paths)

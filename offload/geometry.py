@@ -15,7 +15,7 @@ import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from backends.base import BackendError
+from offload.errors import BadModelFile
 
 _LAYER_GGUF = re.compile(r"blk\.(\d+)\.")
 _LAYER_HF = re.compile(r"model\.layers\.(\d+)\.")
@@ -69,12 +69,12 @@ class ModelGeometry:
 
 
 def read_geometry(path: str | Path, *, name: str | None = None) -> ModelGeometry:
-    """Geometry of a .gguf file or a safetensors checkpoint folder. Raises BackendError."""
+    """Geometry of a .gguf file or a safetensors checkpoint folder. Raises BadModelFile."""
     path = Path(path)
     if path.is_dir():
         return read_safetensors(path, name=name)
     if not path.is_file():
-        raise BackendError(f"model not found: {path}")
+        raise BadModelFile(f"model not found: {path}")
     return read_gguf(path, name=name)
 
 
@@ -91,7 +91,7 @@ class _Cursor:
         try:
             value = struct.unpack_from("<" + fmt, self.buf, self.pos)
         except struct.error:
-            raise BackendError(f"{self.path.name}: GGUF header is truncated") from None
+            raise BadModelFile(f"{self.path.name}: GGUF header is truncated") from None
         self.pos += struct.calcsize("<" + fmt)
         return value[0] if len(value) == 1 else value
 
@@ -99,7 +99,7 @@ class _Cursor:
         n = self.take("Q")
         s = bytes(self.buf[self.pos : self.pos + n])
         if len(s) != n:
-            raise BackendError(f"{self.path.name}: GGUF header is truncated")
+            raise BadModelFile(f"{self.path.name}: GGUF header is truncated")
         self.pos += n
         return s.decode("utf-8", errors="replace")
 
@@ -125,7 +125,7 @@ def _value(c: _Cursor, vtype: int):
             for _ in range(count):
                 _value(c, etype)
         return count
-    raise BackendError(f"{c.path.name}: unknown GGUF value type {vtype}")
+    raise BadModelFile(f"{c.path.name}: unknown GGUF value type {vtype}")
 
 
 def scan_gguf(path: Path) -> tuple[dict, list[tuple[str, tuple[int, ...], int]]]:
@@ -134,11 +134,11 @@ def scan_gguf(path: Path) -> tuple[dict, list[tuple[str, tuple[int, ...], int]]]
         with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             c = _Cursor(buf, path)
             if bytes(buf[:4]) != b"GGUF":
-                raise BackendError(f"{path.name}: not a GGUF file")
+                raise BadModelFile(f"{path.name}: not a GGUF file")
             c.pos = 4
             version = c.take("I")
             if version not in (2, 3):
-                raise BackendError(f"{path.name}: GGUF version {version} is not supported (expected 2 or 3)")
+                raise BadModelFile(f"{path.name}: GGUF version {version} is not supported (expected 2 or 3)")
             n_tensors, n_kv = c.take("Q"), c.take("Q")
             meta = {}
             for _ in range(n_kv):
@@ -153,9 +153,9 @@ def scan_gguf(path: Path) -> tuple[dict, list[tuple[str, tuple[int, ...], int]]]
                 tensors.append((name, shape, ttype))
             return meta, tensors
     except OSError as e:
-        raise BackendError(f"cannot read {path}: {e}") from e
+        raise BadModelFile(f"cannot read {path}: {e}") from e
     except ValueError as e:  # mmap of an empty file
-        raise BackendError(f"{path.name}: not a GGUF file ({e})") from e
+        raise BadModelFile(f"{path.name}: not a GGUF file ({e})") from e
 
 
 def _tensor_bytes(path: Path, name: str, shape: tuple[int, ...], ttype: int) -> tuple[int, int]:
@@ -164,7 +164,7 @@ def _tensor_bytes(path: Path, name: str, shape: tuple[int, ...], ttype: int) -> 
     try:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
     except (ValueError, KeyError):
-        raise BackendError(f"{path.name}: tensor {name} has unknown ggml type {ttype}; update gguf") from None
+        raise BadModelFile(f"{path.name}: tensor {name} has unknown ggml type {ttype}; update gguf") from None
     n = 1
     for d in shape:
         n *= d
@@ -175,12 +175,12 @@ def read_gguf(path: Path, *, name: str | None = None) -> ModelGeometry:
     meta, tensors = scan_gguf(path)
     arch = meta.get("general.architecture")
     if not isinstance(arch, str):
-        raise BackendError(f"{path.name}: GGUF metadata general.architecture is missing")
+        raise BadModelFile(f"{path.name}: GGUF metadata general.architecture is missing")
 
     def need(key: str) -> int:
         value = meta.get(f"{arch}.{key}")
         if value is None:
-            raise BackendError(f"{path.name}: GGUF metadata key {arch}.{key} is missing")
+            raise BadModelFile(f"{path.name}: GGUF metadata key {arch}.{key} is missing")
         return int(value)
 
     n_layers = need("block_count")
@@ -192,7 +192,7 @@ def read_gguf(path: Path, *, name: str | None = None) -> ModelGeometry:
         if m := _LAYER_GGUF.match(tname):
             i = int(m.group(1))
             if i >= n_layers:
-                raise BackendError(f"{path.name}: tensor {tname} is beyond block_count={n_layers}")
+                raise BadModelFile(f"{path.name}: tensor {tname} is beyond block_count={n_layers}")
             layer_b[i] += b
             layer_p[i] += p
         elif tname == "token_embd.weight":
@@ -200,7 +200,7 @@ def read_gguf(path: Path, *, name: str | None = None) -> ModelGeometry:
         elif tname.startswith("output"):  # output.weight, output_norm.weight
             head = (head[0] + b, head[1] + p)
     if not vocab:
-        raise BackendError(f"{path.name}: tensor token_embd.weight is missing")
+        raise BadModelFile(f"{path.name}: tensor token_embd.weight is missing")
     dim, n_heads = need("embedding_length"), need("attention.head_count")
     n_kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", n_heads))
     key_len = int(meta.get(f"{arch}.attention.key_length", dim // n_heads))
@@ -245,20 +245,20 @@ def _st_header(path: Path) -> dict:
         with open(path, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             if n > 100 << 20:
-                raise BackendError(f"{path.name}: safetensors header of {n} bytes is implausible")
+                raise BadModelFile(f"{path.name}: safetensors header of {n} bytes is implausible")
             return json.loads(fh.read(n))
     except (OSError, struct.error, ValueError) as e:
-        raise BackendError(f"cannot read the safetensors header of {path}: {e}") from e
+        raise BadModelFile(f"cannot read the safetensors header of {path}: {e}") from e
 
 
 def read_safetensors(folder: Path, *, name: str | None = None) -> ModelGeometry:
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
-        raise BackendError(f"{folder}: config.json is missing (not a Hugging Face checkpoint folder?)")
+        raise BadModelFile(f"{folder}: config.json is missing (not a Hugging Face checkpoint folder?)")
     c = json.loads(cfg_path.read_text())
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:
-        raise BackendError(f"{folder}: no *.safetensors files")
+        raise BadModelFile(f"{folder}: no *.safetensors files")
     n_layers = int(c["num_hidden_layers"])
     layer_b, layer_p = [0] * n_layers, [0] * n_layers
     embed = head = (0, 0)

@@ -32,16 +32,38 @@ import re
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
-from backends.base import BackendError
+from offload.errors import BackendError
 
 if TYPE_CHECKING:
     from offload.geometry import ModelGeometry
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-# Mirrors of app.config (offload sits below app and must not import it).
-BEAM_ROWS = ("beam", "beam-sample", "beam-sample-repl", "dsbd")  # modes that keep W target rows
-DRAFT_MODES = ("sps", "dsbd", "dsbd-mem")
-MODES = ("greedy", "sample", "beam", "beam-sample", "beam-sample-repl", "sps", "dsbd", "dsbd-mem")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoding mode as memory and pass cost see it: plain facts, no decoding logic."""
+
+    beams: bool  # runs W beams
+    keeps_rows: bool  # W target KV rows between steps (else one)
+    drafts: bool  # a draft model runs
+    chain: bool = False  # the draft writes one chain (W_S = 1)
+
+
+# app.config.MODE_FACTS restricted to what the planner needs (offload/ sits below app/ and cannot import it;
+# tests/test_layers.py holds the two tables equal).
+SHAPES = {
+    "greedy": Shape(beams=False, keeps_rows=False, drafts=False),
+    "sample": Shape(beams=False, keeps_rows=False, drafts=False),
+    "beam": Shape(beams=True, keeps_rows=True, drafts=False),
+    "beam-sample": Shape(beams=True, keeps_rows=True, drafts=False),
+    "beam-sample-repl": Shape(beams=True, keeps_rows=True, drafts=False),
+    "sps": Shape(beams=False, keeps_rows=False, drafts=True, chain=True),
+    "dsbd": Shape(beams=True, keeps_rows=True, drafts=True),
+    "dsbd-mem": Shape(beams=True, keeps_rows=False, drafts=True),
+}
+MODES = tuple(SHAPES)
+DRAFT_MODES = tuple(m for m, s in SHAPES.items() if s.drafts)
 MAX_BEAMS = 16
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # PyTorch runtime: weights (dequantised) and KV
 KV_TYPE_BYTES = {"f32": 4, "f16": 2}  # llama.cpp runtime cache types (its default is f32)
@@ -121,15 +143,13 @@ class Budget:
 
 
 def detect_vram(device: str = "cuda") -> int:
-    """Free bytes on the CUDA device (0 without torch or CUDA). Torch is imported only here."""
+    """Free bytes on the CUDA device (0 without torch or CUDA). Asks offload.stream, the module that talks to
+    the device, so importing the planner never imports torch."""
     try:
-        import torch
+        from offload.stream import free_vram
     except ImportError:
         return 0
-    if not device.startswith("cuda") or not torch.cuda.is_available():
-        return 0
-    free, _total = torch.cuda.mem_get_info(torch.device(device))
-    return int(free)
+    return free_vram(device)
 
 
 @dataclass(frozen=True)
@@ -389,7 +409,7 @@ class _Try:
 
 
 def _rows(mode: str, beams: int) -> int:
-    return beams if mode in BEAM_ROWS else 1
+    return beams if SHAPES[mode].keeps_rows else 1
 
 
 def _try(tgt: "ModelGeometry", dft: "ModelGeometry | None", req: PlanRequest, budget: Budget, mode: str,
@@ -500,32 +520,6 @@ def plan(target: "ModelGeometry", draft: "ModelGeometry | None", request: PlanRe
     )
 
 
-def plan_for(target_spec, draft_spec=None, params=None, *, mode: str = "auto", budget: Budget | None = None,
-             ring: int = 2) -> Plan:
-    """Plan for app.config.ModelSpec-like specs (source, backend, dtype, n_ctx, device) and DecodeParams-like
-    params (beams, draft_beams, gamma); files are resolved with backends.registry, never loaded."""
-    from backends.registry import resolve  # lazy: the registry pulls in download code
-    from offload.geometry import read_geometry
-
-    def geometry(spec, role):
-        r = resolve(spec.source, role=role)
-        return read_geometry(r.path, name=r.name)
-
-    tgt = geometry(target_spec, "target")
-    dft = geometry(draft_spec, "draft") if draft_spec is not None else None
-    req = PlanRequest(
-        context=target_spec.n_ctx, mode=mode, ring=ring,
-        beams=getattr(params, "beams", 4), draft_beams=getattr(params, "draft_beams", None),
-        gamma=getattr(params, "gamma", 3), target_backend=target_spec.backend,
-        draft_backend=draft_spec.backend if draft_spec is not None else "llamacpp",
-        dtype=getattr(target_spec, "dtype", "float32"),
-    )
-    if budget is None:  # the machine's free VRAM (0 without CUDA) and available RAM
-        device = getattr(target_spec, "device", "cuda")
-        budget = Budget.detect(device=device if str(device).startswith("cuda") else "cuda")
-    return plan(tgt, dft, req, budget)
-
-
 # ---------------------------------------------------------------- messages
 
 
@@ -549,7 +543,7 @@ def _no_fit_message(tgt, dft, req: PlanRequest, budget: Budget, tries: list[_Try
         if (c := max_context(tgt, dft, req, budget, m)) > 0:
             fixes.append(f"a smaller context: --context {c} (the largest that fits {m})")
             break
-    if t.mode in BEAM_ROWS and req.beams > 1 and (w := max_beams(tgt, dft, req, budget, t.mode)) > 0:
+    if SHAPES[t.mode].keeps_rows and req.beams > 1 and (w := max_beams(tgt, dft, req, budget, t.mode)) > 0:
         fixes.append(f"fewer beams: --beams {w}")
     fixes += _smaller_weights(tgt, dft, req, budget, t.mode)
     if not fixes:
@@ -616,3 +610,69 @@ def format_plan(p: Plan) -> str:
     ]
     lines += [f"note: {n}" for n in p.notes]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- a target over RPC workers
+
+
+@dataclass(frozen=True)
+class HostShare:
+    """One machine's part of an RPC target: its layers, their weights and KV, and what it has free."""
+
+    host: str  # "this machine" or the worker's HOST:PORT and device
+    first_layer: int | None  # None: no layer (the host keeps the head and embeddings)
+    last_layer: int | None
+    weight_bytes: int
+    kv_bytes: int
+    need_bytes: int  # weights + KV + compute buffer estimate (+ the draft and logits on the host)
+    free_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.need_bytes <= self.free_bytes
+
+
+def plan_hosts(geo: "ModelGeometry", workers: "list[tuple[str, int]]", *, context: int, rows: int,
+               host_free: int, draft_bytes: int = 0, host_layers: int = 0, kv_type: str = "f32") -> tuple:
+    """Per-machine memory of a target spread over RPC workers ((name, free bytes) each) the way the loader
+    spreads it: the last n_layers - host_layers layers in proportion to free memory, the first ones, the
+    embeddings, the output head (pinned to the host), the logits buffer and the draft on this machine."""
+    n = geo.n_layers
+    remote = max(0, n - max(0, host_layers))
+    req = PlanRequest(context=context, beams=max(1, rows))
+    held = _Held.of(geo, "target", replace(req, kv_type=kv_type))
+    kv_layer = rows * context * held.kv_token_layer
+    act = _activations(held, rows=rows, ctx=context, tree=0, elem=4)
+    total = float(sum(max(f, 1) for _, f in workers)) or 1.0
+    share = [remote * max(f, 1) / total for _, f in workers]
+    if share:
+        share[-1] += 1.0  # the output layer's slot, which stays on the host
+    cum, acc = [], 0.0
+    for s in share:
+        acc += s
+        cum.append(acc / (remote + 1))
+    owner: dict[int, int] = {}
+    for j in range(remote):  # layer n - remote + j, as llama.cpp's upper_bound over the cumulative split
+        owner[n - remote + j] = next((i for i, c in enumerate(cum) if c > j / (remote + 1)), len(cum) - 1)
+    out = []
+    host = list(range(n - remote))
+    w_host = sum(geo.layer_bytes[i] for i in host) + held.embed + held.head
+    need_host = w_host + len(host) * kv_layer + act + _llama_logits(held) + draft_bytes
+    out.append(HostShare("this machine", host[0] if host else None, host[-1] if host else None, w_host,
+                         len(host) * kv_layer, need_host, host_free))
+    for i, (name, free) in enumerate(workers):
+        mine = sorted(k for k, o in owner.items() if o == i)
+        w = sum(geo.layer_bytes[k] for k in mine)
+        out.append(HostShare(name, mine[0] if mine else None, mine[-1] if mine else None, w, len(mine) * kv_layer,
+                             w + len(mine) * kv_layer + (act if mine else 0), free))
+    return tuple(out)
+
+
+def format_hosts(shares) -> str:
+    head = ("machine", "layers", "weights", "KV", "needs", "free", "fits")
+    body = [(s.host, "-" if s.first_layer is None else f"{s.first_layer}-{s.last_layer}", fmt_bytes(s.weight_bytes),
+             fmt_bytes(s.kv_bytes), fmt_bytes(s.need_bytes), fmt_bytes(s.free_bytes), "yes" if s.fits else "NO")
+            for s in shares]
+    widths = [max(len(r[i]) for r in (head, *body)) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in (head, *body)]
+    return "\n".join(["per machine (target over RPC workers; the output head and the draft stay here):", *lines])

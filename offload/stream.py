@@ -23,10 +23,18 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from backends.base import BackendError
+from offload.errors import BackendError
 from offload.plan import resident_mask
 
 _ALIGN_BYTES = 256  # every view in a flat buffer starts 256-byte aligned, like a fresh allocation
+
+
+def free_vram(device: str = "cuda") -> int:
+    """Free bytes on the CUDA device (0 without CUDA or for a non-CUDA device)."""
+    if not str(device).startswith("cuda") or not torch.cuda.is_available():
+        return 0
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return int(free)
 
 
 def _layout(module: nn.Module) -> tuple[list[tuple[str, torch.Size, int]], int, torch.dtype]:

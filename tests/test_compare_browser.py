@@ -11,7 +11,7 @@ import pytest
 pytestmark = [pytest.mark.browser, pytest.mark.filterwarnings("ignore:::gradio.queueing")]
 from browser_support import serve, sync_api, launch_browser, wait_text  # noqa: E402  (skips without Chromium)
 from app.config import MODES  # noqa: E402
-from app.compare.results import ResultStore  # noqa: E402
+from app.compare.store import ResultStore  # noqa: E402
 from fake_engine import FakeEngine  # noqa: E402
 
 # The Blind compare panel as the browser has it (markup, attributes, text), minus the mode checkboxes (they list

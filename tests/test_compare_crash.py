@@ -22,7 +22,7 @@ CHILD = textwrap.dedent(f"""
     import os, sys
     sys.path.insert(0, {str(ROOT)!r})
     import app
-    from app.compare import results as R
+    import app.compare as R
     store, i = R.ResultStore(sys.argv[1]), int(sys.argv[2])
     ids = sorted(r["id"] for r in store.list())
     choices = {CHOICES!r}
@@ -38,7 +38,7 @@ CHILD = textwrap.dedent(f"""
 
 @pytest.mark.skipif(os.name != "posix", reason="SIGKILL")
 def test_sigkill_mid_vote_never_loses_a_saved_vote(tmp_path):
-    from app.compare import results as R
+    import app.compare as R
 
     store = R.ResultStore(tmp_path)
     ids = []

@@ -14,7 +14,7 @@ import pytest
 
 gr = pytest.importorskip("gradio")
 
-from app.compare import results as R  # noqa: E402
+import app.compare as R  # noqa: E402
 from app.config import MODES, DecodeParams  # noqa: E402
 from app.compare.report import figure, mode_table_html, pair_table_html, write_report  # noqa: E402
 from app.serve.ui.chat import Session  # noqa: E402
@@ -414,8 +414,9 @@ def test_set_from_an_uploaded_jsonl_file(tmp_path):
 def test_cli_compare_ctrl_c_then_resume_on_real_tiny(tmp_path, capsys, monkeypatch, tiny_gguf_path):
     """Ctrl-C in the middle of `dsbd-chat compare` keeps the finished prompts; --resume answers only the rest."""
     from app.cli import main
+    from app.compare import runner
 
-    real, calls = R.answer_all, []
+    real, calls = runner.answer_all, []
 
     def interrupted_on_the_second_prompt(engine, rec, *a, **k):
         calls.append(rec["item"])
@@ -423,7 +424,7 @@ def test_cli_compare_ctrl_c_then_resume_on_real_tiny(tmp_path, capsys, monkeypat
             raise KeyboardInterrupt
         return real(engine, rec, *a, **k)
 
-    monkeypatch.setattr(R, "answer_all", interrupted_on_the_second_prompt)
+    monkeypatch.setattr(runner, "answer_all", interrupted_on_the_second_prompt)
     common = ["--max-tokens", "8", "--ctx", "512", "--data-dir", str(tmp_path), "--json"]
     assert main(["compare", "--suite", "chat", "--prompts", "3", "--modes", "greedy,sample", *common]) == 130
     err = capsys.readouterr().err

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from app.serve.api import build_server
-from app.config import DecodeParams, ModelSpec
+from app.config import DecodeParams
+from backends.registry import ModelSpec
 from app.engine.engine import Engine
 from test_api import Recorder, running
 

@@ -10,7 +10,8 @@ import pytest
 
 from app.engine.auto import describe
 from app.compare.bench import parse_mode
-from app.config import MODES, ConfigError, DecodeParams, ModelSpec
+from app.config import MODES, ConfigError, DecodeParams
+from backends.registry import ModelSpec
 from app.engine.engine import Engine, PromptTooLong
 
 MESSAGES = [{"role": "user", "content": "List three colours."}]

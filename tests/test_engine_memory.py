@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from app.config import DecodeParams, ModelSpec
+from app.config import DecodeParams
+from backends.registry import ModelSpec
 from app.engine.engine import Engine
 from backends.base import BackendError
-from offload.plan import Budget, PlanError, plan_for
+from backends.base import OutOfMemory as OutOfMemoryError
+from app.engine.planning import Budget, PlanError, plan_for
 
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 TINY = ModelSpec(source="tiny", n_ctx=1024)
@@ -45,10 +47,6 @@ def test_full_dsbd_switches_to_memory_mode_when_its_kv_does_not_fit(tiny_gguf_pa
         assert small.stats["mode"] == "dsbd" and small.notice is None
     finally:
         engine.close()
-
-
-class OutOfMemoryError(RuntimeError):
-    """Named like torch.cuda.OutOfMemoryError, which the engine recognises by name."""
 
 
 class Starved:

@@ -8,7 +8,8 @@ import threading
 import pytest
 
 import backends.registry
-from app.config import DecodeParams, ModelSpec
+from app.config import DecodeParams
+from backends.registry import ModelSpec
 from app.engine.engine import Engine
 from backends.base import BackendError
 from backends.tokenizer import VocabMismatch

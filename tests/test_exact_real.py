@@ -19,7 +19,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from app.config import DecodeParams, ModelSpec
+from app.config import DecodeParams
+from backends.registry import ModelSpec
 from app.decoding import decoder
 from app.decoding.beams import Stopper
 from app.decoding.metrics import Metrics

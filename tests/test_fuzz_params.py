@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from app.chat import ChatError  # noqa: E402
-from app.config import MODES, QUALITY_LEVELS, ConfigError, DecodeParams, ModelSpec  # noqa: E402
+from app.config import MODES, QUALITY_LEVELS, ConfigError, DecodeParams  # noqa: E402
+from backends.registry import ModelSpec
 from app.engine.engine import Engine, PromptTooLong  # noqa: E402
 
 # 2,000 runs take ~65 s on the 2-core dev CPU (most invalid sets fail fast; valid ones decode <= 4 tokens).

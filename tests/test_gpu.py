@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from app.config import DecodeParams, ModelSpec
+from app.config import DecodeParams
+from backends.registry import ModelSpec
 from backends.pytorch.model import ModelArgs, Transformer, init_random
 from offload.stream import offload_model
 from test_offload import ARGS, _session, _wrap

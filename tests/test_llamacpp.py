@@ -14,7 +14,7 @@ import random
 import numpy as np
 import pytest
 
-from app.config import ModelSpec
+from backends.registry import ModelSpec
 from backends.base import ROOT, BackendError, ContextFull, Forest, Path
 
 gguf = pytest.importorskip("gguf")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.config import ConfigError, ModelSpec
+from backends.registry import ModelSpec
+from backends.registry import SpecError
 from backends.llamacpp import probe
 
 
@@ -23,7 +24,7 @@ def test_bad_settings_are_named(monkeypatch):
     monkeypatch.setenv(probe.ENV, "maybe")
     with pytest.raises(ValueError, match=r"DSBD_CHAT_LLAMA_EXTRA_BUFTS must be one of auto, on, off"):
         probe.setting()
-    with pytest.raises(ConfigError, match="llama_extra_bufts must be auto, on or off"):
+    with pytest.raises(SpecError, match="llama_extra_bufts must be auto, on or off"):
         ModelSpec(source="tiny", llama_extra_bufts="yes").validated()
 
 

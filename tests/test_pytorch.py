@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.config import ModelSpec
+from backends.registry import ModelSpec
 from backends.base import ROOT, BackendError, ContextFull, Forest, Path
 from backends.pytorch import load
 from backends.pytorch.model import KVCache, ModelArgs, init_random

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.config import ModelSpec
+from backends.registry import ModelSpec
 from backends import registry as reg
 from backends.registry import ModelFile, ModelNotFound, Preset, RegistryError, ResolvedModel, resolve
 

@@ -13,7 +13,7 @@ gr = pytest.importorskip("gradio")
 from app.config import MODES, DecodeParams  # noqa: E402
 from app.serve.ui import build_app, launch_kwargs  # noqa: E402
 from app.serve.ui.chat import ChatUI, ChatView, Session, drop_oldest_pair, prompt_messages  # noqa: E402
-from app.compare.results import ResultStore  # noqa: E402
+from app.compare.store import ResultStore  # noqa: E402
 from app.serve.ui.compare import CompareUI, cards_html, scatter  # noqa: E402
 from app.serve.ui.forest import COLOURS, forest_svg, origin_html  # noqa: E402
 from app.storage import ENV_VAR, HistoryError, HistoryStore, check_id, resolve_data_dir  # noqa: E402
@@ -449,11 +449,11 @@ class _Plan:
 
 
 def test_models_tab_swap_updates_the_displayed_info(store, monkeypatch):
-    import offload.plan
-    from app.config import ModelSpec
+    import app.engine.planning
+    from backends.registry import ModelSpec
     from app.serve.ui.models import ModelsUI
 
-    monkeypatch.setattr(offload.plan, "plan_for", lambda t, d, p: _Plan(f"plan: {t.source} + {d.source}, W={p.beams}"))
+    monkeypatch.setattr(app.engine.planning, "plan_for", lambda t, d, p: _Plan(f"plan: {t.source} + {d.source}, W={p.beams}"))
     eng = FakeEngine(draft=False)
     ui, chat = ModelsUI(eng), ChatUI(eng, store)
     assert "fake-target" in ui.view().info and "not loaded from model specs" in ui.view().plan
@@ -490,9 +490,9 @@ def test_models_tab_failed_swap_shows_the_error_and_keeps_the_old_models(store, 
 
 
 def test_models_tab_form_errors_and_plan_errors(monkeypatch):
-    import offload.plan
+    import app.engine.planning
     from app.serve.ui.models import ModelsUI
-    from offload.plan import PlanError
+    from app.engine.planning import PlanError
 
     eng = FakeEngine()
     ui = ModelsUI(eng)
@@ -502,5 +502,5 @@ def test_models_tab_form_errors_and_plan_errors(monkeypatch):
 
     def no_fit(*a, **k):
         raise PlanError("dsbd does not fit: use --context 512")
-    monkeypatch.setattr(offload.plan, "plan_for", no_fit)
+    monkeypatch.setattr(app.engine.planning, "plan_for", no_fit)
     assert "⚠️ dsbd does not fit: use --context 512" in ui.load("tiny", "llamacpp", "tiny", "llamacpp").plan

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from app.config import ConfigError, DecodeParams, ModelSpec
+from app.config import ConfigError, DecodeParams
+from backends.registry import ModelSpec
 from app.engine.engine import Engine, PromptTooLong
 from app.engine.worker import WorkerEngine, death_cause
 from backends.base import BackendError
@@ -221,7 +222,7 @@ def test_the_model_process_ends_with_the_server(tiny_gguf_path):
     # The server process dies without closing anything: the model process notices its pipe close and exits.
     code = textwrap.dedent(f"""
         import os, signal
-        from app.config import ModelSpec
+        from backends.registry import ModelSpec
         from app.engine.worker import WorkerEngine
         if __name__ == "__main__":
             w = WorkerEngine.load(ModelSpec(source="tiny", n_ctx=512, llama_extra_bufts="off"))
@@ -298,3 +299,84 @@ def test_api_answers_through_the_worker_and_reports_a_crash_in_band(worker, inpr
     assert '"error"' in chunks[-1] and "the model process died (SIGKILL" in chunks[-1]
     r = client.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 6, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+
+
+# -- a hung model process, an engine that crashes on every answer -------------------------------------------
+HANG_MARKER = "DSBD_TEST_HANG_MARKER"
+
+
+def _break_decode_if_marked() -> None:
+    """on_start hook: while a marker file exists, every llama_decode hangs ("hang") or segfaults ("crash")."""
+    from backends.llamacpp.runtime import LlamaContext
+
+    real = LlamaContext._decode
+
+    def decode(self, *a, **k):
+        marker = os.environ.get(HANG_MARKER)
+        if marker and os.path.exists(marker):
+            if Path(marker).read_text() == "crash":
+                os.kill(os.getpid(), signal.SIGSEGV)
+            time.sleep(3600)
+        return real(self, *a, **k)
+
+    LlamaContext._decode = decode
+
+
+def test_a_hung_model_process_is_replaced_and_the_next_answer_works(tiny_gguf_path, tmp_path, monkeypatch):
+    marker = tmp_path / "hang"
+    monkeypatch.setenv(HANG_MARKER, str(marker))
+    # 15 s: a fresh process's first answer on this shared machine can take seconds; a hang takes an hour.
+    with WorkerEngine.load(SPEC, on_start=_break_decode_if_marked, hung_after=15.0) as w:
+        pid = w.pid
+        marker.write_text("hang")
+        t0 = time.monotonic()
+        with pytest.raises(BackendError) as err:
+            list(w.chat(HI, DecodeParams(mode="greedy", max_new_tokens=8)))
+        assert 15.0 <= time.monotonic() - t0 < 60
+        msg = str(err.value)
+        assert msg.startswith("the model process stopped answering (no progress for 15 s waiting for its first event")
+        assert "replaced by a fresh one" in msg and "send the message again" in msg
+        marker.unlink()
+        assert list(w.chat(HI, DecodeParams(mode="greedy", max_new_tokens=4)))[-1].done
+        assert w.pid != pid and _gone(pid)
+
+
+def test_the_per_event_deadline_follows_the_timed_pass_costs():
+    from types import SimpleNamespace
+
+    from app.engine import worker as wk
+    from app.engine.auto import CostCurve
+
+    fake = SimpleNamespace(hung_after=None, _costs=None, _state={"n_ctx": 512})
+    assert WorkerEngine.deadline(fake, DecodeParams(), first=True) == wk.HUNG_UNTIMED_S
+    slow, fast = CostCurve.of({1: 1.0, 64: 4.0}), CostCurve.of({1: 0.5, 64: 0.5})
+    fake._costs = (slow, fast)
+    p = DecodeParams(mode="dsbd", beams=2, gamma=3)  # W_S = 3: a forest of 3 x 3 + 2 target tokens, 3 draft passes
+    step = slow(11) + 3 * fast(3)
+    assert WorkerEngine.deadline(fake, p, first=False) == max(wk.HUNG_MIN_S, wk.HUNG_FACTOR * step)
+    assert WorkerEngine.deadline(fake, p, first=True) == wk.HUNG_FACTOR * (step + slow(512) + fast(512))
+    fake._costs = (CostCurve.of({1: 0.001}), None)  # fast passes: never below the floor
+    assert WorkerEngine.deadline(fake, DecodeParams(), first=False) == wk.HUNG_MIN_S
+    fake.hung_after = 2.5
+    assert WorkerEngine.deadline(fake, p, first=True) == 2.5
+
+
+def test_an_engine_that_crashes_on_every_answer_stops_being_restarted(tiny_gguf_path, tmp_path, monkeypatch):
+    marker = tmp_path / "crash"
+    monkeypatch.setenv(HANG_MARKER, str(marker))
+    with WorkerEngine.load(SPEC, on_start=_break_decode_if_marked) as w:
+        marker.write_text("crash")  # loads fine; every answer segfaults it
+        for i in range(3):
+            with pytest.raises(BackendError, match=r"died \(SIGSEGV"):
+                list(w.chat(HI, DecodeParams(mode="greedy", max_new_tokens=4)))
+        assert w.restarts == 2  # restarted after the first two crashes, not after the third
+        for _ in range(2):  # then one clear error for every request, without starting another process
+            with pytest.raises(BackendError) as err:
+                w.chat(HI, DecodeParams(mode="greedy", max_new_tokens=4))
+            msg = str(err.value)
+            assert "died during each of the last 3 answers" in msg and "SIGSEGV" in msg
+            assert "not restarting it again" in msg
+        assert w.pid is None and w.restarts == 2
+        marker.unlink()
+        assert w.swap(SPEC)["target"]  # loading models again starts a fresh process
+        assert list(w.chat(HI, DecodeParams(mode="greedy", max_new_tokens=4)))[-1].done

@@ -1,4 +1,4 @@
-"""Quality report: one page per model pair from saved comparisons (app/compare/results.py), as PNG and HTML.
+"""Quality report: one page per model pair from saved comparisons (app/compare/store.py, stats.py), as PNG and HTML.
 
 Speed against three quality figures with error bars (mean target log-prob, pass rate of hidden tests, blind
 win rate), acceptance per draft depth and the widths DSBD chose (from app.compare.bench.summarize), the pairwise
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from app.compare.results import bench_runs, by_pair, mode_summary, pair_tallies
+from app.compare.stats import bench_runs, by_pair, mode_summary, pair_tallies
 
 
 def _acceptance_widths(records: list[dict], modes: list[str]) -> dict:

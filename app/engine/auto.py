@@ -5,13 +5,13 @@ at the quality level the user chose.
 
 C(n) is the measured time of one pass scoring n tokens (app.engine.timing: timed once per model file, build,
 CPU and thread count and cached on disk, on the engine's first auto or adaptive request, so users who never
-pick them pay nothing; piecewise linear between 1, 2, 4, ..., 64 tokens); n_t and the draft passes follow offload/cost.py's table. tau, the expected tokens
-per target pass, comes from per-depth layer pass rates a_l (spec §11 with one a per depth):
+pick them pay nothing; piecewise linear between 1, 2, 4, ..., 64 tokens); n_t and the draft passes follow app.config.MODE_FACTS.
+tau, the expected tokens per target pass, comes from per-depth layer pass rates a_l (spec §11 with one a per depth):
 
     tau(gamma) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_gamma      (= (1 - a^(gamma+1)) / (1 - a) for equal a)
 
 The a_l are exponential moving averages over finished generations (observe), per (mode, W, W_S, W_min);
-unobserved settings start from a_l = 0.66 (measured for the qwen-coder pair). A second moving average per
+unobserved settings start from a_l = app.config.ACCEPTANCE_PRIOR. A second moving average per
 mode, projected / measured seconds per target pass, folds in what the pass model leaves out (sampler and
 Python time, fewer live beams). It is per pass, not per returned token, on purpose: a beam mode's answer can
 be much shorter than the beam steps it took to settle (on the code suite a 21-token beam-sample answer ran at
@@ -37,13 +37,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
-from offload.cost import queries
-
+from app.config import ACCEPTANCE_PRIOR, MODE_FACTS, ConfigError, DecodeParams
 from app.config import QUALITY_LEVELS as LEVELS
-from app.config import ConfigError, DecodeParams
 from app.engine.timing import CAL_POINTS, CostCurve, cached_costs  # noqa: F401  (CostCurve: re-exported)
 
-PRIOR_ACCEPTANCE = 0.66  # offload.cost.DEFAULT_ACCEPTANCE: the qwen-coder pair on mixed prose/code
+PRIOR_ACCEPTANCE = ACCEPTANCE_PRIOR
 GAMMAS = (1, 2, 3, 4, 5, 6)
 EMA = 0.3  # weight of the newest generation: recent turns matter, one odd answer does not flip the choice
 
@@ -90,7 +88,7 @@ class AutoPolicy:
         return tau
 
     def iteration_s(self, p: DecodeParams) -> float:
-        n_t, drafts = queries(p.mode, p.beams, p.draft_beams, p.gamma)
+        n_t, drafts = MODE_FACTS[p.mode].target_tokens(p.beams, p.draft_beams, p.gamma)
         if drafts and self.draft_cost is None:
             raise ConfigError(f"mode {p.mode!r} needs a draft model")
         return self.target_cost(n_t) + sum(self.draft_cost(n) for n in drafts)
@@ -146,7 +144,7 @@ class AutoPolicy:
             if drafted and w >= 2:
                 out += [replace(base, mode="dsbd", gamma=g, draft_beams=ws, min_beams=wmin)
                         for ws in ws_options("dsbd", wmin) for g in GAMMAS]
-        elif drafted:  # W_min = W: every layer keeps W beams (issue 13: narrower settings lost beam quality)
+        elif drafted:  # W_min = W: every layer keeps W beams (narrower settings lost beam quality in the bench)
             out += [replace(base, mode="dsbd", gamma=g, draft_beams=max(ws, w), min_beams=w)
                     for ws in ws_options("dsbd", w) for g in (0, *GAMMAS)]
         else:

@@ -14,28 +14,18 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
-from backends.base import BackendError, ContextFull
+from backends.base import BackendError, ContextFull, OutOfMemory
 from backends.unique import CountingContext, UniquePaths
 
 from app.chat import encode_chat
-from app.config import BEAM_MODES, ConfigError, DecodeParams, ModelSpec
+from app.config import MODE_FACTS, ConfigError, DecodeParams
+from backends.registry import ModelSpec
 from app.decoding import decoder, derive_seed
 from app.decoding.beams import Stopper
 from app.decoding.metrics import Metrics
+from app.engine.interface import ModelEngine, PromptTooLong
 
 log = logging.getLogger(__name__)
-
-
-class PromptTooLong(ConfigError):
-    """The prompt plus the answer budget exceed the context window."""
-
-    def __init__(self, *, prompt: int, max_new: int, tree: int, n_ctx: int) -> None:
-        room = n_ctx - prompt - tree
-        hint = (f"lower max tokens to {room} or less, or " if room > 0 else "") + \
-            "shorten the conversation (drop the oldest turns) or load the models with a larger context"
-        super().__init__(f"prompt is {prompt} tokens; with max_new_tokens={max_new} and the draft tree "
-                         f"({tree}) it needs {prompt + max_new + tree} of the {n_ctx}-token context: {hint}")
-        self.prompt, self.max_new, self.n_ctx, self.room = prompt, max_new, n_ctx, room
 
 
 @dataclass(frozen=True)
@@ -53,8 +43,8 @@ class Event:
     segments: list | None = None  # last event of a drafted mode: [(text, from the draft?)] covering `text`
 
 
-class Engine:
-    """Loaded target (+ draft) and their contexts; thread-safe with one generation at a time."""
+class Engine(ModelEngine):
+    """Loaded target (+ draft) and their contexts in this process; thread-safe, one generation at a time."""
 
     specs: tuple[ModelSpec | None, ModelSpec | None] = (None, None)  # (target, draft) as loaded; for the UI
     plan = None  # offload.plan.Plan the models were loaded with (None: not planned)
@@ -157,9 +147,13 @@ class Engine:
             d |= {"draft": self.draft.info.name, "draft_backend": self.draft.info.backend}
         repack = {m.info.extra.get("weight_repack") for m in (self.target, self.draft) if m is not None} - {None}
         if repack:  # llama.cpp: whether the weight repack runs (off where it crashes, e.g. AMX)
-            from backends.llamacpp.probe import cpu_summary
+            from backends.registry import cpu_summary
 
             d["cpu"] = f"{cpu_summary()}; " + "; ".join(sorted(repack))
+        if where := self.target.info.extra.get("placement"):  # an RPC target: which machine holds what
+            d["target_placement"] = where
+            if self.draft is not None:
+                d["draft_placement"] = "this machine"
         return d
 
     # -- contexts ------------------------------------------------------------------------------
@@ -189,8 +183,8 @@ class Engine:
         if params.mode == "auto":
             raise ConfigError("auto picks a concrete mode first: call Engine.pick")
         if params.needs_draft and self.draft is None:
-            raise ConfigError(f"mode {params.mode!r} needs a draft model: load one (--draft) or pick "
-                              "greedy / sample / beam / beam-sample / beam-sample-repl")
+            alone = " / ".join(m for m, f in MODE_FACTS.items() if f.concrete and not f.needs_draft)
+            raise ConfigError(f"mode {params.mode!r} needs a draft model: load one (--draft) or pick {alone}")
         plan = self.plan
         if params.mode == "dsbd" and plan is not None and plan.dsbd_full_fits is not None \
                 and params.beams > plan.max_beams:
@@ -224,12 +218,12 @@ class Engine:
         for seen in self._finished:  # answers given before auto was first asked for
             policy.observe(*seen)
         self.policy, took = policy, round(time.perf_counter() - t0, 2)
-        log.info("timed the passes in %.1f s (auto mode, adaptive forests)", took)
+        log.info("pass costs ready in %.1f s (auto mode, adaptive forests; timed, or read from the timing cache)", took)
         return {"calibration_s": took}
 
     def costs(self) -> tuple:
         """(target, draft) pass-cost curves (app.engine.auto.CostCurve) for adaptive DSBD forests: the calibration auto
-        mode uses, timed on first use (seconds; waits for a running answer)."""
+        mode uses, read from the timing cache or timed on first use (seconds; waits for a running answer)."""
         with self.lock:
             self._calibrated()
             return self.policy.target_cost, self.policy.draft_cost
@@ -253,11 +247,11 @@ class Engine:
         if params.validated().mode == "auto":
             params, auto = self.pick(params)
         params, notice = self.resolve(params)
-        tree = params.draft_beams * params.gamma + 1 if params.needs_draft else 1
+        tree = MODE_FACTS[params.mode].tree_tokens(params.draft_beams, params.gamma)
         if len(prompt) + params.max_new_tokens + tree > self.n_ctx:
             raise PromptTooLong(prompt=len(prompt), max_new=params.max_new_tokens, tree=tree, n_ctx=self.n_ctx)
         # Adaptive forests price each iteration with the timed pass costs (the first use times them).
-        costs = self.costs() if params.forest == "adaptive" and params.mode in ("dsbd", "dsbd-mem") else None
+        costs = self.costs() if params.forest == "adaptive" and MODE_FACTS[params.mode].forest else None
         return self._run(prompt, params, cancel, self.target, notice, auto, costs)
 
     def _run(self, prompt, params, cancel, encoded_for, notice, auto=None, costs=None) -> Iterator[Event]:
@@ -297,10 +291,10 @@ class Engine:
             torch.cuda.empty_cache()
 
     def _decode(self, prompt, params, cancel, encoded_for, notice, auto=None, costs=None) -> Iterator[Event]:
-        memory = params.mode in ("dsbd-mem", "greedy", "sample", "sps")
-        rows = 1 if memory else params.beams
+        facts = MODE_FACTS[params.mode]
+        rows = facts.rows(params.beams)
         # Rows of a unified cache share the prompt but each holds its own answer (worst case).
-        tree = params.draft_beams * params.gamma + 1 if params.needs_draft else 1
+        tree = facts.tree_tokens(params.draft_beams, params.gamma)
         cells = len(prompt) + rows * params.max_new_tokens + tree
         with self.lock:
             if cancel is not None and cancel.is_set():  # cancelled while waiting for the lock
@@ -386,10 +380,6 @@ class Engine:
             stats["unique_paths"] = isinstance(target, UniquePaths)
         return stats
 
-    def chat(self, messages: list[dict], params: DecodeParams, *,
-             cancel: threading.Event | None = None) -> Iterator[Event]:
-        return self.generate(self.encode(messages), params, cancel=cancel)
-
     def complete(self, prompt: Sequence[int], params: DecodeParams, *, n: int = 1) -> list[dict]:
         """N independent completions (derived seeds), each {text, tokens, stats}."""
         out = []
@@ -428,8 +418,11 @@ def final_event(events: Iterator[Event]) -> Event:
 def memory_plan(target: ModelSpec, draft: ModelSpec | None, *, budget=None):
     """The offload plan for these models at default decoding settings; PlanError when nothing fits.
     Files the planner cannot read (an unknown architecture, say) load unplanned, as before."""
-    from offload.plan import PlanError, plan_for
+    from app.engine.planning import PlanError, plan_for
 
+    if getattr(target, "rpc", ()):  # the target's layers live on RPC workers: this host's plan would overcount
+        log.info("no memory plan for %s: its layers go to the RPC workers %s", target.source, ", ".join(target.rpc))
+        return None
     try:
         return plan_for(target, draft, DecodeParams(mode="dsbd" if draft is not None else "beam-sample"),
                         budget=budget)
@@ -465,14 +458,13 @@ def load_planned(spec: ModelSpec, role: str, plan):
 
 
 def _is_oom(e: BaseException) -> bool:
-    # torch.cuda.OutOfMemoryError and MemoryError by type; llama.cpp reports allocation failures in text.
-    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or (
-        isinstance(e, BackendError) and "out of memory" in str(e).lower())
+    # The runtimes translate their own allocation failures into OutOfMemory; MemoryError is Python's.
+    return isinstance(e, (OutOfMemory, MemoryError))
 
 
-def _oom_error(params: DecodeParams, e: BaseException, *, retried: bool = False) -> BackendError:
+def _oom_error(params: DecodeParams, e: BaseException, *, retried: bool = False) -> OutOfMemory:
     again = " (already retried with a lighter setting)" if retried else ""
-    return BackendError(f"out of memory during {params.mode} with {params.beams} beams{again} "
+    return OutOfMemory(f"out of memory during {params.mode} with {params.beams} beams{again} "
                         f"({e.__class__.__name__}): try dsbd-mem, fewer beams, a shorter context or more "
                         "offloading (see dsbd-chat plan)")
 
@@ -481,8 +473,9 @@ def _lighter(params: DecodeParams) -> DecodeParams | None:
     """One step down in memory: full DSBD -> memory-reduced; otherwise half the beams; None at the floor."""
     if params.mode == "dsbd":
         return replace(params, mode="dsbd-mem")
-    if params.mode in BEAM_MODES and params.beams > 1:
+    facts = MODE_FACTS[params.mode]
+    if facts.beams and params.beams > 1:
         w = params.beams // 2
         return replace(params, beams=w, min_beams=min(params.min_beams, w),
-                       draft_beams=max(w, params.draft_beams or w) if params.mode == "dsbd-mem" else None).validated()
+                       draft_beams=max(w, params.draft_beams or w) if facts.forest else None).validated()
     return None

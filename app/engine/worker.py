@@ -8,7 +8,13 @@ threads or llama state) and speaks a small RPC over a Pipe: a call answers once;
 
 When the child dies, every request in flight fails with a BackendError naming the signal, and a fresh
 child loads the same models (the swapped-in ones after a swap) while the server keeps serving. Three
-failed loads in a row end the respawns: every request then gets that error instead of an endless loop.
+failed loads in a row end the respawns, and so do three answers in a row that each killed a freshly loaded
+child: every request then gets that error instead of an endless loop.
+
+A child that stops answering (a hung native call, a network stall under an RPC target) is replaced: a stream
+that gets no event within a deadline (HUNG_FACTOR x the timed pass costs, at least HUNG_MIN_S) kills it.
+With an RPC target (backends.llamacpp.rpc) a lost worker aborts the child; the answer then names the worker,
+and while a worker is down the next request checks it again and reloads once it answers.
 The child ignores Ctrl+C (the parent closes it) and exits when the pipe closes (the parent died).
 """
 
@@ -30,11 +36,17 @@ from typing import Callable, Iterator, Sequence
 
 from backends.base import BackendError
 
-from app.config import DecodeParams, ModelSpec
+from app.config import DecodeParams
+from app.engine.interface import ModelEngine, ModelProcessLost
+from backends.registry import ModelSpec
 
 log = logging.getLogger(__name__)
 
 MAX_LOAD_FAILURES = 3  # failed (re)loads in a row before the supervisor stops respawning
+MAX_ANSWER_CRASHES = 3  # answers in a row that killed the model process before it stops respawning
+HUNG_FACTOR = 20.0  # an event this many times later than the timed passes predict: stuck, not slow
+HUNG_MIN_S = 60.0  # never sooner: a loaded machine or a first pass can stall for many seconds
+HUNG_UNTIMED_S = 600.0  # per event, before the passes are timed
 _POLL_S = 0.05  # how often a stream waiting for its next event looks at its cancel Event
 _TOKENIZER_ATTRS = ("name", "n_vocab", "bos_id", "eos_id", "eos_ids", "vocab_type", "add_bos", "chat_template")
 # What the parent may call on the child's Engine (streams: "generate" / "chat", opened separately).
@@ -225,6 +237,7 @@ class _Child:
 
     def __init__(self, conn, proc) -> None:
         self.conn, self.proc = conn, proc
+        self.hung: str | None = None  # why the supervisor killed it for not answering
         self.lock = threading.Lock()  # guards pending / dead (never held while blocked on the pipe)
         self.send_lock = threading.Lock()  # one message at a time on the pipe
         self.pending: dict[int, tuple[queue.SimpleQueue, str]] = {}
@@ -251,7 +264,15 @@ class _Child:
             pass
 
 
-def _died(cause: str, kind: str) -> str:
+def _died(cause: str, kind: str, *, lost: tuple[str, str] | None = None, hung: str | None = None) -> str:
+    if lost is not None and kind == "answer":
+        return (f"lost the RPC worker {lost[0]} ({lost[1]}) during this answer; the model process ended ({cause}) "
+                "(restarting; check the worker)")
+    if lost is not None:
+        return f"lost the RPC worker {lost[0]} ({lost[1]}); the model process ended ({cause}) (restarting; check the worker)"
+    if hung is not None and kind == "answer":
+        return (f"the model process stopped answering ({hung}); it was replaced by a fresh one with the same "
+                "models; send the message again")
     return {
         "answer": f"the model process died ({cause}) during this answer; it is restarting with the same models; "
                   "send the message again",
@@ -261,7 +282,7 @@ def _died(cause: str, kind: str) -> str:
     }.get(kind, f"the model process died ({cause}); it is restarting with the same models; try again")
 
 
-class WorkerEngine:
+class WorkerEngine(ModelEngine):
     """An Engine in a supervised child process, with the Engine's interface as the UI, API and CLI use it.
 
     `WorkerEngine.load(target, draft)` returns once the models are loaded, raising the same errors as
@@ -269,12 +290,20 @@ class WorkerEngine:
     new model process before it loads: tests use it to crash a load on purpose.
     """
 
+    policy = None  # auto's timing lives in the model process (bench reads engine.policy)
+
     def __init__(self, target: ModelSpec, draft: ModelSpec | None = None, *, budget=None,
-                 max_load_failures: int = MAX_LOAD_FAILURES, on_start: Callable[[], None] | None = None) -> None:
+                 max_load_failures: int = MAX_LOAD_FAILURES, max_answer_crashes: int = MAX_ANSWER_CRASHES,
+                 hung_after: float | None = None, on_start: Callable[[], None] | None = None) -> None:
+        """hung_after: a fixed per-event deadline in seconds (None: from the timed pass costs)."""
         self._budget, self._on_start, self.max_load_failures = budget, on_start, max_load_failures
+        self.max_answer_crashes, self.hung_after = max_answer_crashes, hung_after
+        self._costs = None  # (target, draft) CostCurves once timed: the deadlines follow them
+        self._crashes = 0  # answers in a row that ended with the model process dying
+        self._retry_lock = threading.Lock()  # one reload at a time while an RPC worker is down
         self._ids = itertools.count(1)
         self._cv = threading.Condition()
-        self._phase = "starting"  # starting | ready | broken | closed
+        self._phase = "starting"  # starting | ready | waiting (an RPC worker is down) | broken | closed
         self._broken: str | None = None
         self._state: dict = {}
         self._child: _Child | None = None
@@ -324,7 +353,8 @@ class WorkerEngine:
         return self._call("pick", params)
 
     def costs(self) -> tuple:
-        return self._call("costs", kind="answer")  # times the passes on first use: not asked twice
+        self._costs = self._call("costs", kind="answer")  # times the passes on first use: not asked twice
+        return self._costs
 
     def observe(self, params: DecodeParams, stats: dict) -> None:
         return self._call("observe", params, stats)
@@ -339,7 +369,7 @@ class WorkerEngine:
         """Engine.swap in the model process (the old models keep serving if it fails). A broken worker
         (crash loop) starts a fresh process with these models instead."""
         with self._cv:
-            broken = self._phase == "broken"
+            broken = self._phase in ("broken", "waiting")
         if broken:
             if progress is not None:
                 progress(0.0, desc=f"starting a model process for {target.source}")
@@ -348,7 +378,7 @@ class WorkerEngine:
                 if self._phase == "closed":
                     self._kill(child)
                     raise BackendError("the engine is closed")
-                self._child, self._phase, self._broken = child, "ready", None
+                self._child, self._phase, self._broken, self._crashes = child, "ready", None, 0
                 self._cv.notify_all()
             return self.describe()
         child = self._ready()
@@ -392,15 +422,49 @@ class WorkerEngine:
 
     # -- plumbing ----------------------------------------------------------------------------------
     def _ready(self) -> _Child:
-        """The serving child; waits while one restarts; raises when broken or closed."""
-        with self._cv:
-            while self._phase == "starting":
-                self._cv.wait()
-            if self._phase == "broken":
-                raise BackendError(self._broken)
-            if self._phase == "closed":
-                raise BackendError("the engine is closed")
-            return self._child
+        """The serving child; waits while one restarts; raises when broken or closed. While an RPC worker is
+        down, each request checks it again and reloads the models once it answers."""
+        while True:
+            with self._cv:
+                while self._phase == "starting":
+                    self._cv.wait()
+                if self._phase == "broken":
+                    raise BackendError(self._broken)
+                if self._phase == "closed":
+                    raise BackendError("the engine is closed")
+                if self._phase == "ready":
+                    return self._child
+            self._reload_after_worker()
+
+    def _reload_after_worker(self) -> None:
+        """Phase "waiting": raise at once while a worker still fails the check, else load in a new process."""
+        from backends.remote import WorkerUnreachable, first_unreachable
+
+        with self._retry_lock:
+            with self._cv:
+                if self._phase != "waiting":
+                    return
+            target, draft = self.specs
+            down = first_unreachable(target.rpc)
+            if down is None:
+                try:
+                    child = self._start(target, draft)
+                except WorkerUnreachable as e:
+                    down = (e.endpoint, e.why)
+                except Exception as e:  # noqa: BLE001 - a load that fails for another reason: say so, stay waiting
+                    raise BackendError(f"the RPC workers answer again, but loading {target.source} failed: {e}") from e
+                else:
+                    with self._cv:
+                        if self._phase == "closed":
+                            self._kill(child)
+                            raise BackendError("the engine is closed")
+                        self._child, self._phase, self._broken = child, "ready", None
+                        self.restarts += 1
+                        self._cv.notify_all()
+                    log.warning("the RPC workers answer again: the model process restarted (pid %s)", child.proc.pid)
+                    return
+            raise BackendError(f"the RPC worker {down[0]} is down ({down[1]}): start it again (dsbd-chat rpc-worker "
+                               f"on that machine); the next message retries, and so does loading models in the Models tab")
 
     def _call(self, name: str, *args, kind: str = "call", **kwargs):
         for attempt in (1, 2):
@@ -423,7 +487,7 @@ class WorkerEngine:
         if msg[0] == "err":
             raise _unpack_exc(msg[2])
         if msg[0] == "dead":
-            raise BackendError(msg[2])
+            raise ModelProcessLost(msg[2])
         raise BackendError(f"unexpected reply from the model process: {msg[0]!r}")
 
     def _open(self, name: str, args: tuple, cancel: threading.Event | None) -> "_Stream":
@@ -436,7 +500,7 @@ class WorkerEngine:
                 child.send(("open", rid, name, args))
                 msg = q.get()
                 if msg[0] == "opened":
-                    return _Stream(child, rid, q, cancel)
+                    return _Stream(child, rid, q, cancel, engine=self, params=args[1])
                 # Opening only validates: if the process was already dying, open it again on the new one.
                 if msg[0] != "dead" or attempt == 2:
                     self._result(msg)  # raises
@@ -486,20 +550,80 @@ class WorkerEngine:
             child.proc.kill()
             child.proc.join(5)
         cause = death_cause(child.proc.exitcode)
+        if child.hung:
+            cause = f"stopped answering: {child.hung}"
         with child.lock:
             child.dead = cause
             pending, child.pending = list(child.pending.values()), {}
         conn.close()
+        lost = self._lost_worker() if pending or (self._child is child and self._phase == "ready") else None
+        answers = any(kind == "answer" for _, kind in pending)
         with self._cv:
             serving = self._child is child and self._phase == "ready"
             if serving:
                 self._child, self._phase = None, "starting"
+                self._crashes += answers and lost is None  # a worker that went away is not the engine's fault
         if serving:
             log.error("the model process (pid %s) died: %s; restarting it", child.proc.pid, cause)
         for q, kind in pending:
-            q.put(("dead", 0, _died(cause, kind)))
+            q.put(("dead", 0, _died(cause, kind, lost=lost, hung=child.hung)))
         if serving:
+            if self._crashes >= self.max_answer_crashes:
+                with self._cv:
+                    if self._phase != "closed":
+                        target, draft = self.specs
+                        self._phase = "broken"
+                        self._broken = (f"the model process died during each of the last {self._crashes} answers "
+                                        f"(last: {cause}) although {target.source} loads: not restarting it again: "
+                                        "try another mode or smaller settings after loading the models again in "
+                                        "the Models tab, or restart dsbd-chat (see README, Troubleshooting)")
+                        self._cv.notify_all()
+                log.error("not restarting the model process: %d answers in a row crashed it", self._crashes)
+                return
             self._respawn(cause)
+
+    def _lost_worker(self) -> tuple[str, str] | None:
+        """(endpoint, why) of an RPC worker of the target that no longer answers, if any."""
+        target = self.specs[0]
+        if target is None or not getattr(target, "rpc", ()):
+            return None
+        from backends.remote import first_unreachable
+
+        return first_unreachable(target.rpc)
+
+    def answered(self) -> None:
+        """A stream ended normally: the crash-in-a-row count starts again."""
+        self._crashes = 0
+
+    def deadline(self, params, *, first: bool) -> float:
+        """Seconds an event may take before the model process counts as hung (see HUNG_FACTOR)."""
+        if self.hung_after is not None:
+            return self.hung_after
+        costs = self._costs
+        if costs is None:
+            return HUNG_UNTIMED_S
+        target, draft = costs
+        try:
+            p = params.validated()
+        except Exception:  # noqa: BLE001 - the child validated it already; any estimate will do
+            p = DecodeParams()
+        gamma = max(p.gamma, 6) if p.mode == "auto" else p.gamma
+        drafted = p.needs_draft or p.mode == "auto"
+        n = (p.draft_beams or p.beams) * gamma + p.beams if drafted else p.beams
+        step = target(n) + (gamma * draft(p.draft_beams or p.beams) if drafted and draft is not None else 0.0)
+        if first:  # the first event also prefills the prompt: at most the whole context
+            step += target(self._state.get("n_ctx", 4096)) + (draft(self._state.get("n_ctx", 4096)) if draft else 0.0)
+        return max(HUNG_MIN_S, HUNG_FACTOR * step)
+
+    def _hung(self, child: _Child, why: str) -> None:
+        """Kill a model process that stopped answering; the reader then fails its requests and respawns."""
+        if child.hung is None:
+            child.hung = why
+            log.error("the model process (pid %s) %s: replacing it", child.proc.pid, why)
+            try:
+                child.proc.kill()
+            except Exception:  # noqa: BLE001 - already gone
+                pass
 
     def _respawn(self, cause: str) -> None:
         """Load the current specs in a new process; after max_load_failures in a row, stay broken."""
@@ -509,6 +633,13 @@ class WorkerEngine:
             try:
                 child = self._start(target, draft)
             except Exception as e:  # noqa: BLE001 - each failure counts towards the crash loop
+                if type(e).__name__ == "WorkerUnreachable":  # not a crash loop: wait for the worker (_ready)
+                    with self._cv:
+                        if self._phase != "closed":
+                            self._phase, self._broken = "waiting", str(e)
+                            self._cv.notify_all()
+                    log.error("an RPC worker is down, the models load again once it answers: %s", e)
+                    return
                 failures += 1
                 last = str(e)
                 log.error("restarting the model process failed (%d/%d): %s", failures, self.max_load_failures, e)
@@ -547,11 +678,15 @@ class WorkerEngine:
 
 class _Stream:
     """The parent's side of one answer: iterates Events; `close()` stops it (as closing Engine's generator
-    does); its cancel Event is forwarded to the child when set."""
+    does); its cancel Event is forwarded to the child when set. An event later than the engine's deadline
+    kills the (hung) child."""
 
-    def __init__(self, child: _Child, rid: int, q: queue.SimpleQueue, cancel: threading.Event | None) -> None:
+    def __init__(self, child: _Child, rid: int, q: queue.SimpleQueue, cancel: threading.Event | None, *,
+                 engine: "WorkerEngine | None" = None, params=None) -> None:
         self.child, self.rid, self.q, self.cancel = child, rid, q, cancel
+        self.engine, self.params = engine, params
         self.started = self.finished = self.cancel_sent = False
+        self.events = 0
 
     def __iter__(self) -> Iterator:
         return self
@@ -562,19 +697,30 @@ class _Stream:
         if not self.started:
             self.started = True
             self.child.send(("go", self.rid))
+        limit = self.engine.deadline(self.params, first=self.events == 0) if self.engine is not None else None
+        due = None if limit is None else time.monotonic() + limit
         while True:
             if self.cancel is not None and not self.cancel_sent and self.cancel.is_set():
                 self.cancel_sent = True
                 self.child.send(("cancel", self.rid))
+            poll = self.cancel is not None and not self.cancel_sent
+            wait = _POLL_S if poll else None
+            if due is not None:
+                wait = max(0.0, min(wait if wait is not None else 1.0, due - time.monotonic()))
             try:
-                msg = self.q.get(timeout=_POLL_S) if self.cancel is not None and not self.cancel_sent \
-                    else self.q.get()
+                msg = self.q.get(timeout=wait) if wait is not None else self.q.get()
             except queue.Empty:
+                if due is not None and time.monotonic() >= due and self.child.hung is None:
+                    what = "its first event" if self.events == 0 else "the next event"
+                    self.engine._hung(self.child, f"no progress for {limit:.0f} s waiting for {what} of an answer")
                 continue
             if msg[0] == "ev":
+                self.events += 1
                 return msg[2]
             self._finish()
             if msg[0] == "end":
+                if self.engine is not None:
+                    self.engine.answered()
                 raise StopIteration
             WorkerEngine._result(msg)  # raises the child's error or its death
 

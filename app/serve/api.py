@@ -32,13 +32,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from backends.base import BackendError
 
 from app.chat import ChatError
-from app.config import ConfigError, DecodeParams
+from app.config import API_MODES, MODE_FACTS, ConfigError, DecodeParams
 from app.decoding import derive_seed
-from app.engine.engine import PromptTooLong
+from app.engine.interface import PromptTooLong
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"  # loopback by default, like the UI
-DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_TOKENS = DecodeParams.max_new_tokens  # the dataclass default, as the CLI and UI use
 MAX_N = 16
 _POLL_S = 0.25  # how often a request waiting for events checks whether its client went away
 
@@ -157,8 +157,9 @@ def decode_params(req: _Sampling) -> DecodeParams:
     """OpenAI fields + the `dsbd` extension -> DecodeParams (validated later by the engine)."""
     d = req.dsbd or DsbdOptions()
     t = 1.0 if req.temperature is None else req.temperature  # OpenAI's default temperature is 1
-    mode = d.mode or ("greedy" if t == 0 else "sample")
-    if t == 0 and mode in ("greedy", "beam"):
+    mode = d.mode or API_MODES["argmax" if t == 0 else "sampling"]
+    facts = MODE_FACTS.get(mode)
+    if t == 0 and facts is not None and not facts.samples:
         t = 1.0  # argmax modes ignore it, and DecodeParams wants T > 0
     max_tokens = getattr(req, "max_completion_tokens", None)
     max_tokens = req.max_tokens if max_tokens is None else max_tokens
@@ -476,7 +477,7 @@ def _data(obj: dict) -> str:
 
 def build_server(engine, *, api_key: str | None = None, auth: tuple[str, str] | None = None, max_waiting: int = 16,
                  data_dir=None, host: str = HOST, port: int = 7860) -> FastAPI:
-    """The API at /v1 with the Gradio chat UI (queued like `app.serve.ui.serve`) mounted at "/".
+    """The API at /v1 with the Gradio chat UI (queued with QUEUE_KWARGS) mounted at "/".
     `auth` (user, password): the UI asks for that login, and the API accepts it as HTTP basic auth."""
     import gradio as gr
 

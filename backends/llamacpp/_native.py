@@ -13,13 +13,15 @@ from pathlib import Path
 
 import llama_cpp.llama_cpp as ll
 
-from backends.base import BackendError
+from backends.base import BackendError, BadModelFile
 
 log = logging.getLogger("backends.llamacpp.native")
 
 _GGML_LOG_WARN, _GGML_LOG_ERROR, _GGML_LOG_CONT = 3, 4, 5  # enum ggml_log_level
 _recent_errors: collections.deque[str] = collections.deque(maxlen=8)
 _last_level = 0
+_capture: list[str] | None = None  # set during a load: the lines that say where each tensor went
+_PLACEMENT = ("assigned to device", "model buffer size", "buffer type overridden", "using device")
 
 
 @ll.llama_log_callback
@@ -32,6 +34,8 @@ def _on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
     msg = text.decode("utf-8", "replace")
     if level in (_GGML_LOG_WARN, _GGML_LOG_ERROR) and msg.strip():
         _recent_errors.append(msg.strip())
+    if _capture is not None and any(k in msg for k in _PLACEMENT):
+        _capture.append(msg.strip())
     if log.isEnabledFor(logging.DEBUG):
         log.debug("%s", msg.rstrip("\n"))
 
@@ -60,29 +64,42 @@ def default_threads() -> int:
 def check_gguf_header(path: Path) -> None:
     """Fail early, with the path in the message, for a missing file or one that is not GGUF."""
     if not path.is_file():
-        raise BackendError(f"model file not found: {path}")
+        raise BadModelFile(f"model file not found: {path}")
     with open(path, "rb") as f:
         head = f.read(8)
     if head[:4] != b"GGUF":
-        raise BackendError(
+        raise BadModelFile(
             f"{path} is not a GGUF file (starts with {head[:4]!r}, expected b'GGUF'); "
             "point to a .gguf model or convert it with llama.cpp's convert_hf_to_gguf.py"
         )
     if len(head) < 8:
-        raise BackendError(f"{path} is truncated ({path.stat().st_size} bytes); download it again")
+        raise BadModelFile(f"{path} is truncated ({path.stat().st_size} bytes); download it again")
 
 
 class ModelHandle:
     """Owns one `llama_model *`; `ptr` raises once freed, so a stale user gets an error, not a segfault."""
 
-    def __init__(self, path: Path, *, vocab_only: bool, n_gpu_layers: int = 0, extra_bufts: bool = True) -> None:
+    def __init__(self, path: Path, *, vocab_only: bool, n_gpu_layers: int = 0, extra_bufts: bool = True,
+                 placement=None) -> None:
+        """placement: an rpc.Placement (devices list + head overrides), kept alive with the model."""
+        global _capture
         check_gguf_header(path)
         params = ll.llama_model_default_params()
         params.vocab_only = vocab_only
         params.n_gpu_layers = n_gpu_layers
         params.use_extra_bufts = extra_bufts  # weight repack (AMX and others); off where it crashes (probe.py)
+        if placement is not None:
+            params.devices = placement.devices_ptr
+            params.tensor_buft_overrides = placement.overrides_ptr
+            if placement.split_ptr is not None:
+                params.tensor_split = placement.split_ptr
+        self.placement, self.load_log = placement, []
         take_errors()
-        ptr = ll.llama_model_load_from_file(os.fsencode(path), params)
+        _capture = self.load_log
+        try:
+            ptr = ll.llama_model_load_from_file(os.fsencode(path), params)
+        finally:
+            _capture = None
         if not ptr:
             why = take_errors() or "no details logged"
             raise BackendError(
@@ -119,6 +136,7 @@ class ModelHandle:
             ll.llama_model_free(self._ptr)
             self._ptr = None
             self._vocab = None
+            self.placement = None  # its workers' connections close with the model
 
     def __del__(self) -> None:
         try:

@@ -23,18 +23,11 @@ TYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_0-head": "LLAMA_FTYPE_MOSTLY_Q4_
 _GGML_Q4_0 = 2  # enum ggml_type
 
 
-def cache_folder() -> Path:
-    """The models cache (the same folder preset files are assembled in)."""
-    from backends.registry import cache_dir
-
-    return cache_dir()
-
-
-def quantized_path(src: Path, qtype: str, *, folder: Path | None = None) -> Path:
-    """Where the `qtype` copy of `src` lives (made or not)."""
+def quantized_path(src: Path, qtype: str, *, folder: Path) -> Path:
+    """Where the `qtype` copy of `src` lives in `folder` (the models cache: backends.registry.cache_dir())."""
     _check(qtype)
     src = Path(src)
-    return (folder or cache_folder()) / f"{src.stem}.{qtype}.gguf"
+    return Path(folder) / f"{src.stem}.{qtype}.gguf"
 
 
 def _source_key(src: Path, qtype: str) -> dict:
@@ -50,7 +43,7 @@ def _check(qtype: str) -> None:
         raise ValueError(f"unknown draft quantization {qtype!r}; choose one of: {', '.join(TYPES)}")
 
 
-def requantized(src: Path, qtype: str, *, folder: Path | None = None, threads: int | None = None) -> Path:
+def requantized(src: Path, qtype: str, *, folder: Path, threads: int | None = None) -> Path:
     """The `qtype` copy of `src`, made now if missing or stale (seconds for a 0.5B model)."""
     src = Path(src)
     dest = quantized_path(src, qtype, folder=folder)

@@ -9,7 +9,7 @@ from typing import Sequence
 import numpy as np
 import llama_cpp.llama_cpp as ll
 
-from backends.base import BackendError, ContextFull, Forest, Logits, ModelInfo
+from backends.base import BackendError, ContextFull, Forest, Logits, ModelInfo, OutOfMemory
 from backends.base import Path as KeepPath
 from backends.llamacpp import probe
 from backends.llamacpp._native import ModelHandle, check_gguf_header, default_threads, take_errors
@@ -27,18 +27,40 @@ class LlamaModel:
     """A loaded GGUF model: `info`, `tokenizer`, and `context(...)` factories."""
 
     def __init__(self, path: Path, *, n_threads: int | None = None, n_gpu_layers: int = 0,
-                 kv_type: str = "f32", extra_bufts: str | None = None) -> None:
-        """extra_bufts: on | off | auto (None: $DSBD_CHAT_LLAMA_EXTRA_BUFTS, else auto = probe, see probe.py)."""
+                 kv_type: str = "f32", extra_bufts: str | None = None, rpc: Sequence[str] = ()) -> None:
+        """extra_bufts: on | off | auto (None: $DSBD_CHAT_LLAMA_EXTRA_BUFTS, else auto = probe, see probe.py).
+
+        rpc: HOST:PORT of llama.cpp RPC workers; n_gpu_layers then counts the layers on them (and on the local
+        GPUs), -1 = all; the output head stays on the host CPU (backends.llamacpp.rpc).
+        """
         if kv_type not in _KV_TYPES:
             raise ValueError(f"kv_type must be one of {sorted(_KV_TYPES)}, got {kv_type!r}")
         check_gguf_header(Path(path))
+        placement = None
+        if rpc:
+            from backends.llamacpp.rpc import Placement
+
+            placement = Placement(rpc)  # checks every worker before any native call can abort on one
+            head = ModelHandle(Path(path), vocab_only=True)  # the header only: the layer count
+            n_layer = int(head.meta(f"{head.meta('general.architecture')}.block_count") or 0)
+            head.close()
+            remote = n_layer if n_gpu_layers < 0 else min(n_gpu_layers, n_layer)
+            placement.spread(remote)
+            # llama.cpp counts the output layer as the first offloaded one; ours is pinned to the host CPU.
+            n_gpu_layers = remote + 1
         self.repack = probe.decide(Path(path), extra_bufts)
         self._h = ModelHandle(Path(path), vocab_only=False, n_gpu_layers=n_gpu_layers,
-                              extra_bufts=self.repack.extra_bufts)
+                              extra_bufts=self.repack.extra_bufts, placement=placement)
         self.n_threads = n_threads or default_threads()
         self.kv_type = kv_type
         self.tokenizer = GGUFTokenizer(self._h)
         self.info = _model_info(self._h, kv_type, self.repack)
+        if placement is not None:
+            from backends.llamacpp.rpc import summarize
+
+            where = summarize(self._h.load_log, placement.devices, self.info.n_layers)
+            self.info.extra.update(rpc=list(placement.endpoints), placement=where["layers"],
+                                   buffers_mib=where["buffers_mib"])
         self._contexts: weakref.WeakSet[LlamaContext] = weakref.WeakSet()
 
     def context(self, *, rows: int, max_tokens: int, n_batch: int | None = None,
@@ -135,8 +157,11 @@ class LlamaContext:
         take_errors()
         ctx = ll.llama_init_from_model(model._h.ptr, p)
         if not ctx:
-            raise BackendError(f"llama.cpp could not create a context of {max_tokens} tokens for "
-                               f"{model.info.name}: {take_errors() or 'out of memory?'}")
+            why = take_errors()
+            # A context fails to allocate, or fails for a reason llama.cpp logged; an empty log means allocation.
+            cls = OutOfMemory if not why or _reports_oom(why) else BackendError
+            raise cls(f"llama.cpp could not create a context of {max_tokens} tokens for "
+                      f"{model.info.name}: {why or 'out of memory?'}")
         self._ctx = ctx
         self._batch = ll.llama_batch_init(n_batch, 0, n_seq)
         self._mem = _Memory(ctx)
@@ -241,7 +266,15 @@ class LlamaContext:
         rc = ll.llama_decode(self._ctx, b)
         if rc != 0:
             why = _DECODE_ERRORS.get(rc, "fatal error")
-            raise BackendError(f"llama_decode failed ({rc}: {why}) on {len(tokens)} tokens: {take_errors()}")
+            log = take_errors()
+            cls = OutOfMemory if _reports_oom(log) else BackendError
+            raise cls(f"llama_decode failed ({rc}: {why}) on {len(tokens)} tokens: {log}")
         n_out = sum(logits)
         ptr = ll.llama_get_logits(self._ctx)
         return np.ctypeslib.as_array(ptr, shape=(n_out, self._vocab)).copy()  # [n_out, vocab]
+
+
+def _reports_oom(log: str) -> bool:
+    """llama.cpp reports allocation failures only in its log: translate them here, at the boundary, into
+    OutOfMemory so that nothing above reads message text."""
+    return "out of memory" in log.lower()

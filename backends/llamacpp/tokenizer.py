@@ -9,7 +9,7 @@ from typing import Iterable
 import llama_cpp.llama_cpp as ll
 
 from backends.llamacpp._native import ModelHandle
-from backends.tokenizer import Tokenizer
+from backends.base import Tokenizer
 
 VOCAB_TYPES = {0: "none", 1: "spm", 2: "bpe", 3: "wpm", 4: "ugm", 5: "rwkv", 6: "plamo2"}
 _CONTROL = ll.LLAMA_TOKEN_ATTR_CONTROL

@@ -12,7 +12,7 @@ import pathlib
 import numpy as np
 import torch
 
-from backends.base import BackendError
+from backends.base import BadModelFile
 from backends.pytorch.model import ARCHS, ModelArgs, Transformer, build
 
 _LAYER_NAMES = {  # GGUF blk.N.* -> Block attribute
@@ -39,9 +39,9 @@ def _reader(path: pathlib.Path):
     try:
         return gguf.GGUFReader(path)
     except FileNotFoundError:
-        raise BackendError(f"GGUF file not found: {path}") from None
+        raise BadModelFile(f"GGUF file not found: {path}") from None
     except Exception as e:  # a truncated or foreign file fails deep inside numpy's memmap
-        raise BackendError(f"cannot read {path} as GGUF: {e}") from e
+        raise BadModelFile(f"cannot read {path} as GGUF: {e}") from e
 
 
 def _meta(reader, key: str, default=None):
@@ -53,19 +53,19 @@ def read_args(reader, path: pathlib.Path) -> ModelArgs:
     """ModelArgs from `{arch}.*` metadata keys (plus tensor shapes where metadata is optional)."""
     arch = _meta(reader, "general.architecture")
     if arch not in ARCHS:
-        raise BackendError(
+        raise BadModelFile(
             f"{path.name}: architecture {arch!r} is not supported by the pytorch backend ({', '.join(ARCHS)})"
         )
 
     def need(key: str):
         value = _meta(reader, f"{arch}.{key}")
         if value is None:
-            raise BackendError(f"{path.name}: GGUF metadata key {arch}.{key} is missing")
+            raise BadModelFile(f"{path.name}: GGUF metadata key {arch}.{key} is missing")
         return value
 
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
-        raise BackendError(f"{path.name}: tensor token_embd.weight is missing")
+        raise BadModelFile(f"{path.name}: tensor token_embd.weight is missing")
     dim, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
     head_dim = int(_meta(reader, f"{arch}.attention.key_length", dim // n_heads))
     factors = np.ones(head_dim // 2)
@@ -75,10 +75,10 @@ def read_args(reader, path: pathlib.Path) -> ModelArgs:
     if scaling == "linear":
         factors = factors * float(_meta(reader, f"{arch}.rope.scaling.factor", 1.0))
     elif scaling not in ("none", ""):
-        raise BackendError(f"{path.name}: RoPE scaling {scaling!r} is not supported by the pytorch backend")
+        raise BadModelFile(f"{path.name}: RoPE scaling {scaling!r} is not supported by the pytorch backend")
     rope_dim = int(_meta(reader, f"{arch}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
-        raise BackendError(f"{path.name}: partial RoPE ({rope_dim} of {head_dim} dims) is not supported")
+        raise BadModelFile(f"{path.name}: partial RoPE ({rope_dim} of {head_dim} dims) is not supported")
     return ModelArgs(
         arch=arch,
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF shapes are [in, out]
@@ -103,7 +103,7 @@ def _dequant(t) -> np.ndarray:
     try:
         a = dequantize(t.data, t.tensor_type)
     except NotImplementedError as e:
-        raise BackendError(f"tensor {t.name}: quantisation {t.tensor_type.name} is not supported ({e})") from e
+        raise BadModelFile(f"tensor {t.name}: quantisation {t.tensor_type.name} is not supported ({e})") from e
     return a.reshape(tuple(int(n) for n in reversed(t.shape)))  # numpy order: [out, in]
 
 
@@ -130,7 +130,7 @@ def load_gguf(path: pathlib.Path, *, dtype: torch.dtype, device: torch.device) -
     def load(name: str) -> torch.Tensor:
         gname = _gguf_name(name)
         if gname not in tensors:
-            raise BackendError(f"{path.name}: tensor {gname} is missing")
+            raise BadModelFile(f"{path.name}: tensor {gname} is missing")
         w = _dequant(tensors[gname])
         kind = gname.split(".")[2] if gname.startswith("blk.") else ""
         if args.arch == "llama" and kind in ("attn_q", "attn_k"):

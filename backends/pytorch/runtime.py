@@ -7,6 +7,7 @@ tree nodes take the row's next free slots, so a node's slot differs from its RoP
 
 from __future__ import annotations
 
+import functools
 import pathlib
 from dataclasses import dataclass
 from typing import Sequence
@@ -14,8 +15,19 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from backends.base import ROOT, BackendError, ContextFull, Forest, Logits, ModelInfo, Path
+from backends.base import ROOT, BackendError, ContextFull, Forest, Logits, ModelInfo, OutOfMemory, Path
 from backends.pytorch.model import KVCache, Transformer
+
+
+def _typed_oom(fn):
+    """torch's out-of-memory error (CUDA or host) becomes backends.base.OutOfMemory at this boundary."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kw):
+        try:
+            return fn(*args, **kw)
+        except torch.OutOfMemoryError as e:
+            raise OutOfMemory(f"torch: {e}") from e
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -78,6 +90,7 @@ class PyTorchContext:
     # -- verbs -------------------------------------------------------------------------------------
 
     @torch.inference_mode()
+    @_typed_oom
     def prefill(self, ids: Sequence[int]) -> None:
         """One row holding `ids` (all committed); reuses the longest common prefix of any row."""
         kv = self._live()
@@ -106,6 +119,7 @@ class PyTorchContext:
             self._used[0] = start + n
 
     @torch.inference_mode()
+    @_typed_oom
     def evaluate(self, forest: Forest) -> Logits:
         """Score every row's new suffix tokens and every new node in ONE forward pass."""
         kv = self._live()
@@ -198,6 +212,7 @@ class PyTorchContext:
         return Logits(root_rows=tuple(root_rows), roots=out[:n_roots], nodes=out[n_roots:])
 
     @torch.inference_mode()
+    @_typed_oom
     def commit(self, paths: Sequence[Path]) -> None:
         """New row o = paths[o].row's committed tokens + suffix + its node chain; KV kept, compacted."""
         kv = self._live()
@@ -310,6 +325,7 @@ class PyTorchModel:
             self._tokenizer = load_tokenizer(self._tokenizer_path)
         return self._tokenizer
 
+    @_typed_oom
     def context(self, *, rows: int, max_tokens: int, logits_dtype: type = np.float32) -> PyTorchContext:
         """A static-KV context; `logits_dtype=np.float64` keeps float64 test models' logits exact."""
         if self.transformer is None:

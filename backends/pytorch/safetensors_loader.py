@@ -8,7 +8,7 @@ import pathlib
 
 import torch
 
-from backends.base import BackendError
+from backends.base import BadModelFile
 from backends.pytorch.model import ModelArgs, Transformer, build
 
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}  # HF model_type -> our arch
@@ -75,11 +75,11 @@ def _llama3_factors(inv_freq: torch.Tensor, rs: dict) -> torch.Tensor:
 def read_config(folder: pathlib.Path) -> ModelArgs:
     path = folder / "config.json"
     if not path.is_file():
-        raise BackendError(f"{folder}: config.json is missing (not a Hugging Face checkpoint folder?)")
+        raise BadModelFile(f"{folder}: config.json is missing (not a Hugging Face checkpoint folder?)")
     c = json.loads(path.read_text())
     arch = _MODEL_TYPES.get(c.get("model_type"))
     if arch is None:
-        raise BackendError(f"{path}: model_type {c.get('model_type')!r} is not supported ({', '.join(_MODEL_TYPES)})")
+        raise BadModelFile(f"{path}: model_type {c.get('model_type')!r} is not supported ({', '.join(_MODEL_TYPES)})")
     dim, n_heads = c["hidden_size"], c["num_attention_heads"]
     head_dim = c.get("head_dim") or dim // n_heads
     theta = float(c.get("rope_theta", 10000.0))
@@ -93,7 +93,7 @@ def read_config(folder: pathlib.Path) -> ModelArgs:
         elif kind == "llama3":
             factors = tuple(_llama3_factors(inv, rs).tolist())
         elif kind != "default":
-            raise BackendError(f"{path}: RoPE scaling {kind!r} is not supported by the pytorch backend")
+            raise BadModelFile(f"{path}: RoPE scaling {kind!r} is not supported by the pytorch backend")
     return ModelArgs(
         arch=arch,
         vocab_size=c["vocab_size"],
@@ -121,11 +121,11 @@ def _weight_map(folder: pathlib.Path) -> dict[str, pathlib.Path]:
         files = {name: folder / f for name, f in json.loads(index.read_text())["weight_map"].items()}
         for f in sorted(set(files.values())):
             if not f.is_file():
-                raise BackendError(f"{folder}: shard {f.name} listed in {index.name} is missing")
+                raise BadModelFile(f"{folder}: shard {f.name} listed in {index.name} is missing")
         return files
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:
-        raise BackendError(f"{folder}: no *.safetensors files")
+        raise BadModelFile(f"{folder}: no *.safetensors files")
     files = {}
     for f in shards:
         with safe_open(f, framework="pt") as sf:
@@ -140,20 +140,20 @@ def load_safetensors(folder: pathlib.Path, *, dtype: torch.dtype, device: torch.
     args = read_config(folder)
     files = _weight_map(folder)
     if not args.tied_embeddings and "lm_head.weight" not in files:
-        raise BackendError(f"{folder}: tensor lm_head.weight is missing (and tie_word_embeddings is false)")
+        raise BadModelFile(f"{folder}: tensor lm_head.weight is missing (and tie_word_embeddings is false)")
     handles: dict[pathlib.Path, object] = {}
 
     def load(name: str) -> torch.Tensor:
         key = hf_name(name)
         if key not in files:
-            raise BackendError(f"{folder}: tensor {key} is missing")
+            raise BadModelFile(f"{folder}: tensor {key} is missing")
         f = files[key]
         if f not in handles:
             handles[f] = safe_open(f, framework="pt", device="cpu")
         try:
             t = handles[f].get_tensor(key)
         except Exception as e:  # a weight_map entry pointing at the wrong shard
-            raise BackendError(f"{f.name}: cannot read tensor {key}: {e}") from e
+            raise BadModelFile(f"{f.name}: cannot read tensor {key}: {e}") from e
         return t.to(device=device, dtype=dtype)
 
     model = build(args, load)

@@ -1,4 +1,4 @@
-"""The browser UI: `build_app(engine)` returns the Gradio Blocks; `serve` launches it on 127.0.0.1.
+"""The browser UI: `build_app(engine)` returns the Gradio Blocks (app.serve.api serves it beside the API).
 
 One module per tab (chat, compare, models); settings, stats, forest and history are their helpers.
 Gradio 6 takes CSS and allowed file paths at launch, hence `launch_kwargs` next to `build_app`.
@@ -11,11 +11,10 @@ import os
 import gradio as gr
 
 from app.serve.ui import chat, compare, models
-from app.compare.results import ResultStore
-from app.storage import HistoryStore, resolve_data_dir
+from app.compare.store import ResultStore
+from app.storage import HistoryStore
 from app.serve.ui.settings import ASSETS
 
-HOST = "127.0.0.1"  # local only: the app has no authentication
 QUEUE_KWARGS = {"default_concurrency_limit": 1, "max_size": 64}
 
 
@@ -47,12 +46,4 @@ def launch_kwargs(app: gr.Blocks) -> dict:
             "allowed_paths": [str(app.dsbd_store.exports_dir)]}
 
 
-def serve(engine, *, port: int = 7860, inbrowser: bool = True, data_dir: str | os.PathLike | None = None,
-          **launch) -> None:
-    """Build, queue (one generation at a time, others wait with their position shown) and launch locally."""
-    app = build_app(engine, data_dir=data_dir)
-    app.queue(**QUEUE_KWARGS).launch(server_name=HOST, server_port=port, inbrowser=inbrowser,
-                                     **(launch_kwargs(app) | launch))
-
-
-__all__ = ["build_app", "launch_kwargs", "serve", "HOST", "QUEUE_KWARGS", "resolve_data_dir"]
+__all__ = ["build_app", "launch_kwargs", "QUEUE_KWARGS"]

@@ -18,7 +18,7 @@ import gradio as gr
 from backends.base import BackendError
 
 from app.config import ConfigError
-from app.engine.engine import PromptTooLong
+from app.engine.interface import PromptTooLong
 from app.serve.ui.forest import forest_svg, origin_html
 from app.storage import CorruptChat, HistoryError, HistoryStore, title_of
 from app.serve.ui.settings import (FIELDS, DecodingPanel, default_settings, params_from, settings_from_values, summary,

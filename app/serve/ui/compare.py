@@ -5,7 +5,7 @@ Blind (the default): one prompt, two or more modes, all with the same seed, answ
 (the engine runs one generation at a time) and shown as they finish under labels A, B, ... in a random
 order. Nothing in the page names a mode until the vote; the label -> mode map stays on the server. Each
 mode reuses the decoding panel's settings with only the mode swapped, so a comparison varies one thing.
-Storage, tallies and the background runner live in app/compare/results.py, the report in app/compare/report.py.
+Records, the store, tallies and the runner live in app/compare/, the report in app/compare/report.py.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import gradio as gr
 from matplotlib.figure import Figure
 
 from app.config import MODES, ConfigError
-from app.compare.results import (BOTH_BAD, TIE, ResultsError, ResultStore, SetRunner, answer_all, generate_answer,
-                       load_prompt_source, needs_vote, new_comparison, new_run, params_of_run, parse_prompts,
-                       read_export)
+from app.compare.records import (BOTH_BAD, TIE, ResultsError, load_prompt_source, needs_vote, new_comparison, new_run,
+                                 parse_prompts)
+from app.compare.runner import SetRunner, generate_answer, iter_answers, open_run
+from app.compare.store import ResultStore, read_export
 from app.serve.ui.chat import ENGINE_QUEUE, Session
 from app.serve.ui.settings import params_from, settings_from_values
 
@@ -181,22 +182,17 @@ class CompareUI:
                              models=self.engine.describe(), system=system, kind="blind", rng=self.rng)
         n, t0 = len(rec["answers"]), time.perf_counter()
         seed_note = f"Seed {rec['seed']} for every answer."
-        done = [0]
-
-        def step(i: int) -> None:
-            done[0] = i + 1
-
-        # answer_all runs the answers in label order; it is driven here one answer at a time to stream cards.
-        for i in range(n):
+        done = 0
+        for i, finished in iter_answers(self.engine, rec, params, cancel=cancel):  # label order, streamed
+            if finished:
+                done = i + 1
+                continue
             progress((i, n), desc=f"answer {rec['answers'][i]['label']} ({i + 1}/{n})")
             yield (blind_cards_html(rec, i), None, f"Writing answer {rec['answers'][i]['label']} ({i + 1}/{n}). "
                    f"{seed_note}{note}", *_hidden_vote())
-            sub = dict(rec, answers=[rec["answers"][i]])
-            if not answer_all(self.engine, sub, params, cancel=cancel, on_answer=lambda _: step(i)):
-                break
-        if done[0] < n:
-            yield (blind_cards_html(rec, done[0], writing=False), None,
-                   f"Stopped after {done[0]} of {n} answers; nothing was saved.", *_hidden_vote())
+        if done < n:
+            yield (blind_cards_html(rec, done, writing=False), None,
+                   f"Stopped after {done} of {n} answers; nothing was saved.", *_hidden_vote())
             return
         self.store.save(rec)  # pending until the vote: the Results view can bring it back
         session.compare = rec
@@ -313,10 +309,7 @@ class CompareUI:
         try:
             if not run_id:
                 raise ResultsError("pick a stopped run to resume")
-            run = self.store.load_run(run_id)
-            if run["state"] == "done":
-                raise ResultsError(f"run {run_id} is complete")
-            self.runner.start(run, params_of_run(run))
+            self.runner.start(*open_run(self.store, run_id))
         except (ConfigError, ResultsError, ValueError) as e:
             return gr.skip(), f"Not resumed: {e}", gr.skip()
         done, total, _ = self.runner.progress()

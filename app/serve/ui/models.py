@@ -17,7 +17,8 @@ from backends.base import BackendError
 from backends.registry import PRESETS
 from backends.tokenizer import VocabMismatch
 
-from app.config import BACKENDS, ConfigError, ModelSpec
+from app.config import ConfigError
+from backends.registry import BACKENDS, ModelSpec
 from app.serve.ui.settings import default_settings, params_from
 from app.serve.ui.stats import memory_line
 
@@ -27,7 +28,8 @@ SOURCE_HINT = ("a preset (tiny, qwen-coder), a local .gguf file, a safetensors f
                "id org/name or org/name:file.gguf")
 _LABELS = {"target": "Target model", "target_backend": "Target backend", "target_source": "Target source",
            "draft": "Draft model", "draft_backend": "Draft backend", "draft_source": "Draft source",
-           "n_ctx": "Context window (tokens)"}
+           "n_ctx": "Context window (tokens)", "target_placement": "Target placement (RPC workers)",
+           "draft_placement": "Draft placement"}
 SWITCH_NOTE = ("Same as `--target` / `--draft` with `--target-backend` / `--draft-backend` on the command line; "
                "context size, dtype, device and threads stay as loaded. The current models keep answering "
                "while the new ones load, and stay if anything fails.")
@@ -65,11 +67,11 @@ def describe_markdown(engine) -> str:
 
 
 def plan_markdown(engine) -> str:
-    """The memory plan (offload.plan) of the loaded specs at the default decoding settings, or why not."""
+    """The memory plan of the loaded specs at the default decoding settings, or why not."""
     target, draft = _specs(engine)
     if target is None:
         return "No memory plan: the engine was not loaded from model specs."
-    from offload.plan import PlanError, plan_for  # lazy: the planner may import torch to read free VRAM
+    from app.engine.planning import PlanError, plan_for  # lazy: reading free VRAM may import torch
 
     try:
         plan = plan_for(target, draft, params_from(default_settings()))
@@ -120,7 +122,8 @@ class ModelsUI:
         if not draft:
             return t, None
         d_base = old_d or base  # the CLI gives both roles the same threads / device / context
-        return t, replace(d_base, source=draft, backend=draft_backend or d_base.backend).validated()
+        # RPC workers (set by --rpc, never from this form) hold the target only: the draft stays local.
+        return t, replace(d_base, source=draft, backend=draft_backend or d_base.backend, rpc=()).validated()
 
     def load(self, target: str, target_backend: str, draft: str, draft_backend: str,
              progress=gr.Progress(track_tqdm=True)) -> ModelsView:  # noqa: B008 (Gradio injects it)

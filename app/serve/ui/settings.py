@@ -11,10 +11,9 @@ from pathlib import Path
 
 import gradio as gr
 
-from app.config import BEAM_MODES, FOREST_POLICIES, MAX_BEAMS, MAX_GAMMA, MODES, QUALITY_LEVELS, DecodeParams
+from app.config import FOREST_POLICIES, MAX_BEAMS, MAX_GAMMA, MODE_FACTS, MODES, QUALITY_LEVELS, UI_PRESET, DecodeParams
 
 ASSETS = Path(__file__).resolve().parents[3] / "assets"
-SAMPLING_MODES = ("sample", "beam-sample", "beam-sample-repl", "sps", "dsbd", "dsbd-mem", "auto")
 FIELDS = ("preset", "mode", "quality", "max_new_tokens", "seed", "temperature", "top_k", "top_p", "beams",
           "draft_beams", "gamma", "threshold", "min_beams", "select", "length_penalty", "forest")
 QUALITY_INFO = "fast: sample / sps · beam: beam-sample / dsbd with ≥ 2 beams · dynamic: dsbd, W beams every step"
@@ -28,18 +27,19 @@ CUSTOM = "Custom"
 def relevant(mode: str) -> set[str]:
     """The parameter names that change what `mode` does (the others stay hidden)."""
     names = {"mode", "max_new_tokens", "seed", "preset"}
-    if mode in SAMPLING_MODES:
+    f = MODE_FACTS[mode]
+    if f.samples:
         names |= {"temperature", "top_k", "top_p"}
-    if mode in BEAM_MODES:
+    if f.beams and f.concrete:
         names |= {"beams", "length_penalty"}
-    if mode == "auto":  # it picks the mode, gamma and W_S; W, t and W_min are the user's
+    if not f.concrete:  # auto picks the mode, gamma and W_S; W, t and W_min are the user's
         names |= {"quality", "beams", "threshold", "min_beams"}
-    if mode in ("sps", "dsbd", "dsbd-mem"):
+    if f.needs_draft:
         names.add("gamma")
-    if mode in ("dsbd", "dsbd-mem"):
+    if f.forest:
         names |= {"draft_beams", "threshold", "min_beams", "forest"}
-    if mode == "dsbd-mem":
-        names.add("select")
+        if not f.keeps_rows:  # memory mode: which beam to carry between iterations
+            names.add("select")
     return names
 
 
@@ -61,8 +61,8 @@ def default_settings() -> dict:
     d = DecodeParams().as_dict()
     presets = load_presets()
     base = {k: d[k] for k in FIELDS if k in d} | {"draft_beams": 0, "preset": CUSTOM}
-    if "Balanced" in presets:  # the recommended starting point
-        base |= presets["Balanced"]["settings"] | {"preset": "Balanced"}
+    if UI_PRESET in presets:  # the recommended starting point
+        base |= presets[UI_PRESET]["settings"] | {"preset": UI_PRESET}
     return base
 
 

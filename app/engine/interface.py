@@ -1,0 +1,97 @@
+"""The one engine interface the edges (CLI, API, UI, compare) program against, and the engine's typed errors.
+
+`Engine` runs the models in this process; `WorkerEngine` runs an `Engine` in a supervised child and forwards
+the same calls. Both subclass `ModelEngine`, so an edge never knows which one it holds.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+from app.config import ConfigError, DecodeParams
+from backends.base import BackendError
+
+if TYPE_CHECKING:
+    from app.engine.engine import Event
+    from backends.registry import ModelSpec
+
+
+class PromptTooLong(ConfigError):
+    """The prompt plus the answer budget exceed the context window."""
+
+    def __init__(self, *, prompt: int, max_new: int, tree: int, n_ctx: int) -> None:
+        room = n_ctx - prompt - tree
+        hint = (f"lower max tokens to {room} or less, or " if room > 0 else "") + \
+            "shorten the conversation (drop the oldest turns) or load the models with a larger context"
+        super().__init__(f"prompt is {prompt} tokens; with max_new_tokens={max_new} and the draft tree "
+                         f"({tree}) it needs {prompt + max_new + tree} of the {n_ctx}-token context: {hint}")
+        self.prompt, self.max_new, self.n_ctx, self.room = prompt, max_new, n_ctx, room
+
+
+class ModelProcessLost(BackendError):
+    """The supervised model process died or hung during the request; it restarts with the same models."""
+
+
+class ModelEngine(ABC):
+    """Loaded target (+ draft): one generation at a time, streamed as `Event`s."""
+
+    specs: tuple[ModelSpec | None, ModelSpec | None]  # (target, draft) as loaded
+    plan: object  # offload.plan.Plan the models were loaded with (None: not planned)
+    n_ctx: int
+    tokenizer: object  # backends.base.Tokenizer (or the worker's stand-in)
+
+    @classmethod
+    @abstractmethod
+    def load(cls, target: ModelSpec, draft: ModelSpec | None = None, *, budget=None) -> "ModelEngine":
+        """Plan memory, then load both models as planned (PlanError before any weights are read)."""
+
+    @abstractmethod
+    def swap(self, target: ModelSpec, draft: ModelSpec | None = None, *, progress=None) -> dict:
+        """Replace the models; returns describe(). On failure the old models keep serving."""
+
+    @abstractmethod
+    def describe(self) -> dict:
+        """Names, runtimes and context of the loaded models."""
+
+    @abstractmethod
+    def check_params(self, params: DecodeParams) -> DecodeParams:
+        """Validated params as they would run (ConfigError says why not)."""
+
+    @abstractmethod
+    def resolve(self, params: DecodeParams) -> tuple[DecodeParams, str | None]:
+        """Validated concrete params, switched to fit the memory plan, and a notice when switched."""
+
+    @abstractmethod
+    def pick(self, params: DecodeParams) -> tuple[DecodeParams, dict]:
+        """Auto mode's choice for params.quality, and what it was based on."""
+
+    @abstractmethod
+    def costs(self) -> tuple:
+        """(target, draft) pass-cost curves, timed on first use."""
+
+    @abstractmethod
+    def observe(self, params: DecodeParams, stats: dict) -> None:
+        """Learn from a finished answer (auto's estimates)."""
+
+    @abstractmethod
+    def encode(self, messages: list[dict]) -> list[int]:
+        """Chat messages -> prompt token ids (the model's template)."""
+
+    @abstractmethod
+    def generate(self, prompt: Sequence[int], params: DecodeParams, *,
+                 cancel: threading.Event | None = None) -> Iterator["Event"]:
+        """Stream one completion of `prompt`; raises ConfigError / PromptTooLong before any work."""
+
+    def chat(self, messages: list[dict], params: DecodeParams, *,
+             cancel: threading.Event | None = None) -> Iterator["Event"]:
+        return self.generate(self.encode(messages), params, cancel=cancel)
+
+    @abstractmethod
+    def complete(self, prompt: Sequence[int], params: DecodeParams, *, n: int = 1) -> list[dict]:
+        """N independent completions (derived seeds), each {text, tokens, stats}."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Free the models (and the model process)."""

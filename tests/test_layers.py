@@ -1,0 +1,244 @@
+"""The import rules of the layers (browser/client -> app/serve -> app/engine -> app/decoding -> backends ->
+offload): every module's imports, the lazy ones inside functions included, read with `ast` and checked
+against the rules; no exceptions list."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("app", "backends", "offload")
+UI_LIBS = ("gradio", "fastapi", "uvicorn", "starlette")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in the file, at any depth, relative ones resolved.
+    `from a import b` yields both `a` and `a.b` (b may be a submodule); TYPE_CHECKING imports count too."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    me = _module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if node.module:
+                out.append((node.lineno, mod))
+            out += [(node.lineno, f"{mod}.{a.name}") for a in node.names if a.name != "*"]
+    return out
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for pkg in PACKAGES:
+        for p in sorted((ROOT / pkg).rglob("*.py")):
+            found[_module_name(p)] = p
+    return found
+
+
+MODULES = _modules()
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _project(name: str) -> str | None:
+    """The project module an imported name refers to (the longest existing prefix), else None."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        cand = ".".join(parts[:n])
+        if cand in MODULES:
+            return cand
+    return None
+
+
+def _broken_rules(importer: str, imported: str) -> list[str]:
+    """The rules the edge `importer -> imported` breaks (imported: a raw dotted name)."""
+    top = imported.split(".")[0]
+    target = _project(imported) if top in PACKAGES else None
+    broken = []
+    if _within(importer, "offload") and top in ("app", "backends"):
+        broken.append("offload/ takes plain numbers and imports nothing of app/ or backends/")
+    if _within(importer, "backends") and top == "app":
+        broken.append("backends/ imports nothing of app/")
+    if top == "llama_cpp" and not _within(importer, "backends.llamacpp"):
+        broken.append("only backends/llamacpp imports llama_cpp")
+    if top == "torch" and not (_within(importer, "backends.pytorch") or importer == "offload.stream"):
+        broken.append("only backends/pytorch and offload/stream.py import torch")
+    if _within(importer, "app.decoding") and top in PACKAGES:
+        if not (_within(imported, "app.decoding") or target in ("backends.base", "app.config", "app", "backends")):
+            broken.append("app/decoding imports backends.base and app/config.py only")
+    if importer == "app.config" and top in PACKAGES:
+        broken.append("app/config.py imports nothing of the project")
+    if top in UI_LIBS and not _within(importer, "app.serve"):
+        broken.append("only app/serve imports gradio, fastapi, uvicorn")
+    if top == "argparse" and importer != "app.cli":
+        broken.append("only app/cli.py parses arguments")
+    # A runtime's package is private to backends/: the rest of the app goes through backends' own modules.
+    for runtime in ("backends.llamacpp", "backends.pytorch"):
+        if _within(imported, runtime) and not _within(importer, "backends"):
+            broken.append(f"{runtime} is reached only through backends/ (registry, tokenizer, base)")
+    if _within(importer, "app.serve") and top == "offload":
+        broken.append("app/serve reaches offload/ through app/engine")
+    # Arrows point down: a lower layer never imports a higher one.
+    order = ("app.serve", "app.cli", "app.engine", "app.compare", "app.decoding")
+    if target is not None and _within(importer, "app.engine") and any(
+            _within(target, up) for up in ("app.serve", "app.cli", "app.compare")):
+        broken.append("app/engine imports nothing of app/serve, app/cli or app/compare")
+    if target is not None and _within(importer, "app.compare") and any(
+            _within(target, up) for up in ("app.serve", "app.cli")):
+        broken.append("app/compare imports nothing of app/serve or app/cli")
+    if target is not None and importer in ("app.storage", "app.chat") and any(
+            _within(target, up) for up in order):
+        broken.append(f"{importer} is a leaf of app/: it imports no other layer of app/")
+    return broken
+
+
+def _violations() -> list[str]:
+    out = {}
+    for name, path in MODULES.items():
+        for line, imported in _imports(path):
+            for rule in _broken_rules(name, imported):
+                # `from a.b import c` yields a.b and a.b.c: report the line once per rule
+                key = (str(path.relative_to(ROOT)), line, rule)
+                if key not in out or len(imported) < len(out[key]):
+                    out[key] = imported
+    return sorted(f"{f}:{line} imports {imp}: {rule}" for (f, line, rule), imp in out.items())
+
+
+def test_every_import_follows_the_layer_rules():
+    bad = _violations()
+    assert not bad, "imports against the layer rules:\n" + "\n".join(bad)
+
+
+def _graph() -> dict[str, set[str]]:
+    g: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        edges = set()
+        for _line, imported in _imports(path):
+            t = _project(imported)
+            # A package's __init__ is its own namespace: a submodule reading it is not a cycle.
+            if t is not None and t != name and not _within(name, t):
+                edges.add(t)
+        g[name] = edges
+    return g
+
+
+def _cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_across_packages():
+    """No two modules of different folders import each other, directly or around a loop (lazy imports count:
+    a lazy import is a hidden circle waiting for the next refactor)."""
+    def folder(m):
+        return m if MODULES[m].name == "__init__.py" else m.rpartition(".")[0]
+
+    bad = [c for c in _cycles(_graph()) if len({folder(m) for m in c}) > 1]
+    assert not bad, "import circles across packages: " + "; ".join(" <-> ".join(c) for c in bad)
+
+
+@pytest.mark.parametrize("importer, imported, rule", [
+    ("offload.plan", "backends.registry", "offload/"),
+    ("backends.registry", "app.config", "backends/ imports nothing of app/"),
+    ("app.engine.engine", "backends.llamacpp.probe", "backends.llamacpp is reached only"),
+    ("app.serve.ui.models", "offload.plan", "through app/engine"),
+    ("app.decoding.dsbd", "app.engine.engine", "app/decoding imports"),
+    ("app.config", "backends.base", "app/config.py imports nothing"),
+    ("app.engine.engine", "gradio", "only app/serve"),
+    ("app.compare.bench", "argparse", "only app/cli.py"),
+    ("offload.plan", "torch", "only backends/pytorch"),
+    ("backends.tokenizer", "llama_cpp", "only backends/llamacpp"),
+])
+def test_the_checker_catches_each_rule(importer, imported, rule):
+    assert any(rule in r for r in _broken_rules(importer, imported))
+
+
+def test_the_checker_allows_the_downward_edges():
+    for importer, imported in [("app.serve.api", "app.engine.engine"), ("app.decoding.dsbd", "backends.base"),
+                               ("app.decoding.dsbd", "app.config"), ("backends.llamacpp.runtime", "llama_cpp"),
+                               ("offload.stream", "torch"), ("app.engine.engine", "offload.plan")]:
+        assert _broken_rules(importer, imported) == [], (importer, imported)
+
+
+def test_the_parser_sees_lazy_and_relative_imports():
+    dsbd = [m for _l, m in _imports(MODULES["app.decoding.dsbd"])]
+    assert "backends.base" in dsbd and "app.decoding.beams" in dsbd  # `from .beams import ...` resolved
+    lazy = [m for _l, m in _imports(MODULES["backends.registry"])]
+    assert "backends.llamacpp" in lazy  # imported inside a function, not at the top
+
+
+def test_the_planner_sees_every_mode_as_config_states_it():
+    """offload/ cannot import app.config; its table of mode shapes must say what MODE_FACTS says."""
+    from app.config import MODE_FACTS
+    from offload.cost import queries
+    from offload.plan import SHAPES
+
+    concrete = {m for m, f in MODE_FACTS.items() if f.concrete}
+    assert set(SHAPES) == concrete
+    for m in concrete:
+        f, s = MODE_FACTS[m], SHAPES[m]
+        assert (s.beams, s.keeps_rows, s.drafts, s.chain) == (f.beams, f.keeps_rows, f.needs_draft,
+                                                               f.verifier == "sps"), m
+        for w, ws, g in [(1, 1, 0), (4, 5, 3), (3, 8, 6)]:
+            assert queries(m, w, ws, g) == f.target_tokens(w, ws, g), (m, w, ws, g)
+
+
+def test_both_engines_implement_the_one_interface():
+    import inspect
+
+    from app.engine.engine import Engine
+    from app.engine.interface import ModelEngine
+    from app.engine.worker import WorkerEngine
+
+    for cls in (Engine, WorkerEngine):
+        assert issubclass(cls, ModelEngine) and not inspect.isabstract(cls), cls
+        for name in ModelEngine.__abstractmethods__:  # the interface's parameters, in order (extras may follow)
+            want = [p for p in inspect.signature(getattr(ModelEngine, name)).parameters]
+            got = [p for p in inspect.signature(getattr(cls, name)).parameters]
+            assert got[:len(want)] == want, (cls.__name__, name, got)

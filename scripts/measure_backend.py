@@ -201,7 +201,8 @@ def compare_quants(args, source: str, ns: Sequence[int], stat) -> None:
     from backends.registry import cache_dir
     from backends.registry import ModelSpec, load_model
 
-    files = {q: source if q == "none" else str(requantized(Path(source), q, folder=cache_dir())) for q in args.quant.split(",")}
+    files = {q: source if q == "none" else str(requantized(Path(source), q, folder=cache_dir()))
+             for q in args.quant.split(",")}
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     result: dict = {"settings": vars(args), "files": files}
     if args.head_share:

@@ -23,7 +23,7 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-backend", choices=BACKENDS, default="llamacpp")
     g.add_argument("--draft-quant", choices=("q4_0", "q4_0-head", "q8_0", "q4_k_m"), default=None,
                    help="run the draft from a requantized copy (made once, cached beside the original): q4_0-head "
-                        "(Q4_0, vocabulary head too) makes qwen-coder's draft passes 5-25%% cheaper at 2%% lower "
+                        "(Q4_0, vocabulary head too) made qwen-coder's draft passes 5-23%% cheaper at 2%% lower "
                         "sum(min(p, q)); see docs/measurements/draft-cost.md")
     g.add_argument("--dtype", choices=DTYPES, default="float32", help="pytorch runtime dtype")
     g.add_argument("--device", default="cpu", help="pytorch runtime device: cpu | cuda | cuda:N")

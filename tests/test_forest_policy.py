@@ -290,6 +290,22 @@ def test_verifier_time_favours_shallower_forests():
     assert p.verify_seconds(3) == pytest.approx(0.4) and p.verify_seconds(4) == 0.0
 
 
+def test_decoder_cost_priors_follow_the_measured_decoder_time():
+    from app.decoding.forest_policy import decoder_costs
+
+    dense = decoder_costs(DecodeParams(mode="dsbd", beams=4).validated(), 151_936)
+    topk = decoder_costs(DecodeParams(mode="dsbd", beams=4, top_k=20).validated(), 151_936)
+    assert dense == pytest.approx({"verify_cost": 0.026, "step_cost": 0.014})
+    assert topk == pytest.approx({"verify_cost": 0.014, "step_cost": 0.014})
+    half = decoder_costs(DecodeParams(mode="dsbd", beams=2, top_k=20).validated(), 151_936)
+    assert half["verify_cost"] == pytest.approx(0.007)  # per (beam, token) cell
+    p = ForestPolicy.for_params(DecodeParams(mode="dsbd", beams=4, gamma=2).validated(), *CPU, **dense)
+    bare = ForestPolicy.for_params(DecodeParams(mode="dsbd", beams=4, gamma=2).validated(), *CPU)
+    assert p.seconds(0, 4, roots=4, draft_roots=4) == pytest.approx(bare.seconds(0, 4, roots=4, draft_roots=4) + 0.014)
+    extra = p.seconds(2, 5, roots=4, draft_roots=4) - bare.seconds(2, 5, roots=4, draft_roots=4)
+    assert extra == pytest.approx(0.014 + 0.026 * (1 + p.pass_rate(1, 5)))  # layer 2 is verified if layer 1 passed
+
+
 def test_lookup_nodes_only_raise_the_pass_rate_and_are_priced():
     p = ForestPolicy(*STEEP, gammas=(0, 1, 2), widths=(2,), threshold=0.9, min_beams=2, beams=2,
                      lookups=(0, 2, 4), cache_rule=True)

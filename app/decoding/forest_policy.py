@@ -5,7 +5,7 @@ expected beam steps per second (spec §16.4).
 Calls (the decoder's; every keyword after the first three is optional, so older callers keep working):
 
     policy = ForestPolicy.for_params(params, target_cost, draft_cost, *, known=None, explore=0, seen=0,
-                                     verify_cost=0.0)
+                                     verify_cost=0.0, step_cost=0.0)
     g, ws = policy.choose(max_gamma=g, roots=n, draft_roots=m, q_rows=None)
     g, ws, lookups = policy.choose(max_gamma=g, roots=n, draft_roots=m, q_rows=None, with_lookups=True)
     policy.observe(depth, ws, outcomes=[bool, ...], passed=bool, by_cache=None, distinct=None, lookups=0,
@@ -25,14 +25,15 @@ Calls (the decoder's; every keyword after the first three is optional, so older 
 The rate of a forest (g, W_S, L lookup nodes per layer):
 
     rate    = E[steps] / (C_target(roots + sum_l (D_l + L)) + C_draft(draft_roots) + sum_{l<g} C_draft(D_l)
-                          + v(W_S) E[verified layers])
+                          + v(W_S) E[verified layers] + s)
     E[steps] = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_g,     E[verified layers] = 1 + a_1 + ... + a_1 ... a_{g-1}
 
 D_l is the expected number of DISTINCT drafts of layer l (the unique-path runtimes score each content key
 once): W_S without replacement; with replacement sum over pairs of 1 - (1 - q)^W_S on q_rows' profile (deeper
 layers draw from the distinct parents, each as peaked as the layers before), shrunk toward the distinct counts
 observed at (depth, W_S). v is the verifier's seconds per verified layer (observed verify_s per W_S, else
-`verify_cost`). a_l is P(layer l passes):
+`verify_cost`; `decoder_costs` gives priors from the measured decoder time), plus `step_cost` per iteration.
+a_l is P(layer l passes):
 
     a_l = b_l + (1 - b_l) c_l(L)        b_l: P(pass by acceptance),  c_l(L): P(pass by the cache | not)
 
@@ -117,6 +118,21 @@ def expected_distinct(q, ws: int, *, replacement: bool = True) -> float:
     return float(np.sum(1.0 - (1.0 - big) ** ws) + ws * (1.0 - big.sum()))
 
 
+# The decoder's own time, measured on qwen-coder (W = 4, |V| = 151,936; docs/measurements/decoder-time.md): about
+# 14 ms per verified layer with top-k 20 (log-softmax and the joint warp over W x |V| cells dominate) and 26 ms
+# with top-k off (the residual chain runs over all cells). Scaled per (beam, token) cell for other shapes.
+_WARP_S_PER_CELL = 0.014 / (4 * 151_936)
+_CHAIN_S_PER_CELL = 0.012 / (4 * 151_936)
+
+
+def decoder_costs(params, vocab: int) -> dict:
+    """Priors for `verify_cost` (seconds per verified layer) and `step_cost` (per iteration) from the measured
+    decoder time, for a target vocabulary of `vocab` ids; observed verify_s replace the first."""
+    cells = params.beams * vocab
+    warp = cells * _WARP_S_PER_CELL
+    return {"verify_cost": warp + (0.0 if params.top_k else cells * _CHAIN_S_PER_CELL), "step_cost": warp}
+
+
 def setting_key(params) -> tuple:
     """What acceptance counts depend on besides the model pair: the law, the widths and the warp."""
     return (params.mode, str(getattr(params, "replacement", "with") or "with"), params.beams, params.min_beams,
@@ -174,6 +190,7 @@ class ForestPolicy:
     lookups: Sequence[int] = (0,)  # candidate lookup nodes per layer
     cache_rule: bool = False  # the decoder passes layers by the cache rule: sets c's prior
     verify_cost: float | Callable[[int], float] = 0.0  # seconds per verified layer of W_S drafts (prior)
+    step_cost: float = 0.0  # seconds every iteration pays outside the passes (its output step's warp), gamma 0 too
     explore: int = 0  # draft the cheapest forest until this many layers were observed for the pair
     seen: int = 0  # layers observed for the pair before this policy
     known: Acceptance = field(default_factory=Acceptance)  # the counts (a carried copy, then this answer's too)
@@ -267,7 +284,7 @@ class ForestPolicy:
     def seconds(self, g: int, ws: int, *, roots: int, draft_roots: int, lookups: int = 0) -> float:
         """One iteration: the target pass over roots + the distinct forest, g draft passes, the verifier."""
         if g == 0:
-            return self.target_cost(roots)
+            return self.target_cost(roots) + self.step_cost
         distinct = [self.distinct_drafts(d, ws) for d in range(1, g + 1)]
         target = self.target_cost(roots + sum(distinct) + lookups * g)
         drafts = self.draft_cost(draft_roots) + sum(self.draft_cost(d) for d in distinct[:-1])
@@ -275,7 +292,7 @@ class ForestPolicy:
         for depth in range(1, g + 1):
             verified += run
             run *= self.pass_rate(depth, ws, lookups)
-        return target + drafts + self.verify_seconds(ws) * verified
+        return target + drafts + self.step_cost + self.verify_seconds(ws) * verified
 
     def rate(self, g: int, ws: int, *, roots: int, draft_roots: int, lookups: int = 0) -> float:
         return self.expected_steps(g, ws, lookups) / self.seconds(g, ws, roots=roots, draft_roots=draft_roots,

@@ -353,13 +353,14 @@ class Engine(ModelEngine):
         (cheapest drafted forest) until the pair has EXPLORE_LAYERS observed layers; None for fixed forests."""
         if costs is None or params.forest != "adaptive" or costs[1] is None:
             return None
-        from app.decoding.forest_policy import ForestPolicy, setting_key
+        from app.decoding.forest_policy import ForestPolicy, decoder_costs, setting_key
 
         pair = tuple(_model_id(m) for m in (self.target, self.draft))
         key = (pair, setting_key(params))
         known = self._acceptance.get(key)
         seen = sum(a.layers for (p, _), a in self._acceptance.items() if p == pair)
         policy = ForestPolicy.for_params(params, *costs, explore=EXPLORE_LAYERS, seen=seen,
+                                         **decoder_costs(params, self.target.info.vocab_size),
                                          **({"known": known.carried()} if known is not None else {}))
         policy.setting = key
         return policy

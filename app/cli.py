@@ -8,7 +8,7 @@ import os
 import sys
 import threading
 
-from app.config import ACCEPTANCE_PRIOR, FOREST_POLICIES, MODES, QUALITY_LEVELS, ConfigError, DecodeParams
+from app.config import ACCEPTANCE_PRIOR, FOREST_POLICIES, MODES, QUALITY_LEVELS, REPLACEMENTS, ConfigError, DecodeParams
 from backends.registry import BACKENDS, DTYPES, ModelSpec
 
 PRESET_DEFAULT = "tiny"
@@ -60,6 +60,12 @@ def _decode_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--forest", choices=FOREST_POLICIES, default=d.forest,
                    help="dsbd / dsbd-mem: fixed gamma and W_S, or adaptive: per iteration gamma in 0..--gamma and "
                         "W_S in W..--draft-beams, sized to the timed pass costs (times the passes on first use)")
+    g.add_argument("--replacement", choices=REPLACEMENTS, default=d.replacement,
+                   help="dsbd / dsbd-mem: drafts drawn with replacement reproduce beam-sample-repl; without "
+                        "replacement reproduce beam-sample (conventional beam sampling)")
+    g.add_argument("--lookup-nodes", type=int, default=d.lookup_nodes,
+                   help="dsbd / dsbd-mem: extra forest nodes per layer (the draft's likeliest undrawn pairs): a layer "
+                        "whose every output is already a forest node passes")
     g.add_argument("--length-penalty", type=float, default=d.length_penalty)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--seed", type=int, default=d.seed)
@@ -72,7 +78,8 @@ def _params(a, *, validate: bool = True) -> DecodeParams:
                      top_p=a.top_p, beams=a.beams, draft_beams=a.draft_beams, gamma=a.gamma,
                      threshold=a.threshold, min_beams=a.min_beams, select=a.select,
                      length_penalty=a.length_penalty, seed=a.seed, stop=tuple(a.stop), quality=a.quality,
-                     forest=a.forest, unique_paths=getattr(a, "unique_paths", True))
+                     forest=a.forest, unique_paths=getattr(a, "unique_paths", True), replacement=a.replacement,
+                     lookup_nodes=a.lookup_nodes)
     return p.validated() if validate else p
 
 

@@ -19,6 +19,7 @@ class Mode:
     verifier: str  # "none" | "sps" (one chain) | "dsbd" (forest, layer by layer)
     draft_width: str  # W_S when unset: "1" (one chain), "W+1" (DSBD's default), "W" (no draft)
     concrete: bool = True  # False for auto, which picks a concrete mode per request
+    memory_twin: str | None = None  # the same decoder carrying one row: what to run when W rows do not fit
 
     @property
     def forest(self) -> bool:
@@ -54,7 +55,8 @@ MODE_FACTS: dict[str, Mode] = {m.name: m for m in (
     Mode("beam-sample-repl", needs_draft=False, beams=True, keeps_rows=True, samples=True, verifier="none",
          draft_width="W"),
     Mode("sps", needs_draft=True, beams=False, keeps_rows=False, samples=True, verifier="sps", draft_width="1"),
-    Mode("dsbd", needs_draft=True, beams=True, keeps_rows=True, samples=True, verifier="dsbd", draft_width="W+1"),
+    Mode("dsbd", needs_draft=True, beams=True, keeps_rows=True, samples=True, verifier="dsbd", draft_width="W+1",
+         memory_twin="dsbd-mem"),
     Mode("dsbd-mem", needs_draft=True, beams=True, keeps_rows=False, samples=True, verifier="dsbd",
          draft_width="W+1"),
     # auto picks one of the above per request; its own facts only steer the settings panel

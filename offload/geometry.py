@@ -68,6 +68,12 @@ class ModelGeometry:
                         embed_bytes=scale(self.embed_params), head_bytes=scale(self.head_params))
 
 
+def _sizes(layer_b, layer_p, embed: tuple[int, int], head: tuple[int, int]) -> dict:
+    """The size fields of a ModelGeometry from per-layer (bytes, params) and (bytes, params) of embed / head."""
+    return {"layer_bytes": tuple(layer_b), "layer_params": tuple(layer_p), "embed_bytes": embed[0],
+            "embed_params": embed[1], "head_bytes": head[0], "head_params": head[1]}
+
+
 def read_geometry(path: str | Path, *, name: str | None = None) -> ModelGeometry:
     """Geometry of a .gguf file or a safetensors checkpoint folder. Raises BadModelFile."""
     path = Path(path)
@@ -219,12 +225,7 @@ def read_gguf(path: Path, *, name: str | None = None) -> ModelGeometry:
         hidden_dim=int(meta.get(f"{arch}.feed_forward_length", 4 * dim)),
         vocab_size=vocab,
         n_ctx_train=int(meta.get(f"{arch}.context_length", 4096)),
-        layer_bytes=tuple(layer_b),
-        layer_params=tuple(layer_p),
-        embed_bytes=embed[0],
-        embed_params=embed[1],
-        head_bytes=head[0],
-        head_params=head[1],
+        **_sizes(layer_b, layer_p, embed, head),
         tied_embeddings=not any(t[0] == "output.weight" for t in tensors),
     )
 
@@ -295,11 +296,6 @@ def read_safetensors(folder: Path, *, name: str | None = None) -> ModelGeometry:
         hidden_dim=int(c.get("intermediate_size", 4 * dim)),
         vocab_size=int(c["vocab_size"]),
         n_ctx_train=int(c.get("max_position_embeddings", 4096)),
-        layer_bytes=tuple(layer_b),
-        layer_params=tuple(layer_p),
-        embed_bytes=embed[0],
-        embed_params=embed[1],
-        head_bytes=head[0],
-        head_params=head[1],
+        **_sizes(layer_b, layer_p, embed, head),
         tied_embeddings=bool(c.get("tie_word_embeddings", False)),
     )

@@ -1,5 +1,5 @@
 """Time a first start the way a new user has it: `dsbd-chat` launched, the page opened, a question typed and
-sent with Enter, the streamed answer finished (issue 11).
+sent with Enter, the streamed answer finished.
 
     python scripts/first_start.py [--app PATH/TO/dsbd-chat] [--fresh-home] [--json OUT]
 

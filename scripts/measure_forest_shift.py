@@ -1,4 +1,4 @@
-"""How far llama.cpp's forest pass moves the target's distribution (issue 13, item 6).
+"""How far llama.cpp's forest pass moves the target's distribution.
 
 Runs DSBD on a preset pair with the target wrapped in a recorder, then scores every query the forest pass
 answered (root suffixes and draft nodes) again from scratch, one sequence per pass, and compares the two
@@ -9,42 +9,28 @@ next-token distributions: KL(sequential || forest), total variation, max |logit 
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
-
-ROOT_DIR = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT_DIR), str(ROOT_DIR / "tests")]
+from _common import load_pair, pair_arguments
 
 from app.config import DecodeParams  # noqa: E402
-from backends.registry import ModelSpec
 from app.decoding import decoder  # noqa: E402
 from app.decoding.beams import Stopper  # noqa: E402
 from app.decoding.metrics import Metrics  # noqa: E402
 from app.decoding.sampling import log_softmax  # noqa: E402
-from backends import llamacpp  # noqa: E402
-from backends.registry import resolve  # noqa: E402
 from real_pair import Recorder, SequentialModel  # noqa: E402
 
 PROMPTS = ["My favourite animal is the", "def fibonacci(n):\n    ", "The capital of France is"]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="qwen-coder")
-    ap.add_argument("--runs", type=int, default=12)
-    ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json")
+    ap = pair_arguments(runs=12, max_tokens=8)
     a = ap.parse_args()
-    load = lambda role: llamacpp.load(resolve(a.preset, role=role).path,  # noqa: E731
-                                      ModelSpec(source=a.preset, n_threads=a.threads))
-    target, draft = load("target"), load("draft")
+    target, draft = load_pair(a.preset, a.threads)
     vocab = target.info.vocab_size
-    settings = {"issue case (W 2, W_S 3, gamma 3)": dict(beams=2, draft_beams=3, min_beams=2, threshold=0.0),
+    settings = {"narrow (W 2, W_S 3, gamma 3, W_min 2, t 0)": dict(beams=2, draft_beams=3, min_beams=2, threshold=0.0),
                 "defaults (W 4, W_S 5, gamma 3)": dict(beams=4, draft_beams=5)}
     seen = {}
     for name, kw in settings.items():

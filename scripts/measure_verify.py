@@ -1,4 +1,4 @@
-"""Where a DSBD iteration's time goes: target pass, draft passes, and the decoder's own CPU work (issue 13, item 5).
+"""Where a DSBD iteration's time goes: target pass, draft passes, and the decoder's own CPU work.
 
 Wraps the target and draft contexts with wall-clock timers and runs DSBD on a preset pair. Everything that is
 not a model pass (log-softmax, warp, residual chain, width DP, verification, bookkeeping: numpy over
@@ -9,22 +9,16 @@ W x |V|) is "decoder". Prints per iteration and per verified layer, as shares of
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-ROOT_DIR = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT_DIR))
+from _common import load_pair, pair_arguments
 
 from app.config import DecodeParams  # noqa: E402
-from backends.registry import ModelSpec
 from app.decoding import decoder  # noqa: E402
 from app.decoding.beams import Stopper  # noqa: E402
 from app.decoding.metrics import Metrics  # noqa: E402
-from backends import llamacpp  # noqa: E402
-from backends.registry import resolve  # noqa: E402
 
 PROMPTS = ["Write a Python function that checks whether a string is a palindrome.",
            "Explain what a hash map is in two sentences.", "def quicksort(xs):\n    "]
@@ -57,18 +51,11 @@ class Timed:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="qwen-coder")
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=2)
+    ap = pair_arguments(runs=3, max_tokens=32)
     ap.add_argument("--modes", default="dsbd,dsbd-mem")
     ap.add_argument("--top-k", default="0,20")
-    ap.add_argument("--json")
     a = ap.parse_args()
-    load = lambda role: llamacpp.load(resolve(a.preset, role=role).path,  # noqa: E731
-                                      ModelSpec(source=a.preset, n_threads=a.threads))
-    target, draft = load("target"), load("draft")
+    target, draft = load_pair(a.preset, a.threads)
     out = []
     for top_k in [int(k) for k in a.top_k.split(",")]:
         for mode in a.modes.split(","):

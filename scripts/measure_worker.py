@@ -1,4 +1,4 @@
-"""Per-token cost of running the models in the supervised model process (app.engine.worker, issue 11 item 2).
+"""Per-token cost of running the models in the supervised model process (app.engine.worker).
 
 Loads the same models twice, in this process (`Engine`) and in a model process (`WorkerEngine`), and runs
 the same prompts and seeds through both, interleaved (A B, then B A, ...), consuming the stream as a client
@@ -22,7 +22,7 @@ ROOT_DIR = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT_DIR))
 
 from app.config import DecodeParams  # noqa: E402
-from backends.registry import ModelSpec
+from backends.registry import ModelSpec  # noqa: E402
 from app.engine.engine import Engine  # noqa: E402
 from app.engine.worker import WorkerEngine  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Real-model helpers for exactness checks on real vocabularies (issue 13, item 6).
+"""Real-model helpers for exactness checks on real vocabularies.
 
 `SequentialModel` wraps a loaded runtime model so that every query's logits are a function of its token
 sequence alone: each distinct sequence is scored once, from scratch on a one-row context (prompt prefix reused),

@@ -103,7 +103,7 @@ def test_describe_round_trips_through_the_bench_syntax():
 
 
 def test_dynamic_keeps_w_beams_and_drafts_only_where_it_pays():
-    """Issue 13: the dynamic level holds beam sampling's law (W_min = W); the pass costs decide the depth."""
+    """The dynamic level holds beam sampling's law (W_min = W); the pass costs decide the depth."""
     cpu, gpu = AutoPolicy.from_costs(*CPU), AutoPolicy.from_costs(*GPU)
     on_gpu = gpu.choose(BASE, "dynamic")
     assert on_gpu.mode == "dsbd" and on_gpu.min_beams == on_gpu.beams and on_gpu.gamma > 0

@@ -1,4 +1,4 @@
-"""Issue 12 in a real browser (Debian's headless Chromium, Playwright) over the fake engine: a blind comparison
+"""The Compare tab in a real browser (Debian's headless Chromium, Playwright) over the fake engine: a blind comparison
 shows no mode name anywhere in the Compare panel until the vote, the vote reveals them and lands in the
 Results view; a prompt set runs in the background to the end with its progress bar."""
 

@@ -1,4 +1,4 @@
-"""Issue 12: blind comparisons, saved results, tallies with intervals, exports, prompt sets, the report.
+"""Blind comparisons, saved results, tallies with intervals, exports, prompt sets, the report.
 
 Fast: the fake engine and hand-made records. One test runs `dsbd-chat compare` on the real `tiny` model.
 """

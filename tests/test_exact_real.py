@@ -1,4 +1,4 @@
-"""DSBD is exact on a real model and a real vocabulary (issue 13, item 6).
+"""DSBD is exact on a real model and a real vocabulary.
 
 The black-box check that found `dsbd --beams 2 --draft-beams 3 --min-beams 2 --threshold 0` and
 `beam-sample-repl --beams 2` different on the qwen-coder pair (2 new tokens, T = 1, raw prompt) mixes two causes:
@@ -92,7 +92,7 @@ def exact_two_token_law(model, prompt) -> dict:
 
 
 def test_failed_layer_does_not_feed_an_accepted_token_twice():
-    """Regression (issue 13): an accepted draft in a failed layer joined the committed chain AND was fed again as
+    """Regression: an accepted draft in a failed layer joined the committed chain AND was fed again as
     the next suffix, so the target saw x twice. Scores then come from the wrong context: check them exactly."""
     prompt = [1, 2, 3]
     for seed in range(30):

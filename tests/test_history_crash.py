@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HISTORY_PY = ROOT / "app" / "ui" / "history.py"
+HISTORY_PY = ROOT / "app" / "storage.py"
 IDS = [f"chat-{k}" for k in range(4)]
 KILLS = 10
 
-# The child loads history.py by path: importing the `app.serve.ui` package would pull in gradio (seconds).
+# The child loads app/storage.py by path, as a module of its own, away from the app package.
 CHILD = textwrap.dedent(f"""
     import importlib.util, os, sys
     spec = importlib.util.spec_from_file_location("history", {str(HISTORY_PY)!r})

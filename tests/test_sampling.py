@@ -329,7 +329,7 @@ def test_verify_layer_mechanics() -> None:
         verify_layer([Draft(0, 0.0, True)], S, R, 1, CountingRand())
 
 
-# ------------------------------------------------- issue 13 item 5: the fast paths vs the textbook forms
+# ------------------------------------------------- the fast paths vs the textbook forms
 # Straightforward implementations as they stood before the decoder's CPU time was cut. The production code must
 # give the same values: bit for bit for log_softmax, warp_joint and lookup; up to float rounding (documented
 # tolerance) for the residual chain, whose threshold form sums in a different order.

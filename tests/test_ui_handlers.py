@@ -337,7 +337,7 @@ def test_presets_exist_and_validate():
     assert list(presets) == ["Fast", "Balanced", "Best quality"]
     fast, bal, best = (params_from(presets[n]["settings"]).validated() for n in presets)
     assert fast.mode in ("sps", "dsbd-mem")
-    # Issue 13 bench: Balanced beat beam sampling's speed at near its log-prob; Best quality keeps every layer at
+    # The bench: Balanced beat beam sampling's speed at near its log-prob; Best quality keeps every layer at
     # W beams (W_min = W: beam sampling's law, spec Theorem 2) and lets the forest size follow the hardware.
     assert (bal.mode, bal.beams, bal.forest) == ("dsbd-mem", 4, "adaptive")
     assert (best.mode, best.beams, best.min_beams, best.forest) == ("dsbd", 4, 4, "adaptive")

@@ -29,9 +29,23 @@ class ResultStore(DataFolder):
     def _path(self, folder: Path, rec_id: str) -> Path:
         return self.json_file(folder, rec_id, ResultsError, what="id", place="results")
 
+    def _write(self, folder: Path, rec: dict) -> None:
+        atomic_write(self._path(folder, rec["id"]), json.dumps(rec, ensure_ascii=False, indent=1))
+
+    @staticmethod
+    def _read_all(folder: Path, load) -> list[dict]:
+        """Every file of `folder` that `load` reads (unreadable or stray ones are skipped)."""
+        out = []
+        for path in folder.glob("*.json"):
+            try:
+                out.append(load(path.stem))
+            except ValueError:  # unreadable (moved aside) or not one of ours (a stray file name)
+                continue
+        return out
+
     def save(self, rec: dict) -> None:
         rec["updated"] = time.time()
-        atomic_write(self._path(self.dir, rec["id"]), json.dumps(rec, ensure_ascii=False, indent=1))
+        self._write(self.dir, rec)
 
     def load(self, rec_id: str) -> dict:
         path = self._path(self.dir, rec_id)
@@ -46,12 +60,7 @@ class ResultStore(DataFolder):
 
     def list(self) -> list[dict]:
         """Every readable comparison, oldest first (unreadable files are moved aside with a notice)."""
-        out = []
-        for path in self.dir.glob("*.json"):
-            try:
-                out.append(self.load(path.stem))
-            except ValueError:  # unreadable (moved aside) or not one of ours (a stray file name)
-                continue
+        out = self._read_all(self.dir, self.load)
         out.sort(key=lambda r: (r.get("created", 0), r["id"]))
         return out
 
@@ -69,14 +78,14 @@ class ResultStore(DataFolder):
         for rec in records:
             _validate(rec, rec.get("id"))
             check_id(rec["id"])
-            atomic_write(self._path(self.dir, rec["id"]), json.dumps(rec, ensure_ascii=False, indent=1))
+            self._write(self.dir, rec)
             n += 1
         return n
 
     # -- prompt-set runs
     def save_run(self, run: dict) -> None:
         run["updated"] = time.time()
-        atomic_write(self._path(self.runs_dir, run["id"]), json.dumps(run, ensure_ascii=False, indent=1))
+        self._write(self.runs_dir, run)
 
     def load_run(self, run_id: str) -> dict:
         try:
@@ -85,12 +94,7 @@ class ResultStore(DataFolder):
             raise ResultsError(f"prompt-set run {run_id} does not exist") from None
 
     def list_runs(self) -> list[dict]:
-        runs = []
-        for path in self.runs_dir.glob("*.json"):
-            try:
-                runs.append(self.load_run(path.stem))
-            except (ResultsError, ValueError):
-                continue
+        runs = self._read_all(self.runs_dir, self.load_run)  # ResultsError is a ValueError
         runs.sort(key=lambda r: r.get("created", 0), reverse=True)
         return runs
 

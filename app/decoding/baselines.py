@@ -10,6 +10,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from app.config import MODE_FACTS
 from backends.base import ROOT, Context, Forest, Path
 
 from . import Step, rng_streams
@@ -37,7 +38,7 @@ def _beam_loop(*, target: Context, prompt: Sequence[int], params, stopper: Stopp
                choose) -> Iterator[Step]:
     """Shared loop of the target-only decoders: `choose(z, finishes) -> [(row, token)]` picks the next
     pairs; `finishes(row, token)` tells whether that pair would end its beam."""
-    width = 1 if params.mode in ("greedy", "sample") else params.beams
+    width = MODE_FACTS[params.mode].rows(params.beams)
     target.prefill(prompt[:-1])
     metrics.mark_prefilled()
     live, suffix = [Beam((), 0.0)], [(prompt[-1],)]
@@ -107,7 +108,7 @@ def beam_sampling(*, target, prompt, params, stopper, metrics, rand: Rand | None
     `rand` replaces the seeded stream (tests enumerate every outcome; B then draws sequentially)."""
     _, rng = rng_streams(params.seed)
     warp = warp_of(params)
-    width = 1 if params.mode == "sample" else params.beams
+    width = MODE_FACTS[params.mode].rows(params.beams)
     replace = params.mode != "beam-sample"
     draws = rand or SeededRand(rng)
 

@@ -22,11 +22,12 @@ Quality levels (config.QUALITY_LEVELS; every candidate of a level keeps the user
     fast     sample, sps(gamma): exact draws from the target's sampling distribution.
     beam     beam-sample (W), dsbd with W_min >= 2: at least two beams at every step, so the output is
              chosen among several sampled continuations. dsbd-mem is NOT here: it carries one beam between
-             iterations (spec §9) and measured at sampling quality (README: log-prob -1.07 vs sample -0.98).
+             iterations (spec §9) and measured at sampling quality (log-prob -1.07 vs sample's -0.98 in the
+             bench, docs/measurements).
     dynamic  dsbd with W_min = W (gamma 0..6, W_S): W beams at every step, so the output law is beam sampling
              with replacement (spec Theorem 2) whatever the draft does; the draft only buys speed, and gamma = 0
-             (no draft) is a candidate where drafting does not pay. It used to be dsbd / dsbd-mem at the user's
-             t and W_min; the issue-13 bench found no narrower setting at beam sampling's log-prob (README).
+             (no draft) is a candidate where drafting does not pay. The bench found no narrower setting
+             (smaller t or W_min) at beam sampling's log-prob.
     Without a draft model every level falls back to its draft-free mode (sample, beam-sample).
 No exploration: a setting never run keeps its prior until observed (the engine observes every finished
 generation, whatever its mode, so earlier turns and bench runs teach it).

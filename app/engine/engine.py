@@ -186,12 +186,12 @@ class Engine(ModelEngine):
             alone = " / ".join(m for m, f in MODE_FACTS.items() if f.concrete and not f.needs_draft)
             raise ConfigError(f"mode {params.mode!r} needs a draft model: load one (--draft) or pick {alone}")
         plan = self.plan
-        if params.mode == "dsbd" and plan is not None and plan.dsbd_full_fits is not None \
-                and params.beams > plan.max_beams:
-            notice = (f"dsbd with {params.beams} beams needs more KV memory than the plan allows (at most "
-                      f"{plan.max_beams} beams in full mode at a {plan.context}-token context): running dsbd-mem, "
+        twin = MODE_FACTS[params.mode].memory_twin
+        if twin and plan is not None and plan.dsbd_full_fits is not None and params.beams > plan.max_beams:
+            notice = (f"{params.mode} with {params.beams} beams needs more KV memory than the plan allows (at most "
+                      f"{plan.max_beams} beams in full mode at a {plan.context}-token context): running {twin}, "
                       "which carries one beam between iterations")
-            return replace(params, mode="dsbd-mem"), notice
+            return replace(params, mode=twin), notice
         return params, None
 
     def pick(self, params: DecodeParams) -> tuple[DecodeParams, dict]:
@@ -418,7 +418,7 @@ def final_event(events: Iterator[Event]) -> Event:
 
 def memory_plan(target: ModelSpec, draft: ModelSpec | None, *, budget=None):
     """The offload plan for these models at default decoding settings; PlanError when nothing fits.
-    Files the planner cannot read (an unknown architecture, say) load unplanned, as before."""
+    Files the planner cannot read (an unknown architecture, say) load unplanned."""
     from app.engine.planning import PlanError, plan_for
 
     if getattr(target, "rpc", ()):  # the target's layers live on RPC workers: this host's plan would overcount
@@ -472,9 +472,9 @@ def _oom_error(params: DecodeParams, e: BaseException, *, retried: bool = False)
 
 def _lighter(params: DecodeParams) -> DecodeParams | None:
     """One step down in memory: full DSBD -> memory-reduced; otherwise half the beams; None at the floor."""
-    if params.mode == "dsbd":
-        return replace(params, mode="dsbd-mem")
     facts = MODE_FACTS[params.mode]
+    if facts.memory_twin:
+        return replace(params, mode=facts.memory_twin)
     if facts.beams and params.beams > 1:
         w = params.beams // 2
         return replace(params, beams=w, min_beams=min(params.min_beams, w),

@@ -9,7 +9,7 @@ from typing import Sequence
 import numpy as np
 import llama_cpp.llama_cpp as ll
 
-from backends.base import BackendError, ContextFull, Forest, Logits, ModelInfo, OutOfMemory
+from backends.base import BackendError, Closing, ContextFull, Forest, Logits, ModelInfo, OutOfMemory
 from backends.base import Path as KeepPath
 from backends.llamacpp import probe
 from backends.llamacpp._native import ModelHandle, check_gguf_header, default_threads, take_errors
@@ -23,7 +23,7 @@ _KV_BYTES = {"f32": 4, "f16": 2}
 _DECODE_ERRORS = {1: "no free KV cell for the batch", 2: "aborted", -1: "invalid batch"}
 
 
-class LlamaModel:
+class LlamaModel(Closing):
     """A loaded GGUF model: `info`, `tokenizer`, and `context(...)` factories."""
 
     def __init__(self, path: Path, *, n_threads: int | None = None, n_gpu_layers: int = 0,
@@ -82,12 +82,6 @@ class LlamaModel:
             ctx.close()
         self._h.close()
 
-    def __enter__(self) -> "LlamaModel":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 def _model_info(h: ModelHandle, kv_type: str, repack: probe.Verdict) -> ModelInfo:
     m = h.ptr
@@ -125,7 +119,7 @@ class _Memory:
             ll.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
 
 
-class LlamaContext:
+class LlamaContext(Closing):
     """KV state of one generation (the `backends.base.Context` protocol), Layout U of spec §7."""
 
     def __init__(self, model: LlamaModel, *, rows: int, max_tokens: int, n_batch: int, max_seqs: int,
@@ -235,12 +229,6 @@ class LlamaContext:
         if self._ctx is not None:
             ll.llama_free(self._ctx)
             self._ctx = None
-
-    def __enter__(self) -> "LlamaContext":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __del__(self) -> None:
         try:

@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from backends.base import ROOT, BackendError, ContextFull, Forest, Logits, ModelInfo, OutOfMemory, Path
+from backends.base import ROOT, BackendError, Closing, ContextFull, Forest, Logits, ModelInfo, OutOfMemory, Path
 from backends.pytorch.model import KVCache, Transformer
 
 
@@ -39,7 +39,7 @@ class _Node:
     token: int
 
 
-class PyTorchContext:
+class PyTorchContext(Closing):
     """Static-KV context: `max_rows` rows x `max_tokens` slots (+1 scratch slot for padded queries)."""
 
     prefill_chunk = 256  # prompt tokens per forward; bounds the [q, slots] mask and activations
@@ -277,12 +277,6 @@ class PyTorchContext:
     def close(self) -> None:
         self._kv = None
 
-    def __enter__(self) -> "PyTorchContext":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def _live(self) -> KVCache:
         if self._kv is None:
             raise BackendError("this context is closed")
@@ -298,7 +292,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-class PyTorchModel:
+class PyTorchModel(Closing):
     """A loaded transformer plus its metadata; hands out contexts."""
 
     def __init__(
@@ -337,12 +331,6 @@ class PyTorchModel:
 
     def close(self) -> None:
         self.transformer = None
-
-    def __enter__(self) -> "PyTorchModel":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def model_info(

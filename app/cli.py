@@ -384,8 +384,8 @@ def _rpc_hosts(target: ModelSpec, draft: ModelSpec | None, a):
     draft_bytes = resolve(draft.source, role="draft").path.stat().st_size if draft is not None else 0
     layers = target.n_gpu_layers if target.n_gpu_layers is not None and target.n_gpu_layers >= 0 else geo.n_layers
     workers = [(f"{d['endpoint']} {d['device']}", d["free"]) for d in devices]
-    return plan_hosts(geo, workers, context=a.ctx, rows=a.beams, host_free=psutil.virtual_memory().available, draft_bytes=draft_bytes,
-                      host_layers=geo.n_layers - min(layers, geo.n_layers))
+    return plan_hosts(geo, workers, context=a.ctx, rows=a.beams, host_free=psutil.virtual_memory().available,
+                      draft_bytes=draft_bytes, host_layers=geo.n_layers - min(layers, geo.n_layers))
 
 
 def cmd_rpc_worker(a) -> int:

@@ -224,7 +224,7 @@ class _Run:
             for par, tok in self.lookups(l, roots if prev is None else [n.content for n in prev], prev, q, drafts):
                 up = None if prev is None else prev[par]
                 lookups.append(Node(tok, up, par if up is None else up.root,
-                                    contents.child(roots[par] if up is None else up.content, tok), tid))
+                                    contents.child(roots[par] if up is None else up.content, tok), tid, parent=par))
                 tid += 1
             layers.append(Layer(q, parent_content, drafts, lookups))
             if l == g or not (drafts or lookups):
@@ -424,7 +424,8 @@ class _Run:
             "width": width, "passed": passed, "passed_by": ("acceptance" if by_drafts else "cache") if passed else None,
             "nodes": [{"parent": n.parent, "token": n.token, "status": status(j, n, d)}
                       for j, (n, d) in enumerate(zip(layer.drafts, drafts))],
-            "lookups": [{"token": n.token, "status": "hit" if id(n) in hit else "lookup"} for n in layer.lookups],
+            "lookups": [{"parent": n.parent, "token": n.token, "status": "hit" if id(n) in hit else "lookup"}
+                        for n in layer.lookups],
             "corrections": [int(k % self.vocab) for (k, i), n in zip(outputs, nodes) if i is None and n is None]})
 
     def view(self, g: int, ws: int) -> dict:

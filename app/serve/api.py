@@ -60,6 +60,8 @@ class DsbdOptions(BaseModel):
     quality: str | None = None  # mode "auto": fast | beam | dynamic
     forest: str | None = None  # dsbd / dsbd-mem: fixed | adaptive (cost-aware gamma and W_S per iteration)
     unique_paths: bool | None = None  # false: score repeated sequences again (same answers, more work)
+    replacement: str | None = None  # dsbd / dsbd-mem: with (beam-sample-repl's law) | without (beam-sample's)
+    lookup_nodes: int | None = None  # dsbd / dsbd-mem: extra forest nodes per layer
 
 
 class _Sampling(BaseModel):

@@ -2,9 +2,12 @@
 and the finished answer coloured by where each token came from (draft-accepted or drawn by the target).
 
 Forest shape (from the decoder): {"gamma", "draft_beams" (W_S), "adaptive" (sizes chosen per iteration),
-"layers": [{"width", "passed", "nodes": [{"parent", "token", "status"}], "corrections": [token, ...]}]}.
-A layer-1 node's parent is a live beam; a deeper node's parent is an index into the previous layer's nodes.
-Corrections were drawn from the residual and have no draft node, so they are drawn unattached.
+"layers": [{"width", "passed", "passed_by" ("acceptance" | "cache"), "nodes": [{"parent", "token", "status"}],
+"lookups": [{"parent", "token", "status" ("lookup" | "hit")}], "corrections": [token, ...]}]}.
+A layer-1 node's parent is a live beam; a deeper node's parent is an index into the previous layer's drafts.
+Lookup nodes are forest nodes that no draft proposed: a correction or fill landing on one (or on a rejected draft)
+is a hit, and a layer whose every output is a node passes by the cache rule. Corrections that hit no node have
+no forest node, so they are drawn unattached.
 """
 
 from __future__ import annotations
@@ -12,9 +15,9 @@ from __future__ import annotations
 from html import escape
 from typing import Callable
 
-COLOURS = {"accepted": "#2e7d32", "rejected": "#c62828", "auto-rejected": "#9e9e9e",
-           "correction": "#ef6c00", "beam": "#1565c0"}
-_COL_W, _BOX_W, _BOX_H, _ROW_H, _TOP, _LEGEND_W = 118, 96, 20, 26, 34, 440
+COLOURS = {"accepted": "#2e7d32", "rejected": "#c62828", "auto-rejected": "#9e9e9e", "untested": "#bdbdbd",
+           "hit": "#00838f", "lookup": "#6a1b9a", "correction": "#ef6c00", "beam": "#1565c0"}
+_COL_W, _BOX_W, _BOX_H, _ROW_H, _TOP, _LEGEND_W = 118, 96, 20, 26, 34, 600
 
 
 def token_label(tok: int, decode: Callable[[list[int]], bytes] | None) -> str:
@@ -49,7 +52,8 @@ def forest_svg(forest: dict | None, decode: Callable[[list[int]], bytes] | None 
         return ('<div class="dsbd-forest-empty">No draft forest yet: it appears while a dsbd / dsbd-mem '
                 'answer runs.</div>')
     n_roots = 1 + max((n["parent"] for n in layers[0]["nodes"]), default=0)
-    rows = max([n_roots] + [len(L["nodes"]) + len(L.get("corrections") or []) for L in layers])
+    rows = max([n_roots] + [len(L["nodes"]) + len(L.get("lookups") or []) + len(L.get("corrections") or [])
+                            for L in layers])
     width = max(16 + _COL_W * (len(layers) + 1), _LEGEND_W)
     height = _TOP + rows * _ROW_H + 34
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
@@ -65,7 +69,7 @@ def forest_svg(forest: dict | None, decode: Callable[[list[int]], bytes] | None 
     for r in range(n_roots):
         parts.append(_box(x_of(0), y_of(r), f"beam {r}", COLOURS["beam"], f"live beam {r}"))
     for col, layer in enumerate(layers, start=1):
-        mark = "✓" if layer.get("passed") else "✗"
+        mark = ("✓ cache" if layer.get("passed_by") == "cache" else "✓") if layer.get("passed") else "✗"
         parts.append(f'<text x="{x_of(col)}" y="20" font-size="12" font-family="sans-serif">'
                      f'L{col} · W={layer.get("width", "?")} {mark}</text>')
         for i, node in enumerate(layer["nodes"]):
@@ -76,11 +80,17 @@ def forest_svg(forest: dict | None, decode: Callable[[list[int]], bytes] | None 
             status = node.get("status", "rejected")
             parts.append(_box(x_of(col), y_of(i), label, COLOURS.get(status, "#555"),
                               f"{status}: token {node['token']} (parent {node['parent']})"))
+        lookups = layer.get("lookups") or []
+        for j, node in enumerate(lookups):
+            status = node.get("status", "lookup")
+            parts.append(_box(x_of(col), y_of(len(layer["nodes"]) + j), token_label(node["token"], decode),
+                              COLOURS.get(status, "#555"), f"lookup node ({'hit by an output' if status == 'hit' else 'not hit'}): "
+                              f"token {node['token']}", dashed=True))
         for j, tok in enumerate(layer.get("corrections") or []):
-            parts.append(_box(x_of(col), y_of(len(layer["nodes"]) + j), "+" + token_label(tok, decode),
+            parts.append(_box(x_of(col), y_of(len(layer["nodes"]) + len(lookups) + j), "+" + token_label(tok, decode),
                               COLOURS["correction"], f"correction drawn from the residual: token {tok}", dashed=True))
     lx, ly = 8, height - 12
-    for name in ("accepted", "rejected", "auto-rejected", "correction"):
+    for name in ("accepted", "hit", "rejected", "auto-rejected", "lookup", "correction"):
         parts.append(f'<rect x="{lx}" y="{ly - 10}" width="12" height="12" fill="{COLOURS[name]}"/>'
                      f'<text x="{lx + 16}" y="{ly}" font-size="12" font-family="sans-serif">{name}</text>')
         lx += 28 + 8 * len(name)

@@ -11,15 +11,19 @@ from pathlib import Path
 
 import gradio as gr
 
-from app.config import FOREST_POLICIES, MAX_BEAMS, MAX_GAMMA, MODE_FACTS, MODES, QUALITY_LEVELS, UI_PRESET, DecodeParams
+from app.config import FOREST_POLICIES, REPLACEMENTS, MAX_BEAMS, MAX_GAMMA, MODE_FACTS, MODES, QUALITY_LEVELS, UI_PRESET, DecodeParams
 
 ASSETS = Path(__file__).resolve().parents[3] / "assets"
 FIELDS = ("preset", "mode", "quality", "max_new_tokens", "seed", "temperature", "top_k", "top_p", "beams",
-          "draft_beams", "gamma", "threshold", "min_beams", "select", "length_penalty", "forest")
+          "draft_beams", "gamma", "threshold", "min_beams", "select", "length_penalty", "forest", "replacement",
+          "lookup_nodes")
 QUALITY_INFO = "fast: sample / sps · beam: beam-sample / dsbd with ≥ 2 beams · dynamic: dsbd, W beams every step"
 FOREST_INFO = ("fixed: γ and W_S as set · adaptive: each iteration picks γ ≤ the slider (0 = no draft) and "
                "W ≤ W_S ≤ the slider for the most steps per second (times the passes on first use)")
-_INTS = ("max_new_tokens", "top_k", "beams", "draft_beams", "gamma", "min_beams")
+REPLACEMENT_INFO = ("with: DSBD reproduces beam-sample-repl (beam sampling with replacement) · without: it reproduces "
+                    "beam-sample (conventional beam sampling: no two beams alike)")
+LOOKUP_INFO = "extra forest nodes per layer (the draft's likeliest undrawn pairs): more layers pass, a larger pass"
+_INTS = ("max_new_tokens", "top_k", "beams", "draft_beams", "gamma", "min_beams", "lookup_nodes")
 _FLOATS = ("temperature", "top_p", "threshold", "length_penalty")
 CUSTOM = "Custom"
 
@@ -37,7 +41,7 @@ def relevant(mode: str) -> set[str]:
     if f.needs_draft:
         names.add("gamma")
     if f.forest:
-        names |= {"draft_beams", "threshold", "min_beams", "forest"}
+        names |= {"draft_beams", "threshold", "min_beams", "forest", "replacement", "lookup_nodes"}
         if not f.keeps_rows:  # memory mode: which beam to carry between iterations
             names.add("select")
     return names
@@ -85,7 +89,7 @@ def params_from(settings: dict) -> DecodeParams:
     s = default_settings() | {k: v for k, v in settings.items() if v is not None or k == "seed"}
     keep, base = relevant(s["mode"]), DecodeParams().as_dict()
     kw = {}
-    for k in _INTS + _FLOATS + ("select", "quality", "forest"):
+    for k in _INTS + _FLOATS + ("select", "quality", "forest", "replacement"):
         v = s[k] if k in keep else base[k]
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             v = int(round(v)) if k in _INTS else float(v)
@@ -109,6 +113,8 @@ def summary(settings: dict) -> str:
             parts.append(f"{label}={v:g}" if isinstance(v, (int, float)) else f"{label}={v}")
     if "forest" in keep and s.get("forest") == "adaptive":
         parts.append("adaptive forest")
+    if "replacement" in keep and s.get("replacement") == "without":
+        parts.append("without replacement")
     return " ".join(parts)
 
 
@@ -165,6 +171,10 @@ class DecodingPanel:
                                         **v["length_penalty"]),
             "forest": gr.Radio(list(FOREST_POLICIES), value=s["forest"], label="Forest size",
                                info=FOREST_INFO, elem_id="forest", **v["forest"]),
+            "replacement": gr.Radio(list(REPLACEMENTS), value=s["replacement"], label="Drafts drawn",
+                                    info=REPLACEMENT_INFO, elem_id="replacement", **v["replacement"]),
+            "lookup_nodes": gr.Slider(0, 16, value=s["lookup_nodes"], step=1, label="Lookup nodes per layer",
+                                      info=LOOKUP_INFO, **v["lookup_nodes"]),
         }
         self.widgets = w
         self.components = [w[k] for k in FIELDS]

@@ -327,3 +327,26 @@ def test_the_models_tab_keeps_the_workers_for_the_target_only():
     target, draft = ui.specs_from("qwen-coder", "llamacpp", "tiny", "llamacpp")
     assert target.rpc == served.rpc and target.source == "qwen-coder"  # set by --rpc, not by the form
     assert draft.rpc == () and draft.source == "tiny"
+
+
+def test_the_per_machine_plan_splits_like_the_loader_and_keeps_the_head_here():
+    from test_offload import synthetic
+
+    from offload.plan import GiB, MiB, plan_hosts
+
+    geo = synthetic(n_layers=10, layer=100 * MiB)
+    kv_layer = 2 * 2 * 64 * 4 * 512  # K and V, 2 kv heads x 64, f32, one row of 512 tokens
+    # free memory 1:3: llama.cpp's proportional split, the last device also taking the output layer's slot
+    shares = plan_hosts(geo, [("a:1 RPC0", 8 * GiB), ("b:1 RPC1", 24 * GiB)], context=512, rows=1,
+                        host_free=4 * GiB, draft_bytes=300 * MiB)
+    here, a, b = shares
+    assert (here.first_layer, a.first_layer, a.last_layer, b.first_layer, b.last_layer) == (None, 0, 2, 3, 9)
+    assert here.weight_bytes == 100 * MiB and here.kv_bytes == 0  # embeddings + head only
+    assert (a.weight_bytes, b.weight_bytes) == (300 * MiB, 700 * MiB)
+    assert (a.kv_bytes, b.kv_bytes) == (3 * kv_layer, 7 * kv_layer)
+    assert here.need_bytes > here.weight_bytes + 300 * MiB and all(s.fits for s in shares)
+    # keeping 4 layers here: the workers share the other 6
+    here, a, b = plan_hosts(geo, [("a", 8 * GiB), ("b", 8 * GiB)], context=512, rows=1, host_free=GiB,
+                            host_layers=4)
+    assert (here.first_layer, here.last_layer, a.first_layer, b.last_layer) == (0, 3, 4, 9)
+    assert a.weight_bytes + b.weight_bytes == 600 * MiB and here.weight_bytes == 500 * MiB and here.fits

@@ -245,9 +245,23 @@ def summarize(runs: list[dict], modes: list[str]) -> dict:
         drafted = [s["draft_tokens"] for s in stats if "draft_tokens" in s]
         if drafted:  # share of the returned tokens that were accepted draft tokens
             summary[mode]["draft_token_share"] = sum(drafted) / max(1, tokens)
+        layers = [layer for s in stats for layer in s["acceptance_by_depth"].values()]
+        if layers:  # verified forest layers: passed by the drafts alone, or by the cache rule (every output a node)
+            passed, by_cache = sum(x["passed"] for x in layers), sum(x.get("passed_by_cache", 0) for x in layers)
+            summary[mode]["layers"] = {"verified": sum(x["attempted"] for x in layers),
+                                       "passed_by_acceptance": passed - by_cache, "passed_by_cache": by_cache,
+                                       "lookup_nodes": sum(x.get("lookup_nodes", 0) for x in layers),
+                                       "lookup_hits": sum(x.get("lookup_hits", 0) for x in layers)}
+        sizes = Counter()
+        for s in stats:
+            sizes.update(s.get("forest_sizes") or {})
+        if sizes:  # adaptive forests: the share of iterations that drafted at all
+            summary[mode]["drafted_iterations"] = 1 - sizes.get("g0", 0) / sum(sizes.values())
+        summary[mode]["tokens_per_s_overall"] = tokens / max(1e-9, sum(s["decode_s"] for s in stats))
         graded = [r["passed"] for r in mine if "passed" in r]
         if graded:
             summary[mode]["pass_rate"] = sum(graded) / len(graded)
+            summary[mode]["passed"] = sum(graded)
         if any("setting" in r for r in mine):  # auto: how often it picked each concrete setting
             summary[mode]["settings"] = dict(Counter(r["setting"] for r in mine if "setting" in r).most_common())
     for ref in ("beam-sample", "sps"):
@@ -256,7 +270,24 @@ def summarize(runs: list[dict], modes: list[str]) -> dict:
             continue
         for mode, s in summary.items():
             s[f"speed_vs_{ref}"] = s["tokens_per_s_median"] / summary[base]["tokens_per_s_median"]
+            s[f"overall_speed_vs_{ref}"] = s["tokens_per_s_overall"] / summary[base]["tokens_per_s_overall"]
+        if ref == "beam-sample":
+            for mode, s in summary.items():
+                s["logprob_vs_beam_sample"] = paired_logprob(runs, mode, base)
     return summary
+
+
+def paired_logprob(runs: list[dict], mode: str, ref: str) -> dict | None:
+    """Per-prompt difference of mean target log-prob, mode minus ref: mean, standard error, pairs."""
+    lp = {}
+    for r in runs:
+        v = r["stats"].get("mean_target_logprob")
+        if v is not None and r["mode"] in (mode, ref):
+            lp.setdefault((r["repeat"], r["prompt"]), {})[r["mode"]] = v
+    d = [x[mode] - x[ref] for x in lp.values() if mode in x and ref in x]
+    if len(d) < 2 or mode == ref:
+        return None
+    return {"mean": statistics.mean(d), "se": statistics.stdev(d) / len(d) ** 0.5, "pairs": len(d)}
 
 
 def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:

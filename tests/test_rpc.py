@@ -350,3 +350,24 @@ def test_the_per_machine_plan_splits_like_the_loader_and_keeps_the_head_here():
                             host_layers=4)
     assert (here.first_layer, here.last_layer, a.first_layer, b.last_layer) == (0, 3, 4, 9)
     assert a.weight_bytes + b.weight_bytes == 600 * MiB and here.weight_bytes == 500 * MiB and here.fits
+
+
+def test_a_worker_restarted_between_answers_costs_one_answer(tiny_gguf_path):
+    from app.engine.worker import WorkerEngine
+
+    if not rpc.supported():
+        pytest.skip("llama-cpp-python built without GGML_RPC")
+    a, b = Worker(), Worker()
+    try:
+        with WorkerEngine.load(replace(TINY, rpc=(a.endpoint, b.endpoint))) as engine:
+            assert list(engine.chat(HI, DecodeParams(mode="greedy", max_new_tokens=4)))[-1].done
+            b = b.restart()  # its weights and the model process's connection are gone, the port answers again
+            with pytest.raises(BackendError) as err:
+                list(engine.chat(HI, DecodeParams(mode="greedy", max_new_tokens=4)))
+            msg = str(err.value)
+            assert msg.startswith(f"lost the RPC worker at one of {a.endpoint}, {b.endpoint} (its connection broke")
+            assert msg.endswith("(restarting; check the worker)")
+            assert list(engine.chat(HI, DecodeParams(mode="greedy", max_new_tokens=4)))[-1].done
+    finally:
+        a.kill()
+        b.kill()

@@ -44,8 +44,8 @@ log = logging.getLogger(__name__)
 
 MAX_LOAD_FAILURES = 3  # failed (re)loads in a row before the supervisor stops respawning
 MAX_ANSWER_CRASHES = 3  # answers in a row that killed the model process before it stops respawning
-HUNG_FACTOR = 20.0  # an event this many times later than the timed passes predict: stuck, not slow
-HUNG_MIN_S = 60.0  # never sooner: a loaded machine or a first pass can stall for many seconds
+HUNG_FACTOR = 50.0  # an event this many times later than the timed passes predict: stuck, not slow
+HUNG_MIN_S = 180.0  # never sooner: on an overloaded machine a first event can take a minute
 HUNG_UNTIMED_S = 600.0  # per event, before the passes are timed
 _POLL_S = 0.05  # how often a stream waiting for its next event looks at its cancel Event
 _TOKENIZER_ATTRS = ("name", "n_vocab", "bos_id", "eos_id", "eos_ids", "vocab_type", "add_bos", "chat_template")
@@ -269,7 +269,8 @@ def _died(cause: str, kind: str, *, lost: tuple[str, str] | None = None, hung: s
         return (f"lost the RPC worker {lost[0]} ({lost[1]}) during this answer; the model process ended ({cause}) "
                 "(restarting; check the worker)")
     if lost is not None:
-        return f"lost the RPC worker {lost[0]} ({lost[1]}); the model process ended ({cause}) (restarting; check the worker)"
+        return (f"lost the RPC worker {lost[0]} ({lost[1]}); the model process ended ({cause}) "
+                "(restarting; check the worker)")
     if hung is not None and kind == "answer":
         return (f"the model process stopped answering ({hung}); it was replaced by a fresh one with the same "
                 "models; send the message again")
@@ -464,7 +465,8 @@ class WorkerEngine(ModelEngine):
                     log.warning("the RPC workers answer again: the model process restarted (pid %s)", child.proc.pid)
                     return
             raise BackendError(f"the RPC worker {down[0]} is down ({down[1]}): start it again (dsbd-chat rpc-worker "
-                               f"on that machine); the next message retries, and so does loading models in the Models tab")
+                               "on that machine); the next message retries, and so does loading models in the "
+                               "Models tab")
 
     def _call(self, name: str, *args, kind: str = "call", **kwargs):
         for attempt in (1, 2):
@@ -556,7 +558,8 @@ class WorkerEngine(ModelEngine):
             child.dead = cause
             pending, child.pending = list(child.pending.values()), {}
         conn.close()
-        lost = self._lost_worker() if pending or (self._child is child and self._phase == "ready") else None
+        lost = self._lost_worker(child.proc.exitcode) if pending or (self._child is child and self._phase == "ready") \
+            else None
         answers = any(kind == "answer" for _, kind in pending)
         with self._cv:
             serving = self._child is child and self._phase == "ready"
@@ -582,14 +585,19 @@ class WorkerEngine(ModelEngine):
                 return
             self._respawn(cause)
 
-    def _lost_worker(self) -> tuple[str, str] | None:
-        """(endpoint, why) of an RPC worker of the target that no longer answers, if any."""
+    def _lost_worker(self, exitcode: int | None) -> tuple[str, str] | None:
+        """(endpoint, why) of an RPC worker of the target that no longer answers; with every worker answering,
+        an abort (the native client's reaction to a broken connection) still names them: one restarted."""
         target = self.specs[0]
         if target is None or not getattr(target, "rpc", ()):
             return None
         from backends.remote import first_unreachable
 
-        return first_unreachable(target.rpc)
+        down = first_unreachable(target.rpc)
+        if down is None and exitcode == -signal.SIGABRT:
+            return (f"at one of {', '.join(target.rpc)}" if len(target.rpc) > 1 else target.rpc[0],
+                    "its connection broke; every worker answers again now")
+        return down
 
     def answered(self) -> None:
         """A stream ended normally: the crash-in-a-row count starts again."""

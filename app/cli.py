@@ -473,8 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
     rpcw.add_argument("--port", type=int, default=50052)
     rpcw.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     rpcw.add_argument("--cache", default=None, metavar="DIR",
-                      help="keep received weights here by hash, so a reload of the same model sends hashes, "
-                           "not gigabytes")
+                      help="keep received large tensors here by hash, so a reload of the same model sends "
+                           "hashes instead of those weights (llama.cpp hashes only tensors above a size threshold)")
     plan = sub.add_parser("plan", help="memory plan for target + draft + beams (and projected speed); loads no weights")
     _model_args(plan)
     plan.add_argument("--context", dest="ctx", type=int, default=argparse.SUPPRESS,

@@ -2,11 +2,12 @@
 
 llama.cpp can die with SIGILL (AMX), SIGSEGV or abort, and the kernel can OOM-kill a process; in-process
 that takes the whole server down. `WorkerEngine` runs `app.engine.engine.Engine` in a "spawn" child (no forked
-threads or llama state) and speaks a small RPC over a Pipe: a call answers once; a stream is opened
-(validation errors are raised at once, as in-process), started on the first `next`, then sends one pickled
-`Event` per step. Exceptions come back with their type, message and attributes (PromptTooLong stays one).
+threads or llama state) and speaks a small RPC over a Pipe (typed messages, app.engine.messages): a call
+answers once; a stream is opened (validation errors are raised at once, as in-process), started on the first
+`next`, then sends one pickled `Event` per step. Exceptions come back with their type, message and attributes
+(PromptTooLong stays one).
 
-When the child dies, every request in flight fails with a BackendError naming the signal, and a fresh
+When the child dies, every request in flight fails with ModelProcessLost naming the signal, and a fresh
 child loads the same models (the swapped-in ones after a swap) while the server keeps serving. Three
 failed loads in a row end the respawns, and so do three answers in a row that each killed a freshly loaded
 child: every request then gets that error instead of an endless loop.
@@ -38,6 +39,8 @@ from backends.base import BackendError
 
 from app.config import DecodeParams
 from app.engine.interface import ModelEngine, ModelProcessLost
+from app.engine.messages import (Call, Cancel, Close, Drop, End, Failed, Go, LoadFailed, Lost, Open, Opened, Progress,
+                                 Ready, Result, Streamed)
 from backends.registry import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -143,9 +146,9 @@ def _child_main(conn, target: ModelSpec, draft: ModelSpec | None, budget, on_sta
 
             engine = Engine.load(target, draft, budget=budget)
         except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
-            send(("fail", 0, _pack_exc(e)))
+            send(LoadFailed(0, _pack_exc(e)))
             return
-        send(("ready", 0, _state(engine)))
+        send(Ready(0, _state(engine)))
 
     threading.Thread(target=load, name="dsbd-load", daemon=True).start()
     while True:  # the main thread only reads the pipe: EOF (the parent died) ends the process at once
@@ -153,28 +156,28 @@ def _child_main(conn, target: ModelSpec, draft: ModelSpec | None, budget, on_sta
             msg = conn.recv()
         except (EOFError, OSError):
             os._exit(0)
-        kind, rid = msg[0], msg[1]
-        if kind == "close":
+        rid = msg.rid
+        if isinstance(msg, Close):
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
-        if kind == "call":
-            name, args, kwargs = msg[2], msg[3], msg[4]
+        if isinstance(msg, Call):
+            name, args, kwargs = msg.name, msg.args, dict(msg.kwargs)
             if name.startswith("tokenizer."):  # fast and read-only: answered inline
                 _serve_call(engine, rid, name, args, kwargs, send)
             else:
                 threading.Thread(target=_serve_call, args=(engine, rid, name, args, kwargs, send),
                                  name=f"dsbd-call-{rid}", daemon=True).start()
-        elif kind == "open":
+        elif isinstance(msg, Open):
             s = served[rid] = _Served()
-            threading.Thread(target=_serve_stream, args=(engine, rid, msg[2], msg[3], s, send, served),
+            threading.Thread(target=_serve_stream, args=(engine, rid, msg.name, msg.args, s, send, served),
                              name=f"dsbd-stream-{rid}", daemon=True).start()
-        elif kind in ("go", "cancel", "drop"):
+        elif isinstance(msg, (Go, Cancel, Drop)):
             s = served.get(rid)
             if s is not None:
-                if kind == "cancel":
+                if isinstance(msg, Cancel):
                     s.cancel.set()
-                elif kind == "drop":  # the parent closed the stream: stop at the next step, or never start
+                elif isinstance(msg, Drop):  # the parent closed the stream: stop at the next step, or never start
                     s.dropped = True
                     s.cancel.set()
                 s.go.set()
@@ -200,31 +203,31 @@ def _serve_call(engine, rid: int, name: str, args, kwargs, send) -> None:
         for part in name.split("."):
             fn = getattr(fn, part)
         if name == "swap" and kwargs.pop("progress", None):
-            kwargs["progress"] = lambda *a, **k: send(("progress", rid, a, k))
+            kwargs["progress"] = lambda *a, **k: send(Progress(rid, a, k))
         result = fn(*args, **kwargs)
         if name == "swap":
             result = (result, _state(engine))
-        send(("ok", rid, result))
+        send(Result(rid, result))
     except BaseException as e:  # noqa: BLE001 - re-raised in the parent
-        send(("err", rid, _pack_exc(e)))
+        send(Failed(rid, _pack_exc(e)))
 
 
 def _serve_stream(engine, rid: int, name: str, args, s: _Served, send, served: dict) -> None:
     gen = None
     try:
         gen = getattr(engine, name)(*args, cancel=s.cancel)  # ConfigError / PromptTooLong: raised here
-        send(("opened", rid))
+        send(Opened(rid))
         s.go.wait()
         if s.dropped:
             return
         for ev in gen:
             if s.dropped:
                 break
-            send(("ev", rid, ev))
+            send(Streamed(rid, ev))
         else:
-            send(("end", rid))
+            send(End(rid))
     except BaseException as e:  # noqa: BLE001 - re-raised in the parent
-        send(("err", rid, _pack_exc(e)))
+        send(Failed(rid, _pack_exc(e)))
     finally:
         if gen is not None:
             gen.close()  # releases the engine lock
@@ -247,7 +250,7 @@ class _Child:
         q = queue.SimpleQueue()
         with self.lock:
             if self.dead is not None:  # answered at once, as if it had died with this request
-                q.put(("dead", rid, _died(self.dead, kind)))
+                q.put(Lost(rid, _died(self.dead, kind)))
             else:
                 self.pending[rid] = (q, kind)
         return q
@@ -386,11 +389,11 @@ class WorkerEngine(ModelEngine):
         rid = next(self._ids)
         q = child.register(rid, "swap")
         try:
-            child.send(("call", rid, "swap", (target, draft), {"progress": progress is not None}))
+            child.send(Call(rid, "swap", (target, draft), {"progress": progress is not None}))
             while True:
                 msg = q.get()
-                if msg[0] == "progress":
-                    progress(*msg[2], **msg[3])
+                if isinstance(msg, Progress):
+                    progress(*msg.args, **msg.kwargs)
                     continue
                 info, state = self._result(msg)
                 self._adopt(state)
@@ -474,40 +477,40 @@ class WorkerEngine(ModelEngine):
             rid = next(self._ids)
             q = child.register(rid, kind)
             try:
-                child.send(("call", rid, name, args, kwargs))
+                child.send(Call(rid, name, args, kwargs))
                 msg = q.get()
             finally:
                 child.forget(rid)
             # A quick call that met a process already dying (killed a moment ago) is asked again of the new one.
-            if msg[0] != "dead" or kind != "call" or attempt == 2:
+            if not isinstance(msg, Lost) or kind != "call" or attempt == 2:
                 return self._result(msg)
 
     @staticmethod
     def _result(msg):
-        if msg[0] == "ok":
-            return msg[2]
-        if msg[0] == "err":
-            raise _unpack_exc(msg[2])
-        if msg[0] == "dead":
-            raise ModelProcessLost(msg[2])
-        raise BackendError(f"unexpected reply from the model process: {msg[0]!r}")
+        if isinstance(msg, Result):
+            return msg.value
+        if isinstance(msg, Failed):
+            raise _unpack_exc(msg.error)
+        if isinstance(msg, Lost):
+            raise ModelProcessLost(msg.why)
+        raise BackendError(f"unexpected reply from the model process: {type(msg).__name__}")
 
     def _open(self, name: str, args: tuple, cancel: threading.Event | None) -> "_Stream":
         for attempt in (1, 2):
             child = self._ready()
             rid = next(self._ids)
             q = child.register(rid, "answer")
-            msg = ("",)
+            msg = None
             try:
-                child.send(("open", rid, name, args))
+                child.send(Open(rid, name, args))
                 msg = q.get()
-                if msg[0] == "opened":
+                if isinstance(msg, Opened):
                     return _Stream(child, rid, q, cancel, engine=self, params=args[1])
                 # Opening only validates: if the process was already dying, open it again on the new one.
-                if msg[0] != "dead" or attempt == 2:
+                if not isinstance(msg, Lost) or attempt == 2:
                     self._result(msg)  # raises
             finally:
-                if msg[0] != "opened":
+                if not isinstance(msg, Opened):
                     child.forget(rid)
 
     def _adopt(self, state: dict) -> None:
@@ -527,12 +530,12 @@ class WorkerEngine(ModelEngine):
         threading.Thread(target=self._read, args=(child,), name=f"dsbd-worker-{proc.pid}", daemon=True).start()
         msg = q.get()
         child.forget(0)
-        if msg[0] != "ready":
+        if not isinstance(msg, Ready):
             self._kill(child)
-            if msg[0] == "fail":
-                raise _unpack_exc(msg[2])
-            raise BackendError(msg[2])
-        self._adopt(msg[2])
+            if isinstance(msg, LoadFailed):
+                raise _unpack_exc(msg.error)
+            raise ModelProcessLost(msg.why)
+        self._adopt(msg.state)
         return child
 
     def _read(self, child: _Child) -> None:
@@ -542,7 +545,7 @@ class WorkerEngine(ModelEngine):
             while True:
                 msg = conn.recv()
                 with child.lock:
-                    entry = child.pending.get(msg[1])
+                    entry = child.pending.get(msg.rid)
                 if entry is not None:
                     entry[0].put(msg)
         except (EOFError, OSError):
@@ -569,7 +572,7 @@ class WorkerEngine(ModelEngine):
         if serving:
             log.error("the model process (pid %s) died: %s; restarting it", child.proc.pid, cause)
         for q, kind in pending:
-            q.put(("dead", 0, _died(cause, kind, lost=lost, hung=child.hung)))
+            q.put(Lost(0, _died(cause, kind, lost=lost, hung=child.hung)))
         if serving:
             if self._crashes >= self.max_answer_crashes:
                 with self._cv:
@@ -677,7 +680,7 @@ class WorkerEngine(ModelEngine):
     @staticmethod
     def _kill(child: _Child) -> None:
         """Ask the process to exit (it does at once), then make sure it did."""
-        child.send(("close", 0))
+        child.send(Close(0))
         child.proc.join(5)
         if child.proc.is_alive():
             child.proc.kill()
@@ -704,13 +707,13 @@ class _Stream:
             raise StopIteration
         if not self.started:
             self.started = True
-            self.child.send(("go", self.rid))
+            self.child.send(Go(self.rid))
         limit = self.engine.deadline(self.params, first=self.events == 0) if self.engine is not None else None
         due = None if limit is None else time.monotonic() + limit
         while True:
             if self.cancel is not None and not self.cancel_sent and self.cancel.is_set():
                 self.cancel_sent = True
-                self.child.send(("cancel", self.rid))
+                self.child.send(Cancel(self.rid))
             poll = self.cancel is not None and not self.cancel_sent
             wait = _POLL_S if poll else None
             if due is not None:
@@ -722,11 +725,11 @@ class _Stream:
                     what = "its first event" if self.events == 0 else "the next event"
                     self.engine._hung(self.child, f"no progress for {limit:.0f} s waiting for {what} of an answer")
                 continue
-            if msg[0] == "ev":
+            if isinstance(msg, Streamed):
                 self.events += 1
-                return msg[2]
+                return msg.event
             self._finish()
-            if msg[0] == "end":
+            if isinstance(msg, End):
                 if self.engine is not None:
                     self.engine.answered()
                 raise StopIteration
@@ -738,7 +741,7 @@ class _Stream:
 
     def close(self) -> None:
         if not self.finished:
-            self.child.send(("drop", self.rid))
+            self.child.send(Drop(self.rid))
             self._finish()
 
 

@@ -451,3 +451,24 @@ def test_import_an_export_into_another_app(tmp_path):
     bad.write_text('{"comparisons": [{"id": "../evil", "answers": [], "prompt": ""}]}')
     assert b.import_file(str(bad)).startswith("Not imported")
     assert not (tmp_path / "b" / "evil.json").exists() and len(b.store.list()) == 1
+
+
+def test_iter_answers_streams_each_answer_in_label_order_and_stops_when_cancelled():
+    eng = FakeEngine()
+    rec = R.new_comparison(prompt="p", modes=["greedy", "dsbd"], seed=1, settings={}, models=eng.describe())
+    assert list(R.iter_answers(eng, rec, _params("greedy", "dsbd"))) == [(0, False), (0, True), (1, False), (1, True)]
+    assert all(a["text"] and a["params"]["seed"] == 1 for a in rec["answers"])
+    stopped = threading.Event()
+    stopped.set()
+    fresh = R.new_comparison(prompt="p", modes=["greedy", "dsbd"], seed=1, settings={}, models=eng.describe())
+    assert list(R.iter_answers(eng, fresh, _params("greedy", "dsbd"), cancel=stopped)) == []
+    assert not R.answer_all(eng, fresh, _params("greedy", "dsbd"), cancel=stopped)
+
+
+def test_iter_run_yields_each_saved_comparison_and_leaves_the_run_done(tmp_path):
+    eng, store = FakeEngine(), R.ResultStore(tmp_path)
+    params = _params("greedy", "dsbd")
+    run = R.new_run(source="pasted", items=["a", "b", "c"], params=params, settings={}, models=eng.describe(), seed=5)
+    seen = [rec["prompt"] for rec in R.iter_run(eng, store, run, params, cancel=threading.Event())]
+    assert seen == ["a", "b", "c"] and run["state"] == "done" and run["done"] == [0, 1, 2]
+    assert [r["prompt"] for r in store.list()] == ["a", "b", "c"]

@@ -76,7 +76,7 @@ TARGET = bigram(V, 11)
 DRAFT = bigram(V, 12, sharp=1.0)  # a different model: many rejections
 # Pass costs under which the adaptive forest policy (tests/test_forest_policy.py) changes gamma and W_S with the
 # acceptance it sees on TARGET / DRAFT (gamma 0-2, W_S 2-3): sample_arm asserts that it did vary.
-VARYING = (CostCurve.of({1: 1.0, 2: 1.1, 4: 1.3, 5: 1.7, 6: 1.8, 8: 2.1}), CostCurve.of({1: 0.1, 8: 0.12}))
+VARYING = (CostCurve.of({1: 1.0, 2: 1.1, 4: 1.3, 5: 1.7, 6: 1.8, 8: 2.1}), CostCurve.of({1: 0.3, 8: 0.36}))
 
 
 # --- reductions (spec §11 R1-R3) -----------------------------------------------------------------

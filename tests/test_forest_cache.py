@@ -230,7 +230,7 @@ class LookupOnly:
     def __init__(self, g: int) -> None:
         self.g = g
 
-    def choose(self, *, max_gamma, roots, draft_roots):
+    def choose(self, *, max_gamma, roots, draft_roots, **_):
         return min(self.g, max_gamma), 0
 
     def observe(self, *a, **kw):

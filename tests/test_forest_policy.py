@@ -35,8 +35,8 @@ GPU = (CostCurve.of({1: 0.020, 64: 0.022}), CostCurve.of({1: 0.004, 64: 0.0045})
 def decode(mode, target, draft, *, seed, prompt=(1, 2, 3), vocab=None, costs=None, policy=None, **kw):
     """(tokens, metrics, steps) of one generation, with an optional injected forest policy."""
     params = DecodeParams(mode=mode, seed=seed, **kw).validated()
-    t = target.context(rows=params.beams, max_tokens=256)
-    d = draft.context(rows=params.beams, max_tokens=256) if draft is not None else None
+    t = target.context(rows=params.beams, max_tokens=512)
+    d = draft.context(rows=params.beams, max_tokens=512) if draft is not None else None
     metrics = Metrics(mode=mode)
     steps = list(decoder(mode)(target=t, draft=d, prompt=list(prompt), params=params,
                                stopper=Stopper(eos_ids=target.tokenizer.eos_ids), metrics=metrics,
@@ -163,6 +163,7 @@ def test_adaptive_needs_costs_and_forest_is_validated():
 
 def policy(costs, *, draft_beams=8, **kw) -> ForestPolicy:
     params = DecodeParams(mode="dsbd", beams=4, draft_beams=draft_beams, gamma=6).validated()
+    kw.setdefault("cache_rule", False)  # acceptance alone: the cache prior has tests of its own
     return ForestPolicy.for_params(params, *costs, **kw)
 
 
@@ -237,7 +238,7 @@ STEEP = (CostCurve.of({1: 0.05, 2: 0.06, 4: 0.1, 8: 0.2, 32: 0.8}), CostCurve.of
 
 def small(costs=STEEP, *, replacement="with") -> ForestPolicy:
     params = DecodeParams(mode="dsbd", beams=2, draft_beams=6, gamma=4).validated()
-    return ForestPolicy.for_params(params, *costs, replacement=replacement == "with")
+    return ForestPolicy.for_params(params, *costs, replacement=replacement == "with", cache_rule=False)
 
 
 def test_expected_distinct_is_the_occupancy_law():
@@ -337,7 +338,7 @@ def test_for_params_reads_the_optional_settings():
     p = ForestPolicy.for_params(P, *STEEP)
     assert (p.replacement, tuple(p.lookups), p.cache_rule) == (False, (0, 1, 2), True)
     q = ForestPolicy.for_params(DecodeParams(mode="dsbd").validated(), *STEEP)
-    assert (q.replacement, tuple(q.lookups), q.cache_rule) == (True, (0,), False)
+    assert (q.replacement, tuple(q.lookups), q.cache_rule) == (True, (0,), True)  # the decoder applies it always
 
 
 # --- exploration and learning across answers --------------------------------------------------------------

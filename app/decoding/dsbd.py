@@ -14,6 +14,7 @@ kept, so p_beam is baseline A's (or B's) exactly. Drafts are mapped onto those r
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
@@ -125,8 +126,7 @@ def dsbd(*, target: Context, draft: Context, prompt: Sequence[int], params, stop
     choice of lookup nodes (default: q_beam's most likely pairs no draft drew, params.lookup_nodes per layer).
     `rands` = (draft, verify) randomness replaces the seeded streams (tests enumerate every outcome).
     """
-    run = _Run(params, stopper, metrics, vocab, _forest_policy(params, costs, policy),
-               lookups or _top_q_lookups(getattr(params, "lookup_nodes", 0)), rands)
+    run = _Run(params, stopper, metrics, vocab, _forest_policy(params, costs, policy), lookups, rands)
     target.prefill(prompt[:-1])
     draft.prefill(prompt[:-1])
     metrics.mark_prefilled()
@@ -159,10 +159,12 @@ def dsbd(*, target: Context, draft: Context, prompt: Sequence[int], params, stop
 class _Run:
     """One generation's settings and state; one method per phase of the iteration."""
 
-    def __init__(self, params, stopper: Stopper, metrics: Metrics, vocab: int, policy, lookups: Lookups,
+    def __init__(self, params, stopper: Stopper, metrics: Metrics, vocab: int, policy, lookups: Lookups | None,
                  rands: tuple[Rand, Rand] | None) -> None:
         self.params, self.stopper, self.metrics, self.vocab = params, stopper, metrics, vocab
-        self.policy, self.lookups = policy, lookups
+        self.policy, self.n_lookups = policy, params.lookup_nodes
+        self.lookups = lookups or (lambda *a: _top_q_lookups(self.n_lookups, *a))
+        self.q_profile: np.ndarray | None = None  # the latest drafted q_beam's probabilities (for the policy)
         self.memory = params.mode == "dsbd-mem"
         self.without = getattr(params, "replacement", "with") == "without"
         self.w, self.warp, self.lam = params.beams, warp_of(params), params.length_penalty
@@ -178,8 +180,10 @@ class _Run:
         g = min(self.params.gamma, self.params.max_new_tokens - len(live[0].tokens) - 1)
         ws = self.params.draft_beams
         if self.policy is not None:
-            g, ws = self.policy.choose(max_gamma=g, roots=sum(map(len, t_suffix)),
-                                       draft_roots=sum(map(len, d_suffix)))
+            choice = self.policy.choose(max_gamma=g, roots=sum(map(len, t_suffix)),
+                                        draft_roots=sum(map(len, d_suffix)), q_rows=self.q_profile, with_lookups=True)
+            g, ws = choice[:2]
+            self.n_lookups = choice[2] if len(choice) > 2 else self.params.lookup_nodes
         self.metrics.forests.append((g, ws))
         return g, ws
 
@@ -227,6 +231,8 @@ class _Run:
                                     contents.child(roots[par] if up is None else up.content, tok), tid, parent=par))
                 tid += 1
             layers.append(Layer(q, parent_content, drafts, lookups))
+            if l == 1 and q is not None:
+                self.q_profile = q.probs
             if l == g or not (drafts or lookups):
                 break
             prev = drafts + lookups
@@ -263,11 +269,12 @@ class _Run:
         """Layer by layer (spec §5, §6, §16.2). Returns (output beams, stop now)."""
         self.snapshot = []
         for l, layer in enumerate(layers, start=1):
+            t0 = time.perf_counter()
             outputs, drafts, by_drafts, width = self.verify_layer(layer, rows)
             hits = layer.first_node()
             nodes = [hits.get(contents.find(rows[k // self.vocab].content, k % self.vocab)) for k, _ in outputs]
             passed = all(n is not None for n in nodes)
-            self._record(l, layer, drafts, outputs, nodes, by_drafts, passed, width)
+            self._record(l, layer, drafts, outputs, nodes, by_drafts, passed, width, time.perf_counter() - t0)
             if not passed:  # the output layer: its tokens are the next uncached suffix (spec §8)
                 return [self._extend(rows[k // self.vocab], k % self.vocab, None, drafted=i is not None)
                         for k, i in outputs], False
@@ -398,7 +405,7 @@ class _Run:
 
     # -- stats and the forest view (outside the arithmetic) ---------------------------------------------
     def _record(self, l: int, layer: Layer, drafts, outputs, nodes, by_drafts: bool, passed: bool,
-                width: int) -> None:
+                width: int, seconds: float) -> None:
         st = self.metrics.layer(l)
         st.attempted += 1
         st.passed += int(passed)
@@ -417,7 +424,9 @@ class _Run:
         self.metrics.widths.append(width)
         if self.policy is not None:
             self.policy.observe(l, len(layer.drafts), outcomes=[j in accepted for j in range(consumed)],
-                                passed=passed)
+                                passed=passed, by_cache=passed and not by_drafts,
+                                distinct=len({n.content for n in layer.drafts}), lookups=len(layer.lookups),
+                                verify_s=seconds)
         status = lambda j, n, d: ("accepted" if j in accepted else "hit" if id(n) in hit else
                                   "auto-rejected" if not d.valid else "rejected" if j < consumed else "untested")
         self.snapshot.append({
@@ -432,27 +441,26 @@ class _Run:
         return {"layers": self.snapshot, "gamma": g, "draft_beams": ws, "adaptive": self.policy is not None}
 
 
-def _top_q_lookups(n: int) -> Lookups:
+def _top_q_lookups(n: int, l: int, parent_content: list[int], prev, q: Joint | None,
+                   drafts: list[Node]) -> list[tuple[int, int]]:
     """Lookup nodes: the layer's n most likely q_beam pairs whose content no draft holds."""
-    def pick(l: int, parent_content: list[int], prev, q: Joint | None, drafts: list[Node]) -> list[tuple[int, int]]:
-        if n <= 0 or q is None or not len(q):
-            return []
-        drafted = {(parent_content[d.parent], d.token) for d in drafts}
-        k = min(len(q), n + len(drafts))
-        top = np.argpartition(-q.probs, k - 1)[:k] if k < len(q) else np.arange(len(q))
-        top = top[np.lexsort((q.keys[top], -q.probs[top]))]  # descending q, ties by lower key
-        out, seen = [], set()
-        for i in top:
-            par, tok = int(q.keys[i] // q.vocab), int(q.keys[i] % q.vocab)
-            c = (parent_content[par], tok)
-            if c in seen or c in drafted or (prev is not None and prev[par].ended):
-                continue
-            seen.add(c)
-            out.append((par, tok))
-            if len(out) == n:
-                break
-        return out
-    return pick
+    if n <= 0 or q is None or not len(q):
+        return []
+    drafted = {(parent_content[d.parent], d.token) for d in drafts}
+    k = min(len(q), n + len(drafts))
+    top = np.argpartition(-q.probs, k - 1)[:k] if k < len(q) else np.arange(len(q))
+    top = top[np.lexsort((q.keys[top], -q.probs[top]))]  # descending q, ties by lower key
+    out, seen = [], set()
+    for i in top:
+        par, tok = int(q.keys[i] // q.vocab), int(q.keys[i] % q.vocab)
+        c = (parent_content[par], tok)
+        if c in seen or c in drafted or (prev is not None and prev[par].ended):
+            continue
+        seen.add(c)
+        out.append((par, tok))
+        if len(out) == n:
+            break
+    return out
 
 
 class _LazyRows:

@@ -20,7 +20,7 @@ Calls (the decoder's; every keyword after the first three is optional, so older 
     distinct            distinct (parent, token) content keys among the layer's W_S drafts
     lookups, verify_s   the layer's lookup nodes (spec §16.3); seconds the verifier spent on the layer
     params.replacement  "with" (default) | "without" (spec §16.5: all W_S drafts of a layer are distinct)
-    params.lookup_nodes the most lookup nodes per layer (default 0); params.cache_rule (default: False) sets
+    params.lookup_nodes the most lookup nodes per layer (default 0); params.cache_rule (default: True) sets
                         the prior chance of a cache pass; observed by_cache counts teach it either way
 
 The rate of a forest (g, W_S, L lookup nodes per layer):
@@ -205,7 +205,7 @@ class ForestPolicy:
         (the user's are the maxima, so memory plans and context checks sized for them still hold)."""
         kw.setdefault("replacement", str(getattr(params, "replacement", "with") or "with") != "without")
         kw.setdefault("lookups", tuple(range(int(getattr(params, "lookup_nodes", 0) or 0) + 1)))
-        kw.setdefault("cache_rule", bool(getattr(params, "cache_rule", False)))
+        kw.setdefault("cache_rule", bool(getattr(params, "cache_rule", True)))  # the decoder always applies it
         return cls(target_cost, draft_cost, gammas=tuple(range(params.gamma + 1)),
                    widths=tuple(range(params.beams, params.draft_beams + 1)), threshold=params.threshold,
                    min_beams=params.min_beams, beams=params.beams, **kw)

@@ -136,11 +136,14 @@ def dsbd(*, target: Context, draft: Context, prompt: Sequence[int], params, stop
         g, ws = run.sizes(live, t_suffix, d_suffix)
         contents = Contents()
         roots = [contents.root(b.tokens) for b in live]
-        layers, evaluated = run.draft(draft, live, roots, d_suffix, g, ws, contents)       # 1. draft
-        root_lp, node_lp = run.score(target, t_suffix, layers)                              # 2. score
+        with metrics.timed("draft"):
+            layers, evaluated = run.draft(draft, live, roots, d_suffix, g, ws, contents)   # 1. draft
+        with metrics.timed("target"):
+            root_lp, node_lp = run.score(target, t_suffix, layers)                          # 2. score
         metrics.track_kv(target, draft)
         rows = [Handle(r, (), b, roots[r], root_lp[r]) for r, b in enumerate(live)]
-        output, stop = run.verify(layers, rows, node_lp, contents)                          # 3. verify
+        with metrics.timed("verify"):
+            output, stop = run.verify(layers, rows, node_lp, contents)                      # 3. verify
         metrics.steps.append(len(output[0].beam.tokens) - len(live[0].tokens))
         metrics.mark_first_token()
         nxt, done = run.retire(output, stop)                                                # 4. retire
@@ -148,8 +151,9 @@ def dsbd(*, target: Context, draft: Context, prompt: Sequence[int], params, stop
             yield run.finish(done)
             return
         metrics.carried.append(len(nxt))
-        target.commit([Path(h.root, tuple(n.tid for n in h.chain)) for h in nxt])          # 5. commit
-        d_suffix = run.commit_draft(draft, nxt, live, d_suffix, evaluated)
+        with metrics.timed("commit"):
+            target.commit([Path(h.root, tuple(n.tid for n in h.chain)) for h in nxt])      # 5. commit
+            d_suffix = run.commit_draft(draft, nxt, live, d_suffix, evaluated)
         live = [h.beam for h in nxt]
         t_suffix = [(b.tokens[-1],) for b in live]
         final = live[0].tokens if run.memory else common_prefix([b.tokens for b in live + run.pool.beams])
@@ -201,7 +205,8 @@ class _Run:
         prev: list[Node] | None = None  # previous layer's nodes (None: the root rows)
         q_parents: list[Node] | None = None  # q's parents: the previous layer's drafts
         parent_content, ended, paths = list(roots), np.zeros(len(live), bool), [b.tokens for b in live]
-        logits = draft.evaluate(Forest(suffix=tuple(suffix))).roots if drafting else None  # [n_in, V]
+        with self.metrics.timed("draft_passes"):
+            logits = draft.evaluate(Forest(suffix=tuple(suffix))).roots if drafting else None  # [n_in, V]
         self.metrics.draft_passes += int(drafting)
         layers: list[Layer] = []
         tid = fed = 0  # pending node ids handed out in the target / draft context
@@ -241,10 +246,11 @@ class _Run:
                 continue  # lookup nodes only from here on
             for j, n in enumerate(drafts):  # layer l is fed: it parents layer l + 1
                 n.did = fed + j
-            logits = draft.evaluate(Forest(
-                tokens=tuple(n.token for n in drafts),
-                parents=tuple(ROOT if n.up is None else n.up.did for n in drafts),
-                rows=tuple(n.root for n in drafts))).nodes
+            with self.metrics.timed("draft_passes"):
+                logits = draft.evaluate(Forest(
+                    tokens=tuple(n.token for n in drafts),
+                    parents=tuple(ROOT if n.up is None else n.up.did for n in drafts),
+                    rows=tuple(n.root for n in drafts))).nodes
             self.metrics.draft_passes += 1
             fed += len(drafts)
             par = np.array([n.parent for n in drafts])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 
@@ -43,6 +44,16 @@ class Metrics:
     t_prefill: float | None = None
     t_first: float | None = None
     t_end: float | None = None
+
+    phase_s: dict[str, float] = field(default_factory=dict)  # DSBD: seconds per phase of the iteration
+
+    @contextmanager
+    def timed(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_s[phase] = self.phase_s.get(phase, 0.0) + time.perf_counter() - t0
 
     def layer(self, depth: int) -> LayerStats:
         return self.layers.setdefault(depth, LayerStats())
@@ -86,6 +97,7 @@ class Metrics:
             "beams_carried": list(self.carried),
             **({"forest_policy": self.forest_policy, "forest_sizes": forest_sizes(self.forests)}
                if self.forest_policy else {}),
+            **({"phase_s": dict(self.phase_s)} if self.phase_s else {}),
             "peak_kv_bytes_target": self.peak_kv_target,
             "peak_kv_bytes_draft": self.peak_kv_draft,
             "mean_target_logprob": self.score / self.new_tokens if self.new_tokens and self.score is not None else None,

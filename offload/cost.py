@@ -149,6 +149,9 @@ class ModeStats:
     tokens_per_target_pass: float  # tau
     draft_passes_per_target_pass: float  # d
     source: str  # "bench" | "assumed a=..."
+    # measured distinct tokens per target / draft pass (unique paths score each sequence once); None: W_S * gamma
+    target_tokens: float | None = None
+    draft_tokens: float | None = None
 
 
 def assumed_stats(mode: str, *, beams: int, draft_beams: int, gamma: int,
@@ -200,7 +203,8 @@ def read_bench(path: str | Path, *, beams: int = 4, draft_beams: int | None = No
         target = sum(r.get("target_passes", 0) for r in mine)
         d = sum(r.get("draft_passes", 0) for r in mine) / target if target else \
             (float(g) if mode in DRAFT_MODES else 0.0)
-        out.append(ModeStats(mode, label, w, ws, g, tau, d, "bench"))
+        out.append(ModeStats(mode, label, w, ws, g, tau, d, "bench", s.get("distinct_tokens_per_pass"),
+                             s.get("draft_distinct_tokens_per_pass")))
     return out
 
 
@@ -251,6 +255,10 @@ def project(target, draft, request: PlanRequest, budget: Budget, hw: HardwarePro
         req = replace(request, mode=st.mode, beams=st.beams, gamma=st.gamma,
                       draft_beams=max(st.draft_beams, st.beams))
         n_t, n_d = queries(st.mode, st.beams, req.draft_beams, st.gamma)
+        if st.target_tokens:  # the bench's distinct tokens per pass replace the forest's full size
+            n_t = max(1, round(st.target_tokens))
+        if st.draft_tokens and n_d:
+            n_d = [max(1, round(st.draft_tokens))] * len(n_d)
         common = dict(label=st.label, mode=st.mode, beams=st.beams, draft_beams=req.draft_beams, gamma=st.gamma,
                       target_tokens=n_t, draft_passes=st.draft_passes_per_target_pass,
                       tokens_per_target_pass=st.tokens_per_target_pass, stats_source=st.source)

@@ -102,7 +102,8 @@ def test_auto_runs_what_it_names_learns_from_every_answer_and_forgets_on_swap(ti
         assert e.policy is None  # users who never pick auto never pay for timing the passes
         first = final(e.chat(MESSAGES, replace(base, mode="auto", quality="dynamic")))
         info = first.stats["auto"]
-        assert info["quality"] == "dynamic" and info["calibration_s"] > 0 and e.policy is not None
+        # calibrated by this answer: timed now, or read from the pass-cost cache of an earlier load (~0 s)
+        assert info["quality"] == "dynamic" and info["calibration_s"] >= 0 and e.policy is not None
         assert ("sps", 2, 1, 1) in e.policy.rates  # the earlier sps answer was replayed into the new policy
         chosen = parse_mode(info["setting"], base)[1]
         assert first.stats["mode"] == chosen.mode and chosen.mode in ("dsbd", "dsbd-mem")

@@ -257,7 +257,8 @@ def summarize(runs: list[dict], modes: list[str]) -> dict:
             sizes.update(s.get("forest_sizes") or {})
         if sizes:  # adaptive forests: the share of iterations that drafted at all
             summary[mode]["drafted_iterations"] = 1 - sizes.get("g0", 0) / sum(sizes.values())
-        summary[mode]["tokens_per_s_overall"] = tokens / max(1e-9, sum(s["decode_s"] for s in stats))
+        seconds = sum(s.get("decode_s") or s["new_tokens"] / max(s["tokens_per_s"], 1e-9) for s in stats)
+        summary[mode]["tokens_per_s_overall"] = tokens / max(1e-9, seconds)
         graded = [r["passed"] for r in mine if "passed" in r]
         if graded:
             summary[mode]["pass_rate"] = sum(graded) / len(graded)

@@ -337,11 +337,14 @@ def test_presets_exist_and_validate():
     assert list(presets) == ["Fast", "Balanced", "Best quality"]
     fast, bal, best = (params_from(presets[n]["settings"]).validated() for n in presets)
     assert fast.mode in ("sps", "dsbd-mem")
-    # The bench: Balanced beat beam sampling's speed at near its log-prob; Best quality keeps every layer at
-    # W beams (W_min = W: beam sampling's law, spec Theorem 2) and lets the forest size follow the hardware.
+    # The bench: Balanced beat beam sampling's speed at beam-sample-repl's log-prob; Best quality keeps every
+    # layer at W beams drafted without replacement (W_min = W: conventional beam sampling's law, spec 16.5) and
+    # lets the forest size follow the hardware.
     assert (bal.mode, bal.beams, bal.forest) == ("dsbd-mem", 4, "adaptive")
-    assert (best.mode, best.beams, best.min_beams, best.forest) == ("dsbd", 4, 4, "adaptive")
-    assert all(set(presets[n]["settings"]) >= {"forest", "min_beams", "draft_beams"} for n in presets)
+    assert (best.mode, best.beams, best.min_beams, best.forest, best.replacement) == \
+        ("dsbd", 4, 4, "adaptive", "without")
+    assert all(set(presets[n]["settings"]) >= {"forest", "min_beams", "draft_beams", "replacement", "lookup_nodes"}
+               for n in presets)
 
 
 def test_preset_keeps_length_and_seed():

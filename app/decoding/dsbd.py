@@ -14,7 +14,6 @@ kept, so p_beam is baseline A's (or B's) exactly. Drafts are mapped onto those r
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
@@ -23,7 +22,7 @@ import numpy as np
 
 from backends.base import ROOT, Context, Forest, Path
 
-from ..config import ConfigError
+from ..config import MODE_FACTS, ConfigError
 from . import Step, rng_streams
 from .baselines import pad_vocab, warp_of
 from .beams import Beam, Pool, Stopper, common_prefix, final_choice
@@ -169,7 +168,7 @@ class _Run:
         self.policy, self.n_lookups = policy, params.lookup_nodes
         self.lookups = lookups or (lambda *a: _top_q_lookups(self.n_lookups, *a))
         self.q_profile: np.ndarray | None = None  # the latest drafted q_beam's probabilities (for the policy)
-        self.memory = params.mode == "dsbd-mem"
+        self.memory = not MODE_FACTS[params.mode].keeps_rows
         self.without = getattr(params, "replacement", "with") == "without"
         self.w, self.warp, self.lam = params.beams, warp_of(params), params.length_penalty
         self.draft_rand, self.rand = rands or tuple(SeededRand(r) for r in rng_streams(params.seed))
@@ -275,12 +274,11 @@ class _Run:
         """Layer by layer (spec §5, §6, §16.2). Returns (output beams, stop now)."""
         self.snapshot = []
         for l, layer in enumerate(layers, start=1):
-            t0 = time.perf_counter()
             outputs, drafts, by_drafts, width = self.verify_layer(layer, rows)
             hits = layer.first_node()
             nodes = [hits.get(contents.find(rows[k // self.vocab].content, k % self.vocab)) for k, _ in outputs]
             passed = all(n is not None for n in nodes)
-            self._record(l, layer, drafts, outputs, nodes, by_drafts, passed, width, time.perf_counter() - t0)
+            self._record(l, layer, drafts, outputs, nodes, by_drafts, passed, width)
             if not passed:  # the output layer: its tokens are the next uncached suffix (spec §8)
                 return [self._extend(rows[k // self.vocab], k % self.vocab, None, drafted=i is not None)
                         for k, i in outputs], False
@@ -411,7 +409,7 @@ class _Run:
 
     # -- stats and the forest view (outside the arithmetic) ---------------------------------------------
     def _record(self, l: int, layer: Layer, drafts, outputs, nodes, by_drafts: bool, passed: bool,
-                width: int, seconds: float) -> None:
+                width: int) -> None:
         st = self.metrics.layer(l)
         st.attempted += 1
         st.passed += int(passed)
@@ -431,8 +429,8 @@ class _Run:
         if self.policy is not None:
             self.policy.observe(l, len(layer.drafts), outcomes=[j in accepted for j in range(consumed)],
                                 passed=passed, by_cache=passed and not by_drafts,
-                                distinct=len({n.content for n in layer.drafts}), lookups=len(layer.lookups),
-                                verify_s=seconds)
+                                distinct=len({n.content for n in layer.drafts}), lookups=len(layer.lookups))
+            # no verify_s: a timing in the choice would make a seeded answer depend on the machine's load
         status = lambda j, n, d: ("accepted" if j in accepted else "hit" if id(n) in hit else
                                   "auto-rejected" if not d.valid else "rejected" if j < consumed else "untested")
         self.snapshot.append({

@@ -67,7 +67,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-PRIOR = 0.66  # beta1 prior: app.engine.auto.PRIOR_ACCEPTANCE (sum(min(p, q)) of the qwen-coder pair); kept equal by a test
+from app.config import ACCEPTANCE_PRIOR as PRIOR  # beta1 prior: sum(min(p, q)) of the qwen-coder pair
 PRIOR_RETRY = 0.15  # betaR prior: qwen-coder chat (docs/measurements/qwen-auto-chat.json): 82% of depth-1 layers passed,
 #                     60% of tested drafts accepted, mostly at the first try
 STRENGTH = 4.0  # pseudo-observations behind each prior: a handful of layers outweigh it

@@ -535,7 +535,8 @@ def verify_layer_without_replacement(
         ok = d.valid and i >= 0 and r[i] > 0
         if ok and rand.bernoulli(min(1.0, float(r[i]) * d.rest / d.qval)):
             output(i, j)
-            r = p_left / p_left.sum()  # reset to p_(k+1)
+            if len(out) < width:
+                r = p_left / p_left.sum()  # reset to p_(k+1)
         else:
             res = np.maximum(r - q_left / d.rest, 0.0)  # [|S|] max(r - q_j, 0) on S
             mass = float(res.sum())

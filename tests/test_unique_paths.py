@@ -368,3 +368,25 @@ def test_bench_settings_and_summary_and_the_stats_panel_carry_the_counts():
     forest = {"gamma": 1, "draft_beams": 2, "query_tokens": 7, "distinct_tokens": 3,
               "layers": [{"width": 1, "passed": True, "nodes": [{"parent": 0, "token": 1, "status": "accepted"}]}]}
     assert "Target pass: 7 query / 3 distinct tokens." in forest_svg(forest)
+
+
+def test_engine_runs_the_best_quality_preset_without_replacement(engine):
+    """The real tiny pair through the engine with the Best quality preset's settings (drafts without
+    replacement, lookup nodes, adaptive forest): an answer, distinct beams in every drafted layer's outputs, and
+    the layer counts the bench reads."""
+    from app.engine.engine import final_event
+    from app.serve.ui.settings import load_presets, params_from
+
+    best = params_from(load_presets()["Best quality"]["settings"])
+    assert best.replacement == "without"
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    for forest in ("adaptive", "fixed"):  # fixed: the forest surely drafts, whatever this CPU's costs say
+        ev = final_event(engine.chat(msgs, replace(best, max_new_tokens=12, seed=3, forest=forest)))
+        s = ev.stats
+        assert ev.text.strip() and s["mode"] == "dsbd"
+        if forest == "fixed":
+            layers = s["acceptance_by_depth"].values()
+            assert sum(x["attempted"] for x in layers) > 0
+            assert all(x["passed"] >= x["passed_by_cache"] >= 0 for x in layers)
+            # without replacement no two drafts of a layer repeat: the pass computes every query token
+            assert s["distinct_tokens_per_pass"] == s["query_tokens_per_pass"]

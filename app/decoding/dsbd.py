@@ -15,7 +15,7 @@ kept, so p_beam is baseline A's (or B's) exactly. Drafts are mapped onto those r
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -45,8 +45,7 @@ class Node:
     root: int
     content: int  # content id: equal ids are equal token sequences (spec §16.1)
     tid: int  # pending node id in the target context
-    slot: int | None = None  # draft slot in draw order; None for a lookup node (never a proposal, spec §16.3)
-    parent: int = -1  # draft: index of its parent in q's parent space (previous layer's drafts / root rows)
+    parent: int = -1  # a draft: its parent in q's parent space; a lookup node: among the previous layer's nodes
     qval: float = 0.0  # draft: q_beam of its pair
     rest: float = 1.0  # draft: q mass not drawn before it (without replacement; 1 with replacement)
     ended: bool = False  # the path ends here (EOS / stop string): no children
@@ -169,7 +168,7 @@ class _Run:
         self.lookups = lookups or (lambda *a: _top_q_lookups(self.n_lookups, *a))
         self.q_profile: np.ndarray | None = None  # the latest drafted q_beam's probabilities (for the policy)
         self.memory = not MODE_FACTS[params.mode].keeps_rows
-        self.without = getattr(params, "replacement", "with") == "without"
+        self.without = params.replacement == "without"
         self.w, self.warp, self.lam = params.beams, warp_of(params), params.length_penalty
         self.draft_rand, self.rand = rands or tuple(SeededRand(r) for r in rng_streams(params.seed))
         self.n_extra = 1 if self.memory and params.select == "sample" else self.w
@@ -224,7 +223,7 @@ class _Run:
                     par, tok = int(k // self.vocab), int(k % self.vocab)
                     up = None if q_parents is None else q_parents[par]
                     drafts.append(Node(tok, up, par if up is None else up.root,
-                                       contents.child(parent_content[par], tok), tid + j, slot=j, parent=par,
+                                       contents.child(parent_content[par], tok), tid + j, parent=par,
                                        qval=float(qv), rest=float(rs),
                                        ended=self.stopper.finished(paths[par] + (tok,))))
                 tid += len(drafts)
@@ -234,10 +233,12 @@ class _Run:
                 lookups.append(Node(tok, up, par if up is None else up.root,
                                     contents.child(roots[par] if up is None else up.content, tok), tid, parent=par))
                 tid += 1
+            if not (drafts or lookups):
+                break  # nothing left to verify at this depth: the extra layer follows
             layers.append(Layer(q, parent_content, drafts, lookups))
             if l == 1 and q is not None:
                 self.q_profile = q.probs
-            if l == g or not (drafts or lookups):
+            if l == g:
                 break
             prev = drafts + lookups
             drafting = drafting and not all(n.ended for n in drafts)

@@ -19,11 +19,12 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
+
+from app.storage import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +164,6 @@ def _read(path: Path, *, quiet: bool = False) -> dict:
 def _write(path: Path, data: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".pass-costs.", suffix=".tmp")
-        with os.fdopen(fd, "w") as out:
-            json.dump(data, out, indent=1)
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(data, indent=1))
     except OSError as e:  # a read-only cache only costs a timing per load
         log.warning("cannot write the pass-cost cache %s (%s)", path, e)

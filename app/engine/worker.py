@@ -576,17 +576,20 @@ class WorkerEngine(ModelEngine):
         if serving:
             if self._crashes >= self.max_answer_crashes:
                 with self._cv:
-                    if self._phase != "closed":
-                        target, draft = self.specs
-                        self._phase = "broken"
-                        self._broken = (f"the model process died during each of the last {self._crashes} answers "
-                                        f"(last: {cause}) although {target.source} loads: not restarting it again: "
-                                        "try another mode or smaller settings after loading the models again in "
-                                        "the Models tab, or restart dsbd-chat (see README, Troubleshooting)")
-                        self._cv.notify_all()
+                    self._stop_restarting(
+                        f"the model process died during each of the last {self._crashes} answers (last: {cause}) "
+                        f"although {self.specs[0].source} loads: not restarting it again: try another mode or "
+                        "smaller settings after loading the models again in the Models tab, or restart dsbd-chat "
+                        "(see README, Troubleshooting)")
                 log.error("not restarting the model process: %d answers in a row crashed it", self._crashes)
                 return
             self._respawn(cause)
+
+    def _stop_restarting(self, why: str) -> None:
+        """Under self._cv: every request gets `why` until models are loaded again (not after close)."""
+        if self._phase != "closed":
+            self._phase, self._broken = "broken", why
+            self._cv.notify_all()
 
     def _lost_worker(self, exitcode: int | None) -> tuple[str, str] | None:
         """(endpoint, why) of an RPC worker of the target that no longer answers; with every worker answering,
@@ -658,12 +661,10 @@ class WorkerEngine(ModelEngine):
                     if self._phase == "closed":
                         return
                     if failures >= self.max_load_failures:
-                        self._phase = "broken"
-                        self._broken = (f"the model process failed {failures} times in a row while loading "
-                                        f"{target.source}{f' + {draft.source}' if draft else ''} (last: {last}); "
-                                        "not restarting it again: load other models in the Models tab or restart "
-                                        "dsbd-chat (see README, Troubleshooting)")
-                        self._cv.notify_all()
+                        self._stop_restarting(
+                            f"the model process failed {failures} times in a row while loading {target.source}"
+                            f"{f' + {draft.source}' if draft else ''} (last: {last}); not restarting it again: "
+                            "load other models in the Models tab or restart dsbd-chat (see README, Troubleshooting)")
                         return
                 time.sleep(min(2.0, 0.25 * failures))
                 continue

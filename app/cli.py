@@ -126,7 +126,7 @@ def cmd_generate(a) -> int:
     if a.n < 1:
         raise ConfigError(f"--n must be >= 1, got {a.n}")
     target, draft = _specs(a, need_draft=params.needs_draft)
-    engine = _load(target, draft if params.needs_draft or params.mode == "auto" else None)
+    engine = _load(target, draft if params.uses_draft or params.mode == "auto" else None)
     try:
         tok = engine.tokenizer
         if a.raw:

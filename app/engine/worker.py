@@ -622,7 +622,7 @@ class WorkerEngine(ModelEngine):
         except Exception:  # noqa: BLE001 - the child validated it already; any estimate will do
             p = DecodeParams()
         gamma = max(p.gamma, 6) if p.mode == "auto" else p.gamma
-        drafted = p.needs_draft or p.mode == "auto"
+        drafted = p.uses_draft or p.mode == "auto"
         n = (p.draft_beams or p.beams) * gamma + p.beams if drafted else p.beams
         step = target(n) + (gamma * draft(p.draft_beams or p.beams) if drafted and draft is not None else 0.0)
         if first:  # the first event also prefills the prompt: at most the whole context

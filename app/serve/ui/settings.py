@@ -38,7 +38,7 @@ def relevant(mode: str) -> set[str]:
         names |= {"beams", "length_penalty"}
     if not f.concrete:  # auto picks the mode, gamma and W_S; W, t and W_min are the user's
         names |= {"quality", "beams", "threshold", "min_beams"}
-    if f.needs_draft:
+    if f.uses_draft:
         names.add("gamma")
     if f.forest:
         names |= {"draft_beams", "threshold", "min_beams", "forest", "replacement", "lookup_nodes"}

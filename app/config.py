@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 
 
@@ -96,6 +98,22 @@ MIN_TEMPERATURE = 1e-6  # below this sampling is argmax anyway
 
 class ConfigError(ValueError):
     """A parameter is out of range; the message says which and what is allowed."""
+
+
+PRESETS_FILE = Path(__file__).resolve().parents[1] / "assets" / "presets.json"
+MACHINES = ("cpu", "gpu")  # machine classes: the presets' forest caps differ (a GPU pass costs about the same
+#                            for 1 and 64 tokens, so its forests may be much larger)
+
+
+def load_presets(machine: str = "cpu", path: Path | None = None) -> dict[str, dict]:
+    """{name: {description, settings}} from assets/presets.json, each preset's settings with the forest caps of
+    that machine class (its "caps" entry for the class, if any); {} if the file is missing."""
+    try:
+        data = json.loads((path or PRESETS_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    return {name: {"description": p.get("description", ""),
+                   "settings": p["settings"] | p.get("caps", {}).get(machine, {})} for name, p in data.items()}
 
 
 def _finite(name: str, value: float) -> float:

@@ -20,6 +20,7 @@ the inner context was fed) per `evaluate` (`last_query`, `last_distinct`) and in
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import numpy as np
@@ -35,19 +36,30 @@ class CountingContext:
         self.evaluations = 0
         self.query_tokens = self.distinct_tokens = 0  # totals over every evaluate
         self.last_query = self.last_distinct = 0  # the latest evaluate
+        self.passes: dict[int, int] = {}  # distinct tokens fed -> evaluate calls that fed that many
+        self.pass_s = 0.0  # seconds inside the inner context's evaluate (the passes themselves)
 
     def _count(self, query: int, distinct: int) -> None:
         self.evaluations += 1
         self.query_tokens += query
         self.distinct_tokens += distinct
         self.last_query, self.last_distinct = query, distinct
+        self.passes[distinct] = self.passes.get(distinct, 0) + 1
+
+    def _inner_evaluate(self, forest: Forest) -> Logits:
+        t0 = time.perf_counter()
+        try:
+            return self.inner.evaluate(forest)
+        finally:
+            self.pass_s += time.perf_counter() - t0
 
     def counters(self) -> dict[str, float | int]:
         """Per-evaluate means and totals, for the engine's stats."""
         n = max(1, self.evaluations)
         return {"evaluations": self.evaluations, "query_tokens": self.query_tokens,
                 "distinct_tokens": self.distinct_tokens, "query_tokens_per_pass": self.query_tokens / n,
-                "distinct_tokens_per_pass": self.distinct_tokens / n}
+                "distinct_tokens_per_pass": self.distinct_tokens / n,
+                "passes_by_tokens": dict(sorted(self.passes.items())), "pass_s": self.pass_s}
 
     @property
     def rows(self) -> int:
@@ -63,7 +75,7 @@ class CountingContext:
         self.inner.prefill(ids)
 
     def evaluate(self, forest: Forest) -> Logits:
-        out = self.inner.evaluate(forest)
+        out = self._inner_evaluate(forest)
         n = sum(map(len, forest.suffix)) + len(forest.tokens)
         self._count(n, n)
         return out
@@ -228,7 +240,7 @@ class UniquePaths(CountingContext):
         query = sum(map(len, forest.suffix)) + len(forest.tokens)
         distinct = sum(map(len, isuffix)) + len(itok)
         if distinct or not asked:
-            out = self.inner.evaluate(Forest(suffix=tuple(isuffix) if any(isuffix) else (), tokens=tuple(itok),
+            out = self._inner_evaluate(Forest(suffix=tuple(isuffix) if any(isuffix) else (), tokens=tuple(itok),
                                              parents=tuple(ipar), rows=tuple(irow)))
         else:  # every entry was scored by an earlier call since the commit
             out = None

@@ -129,8 +129,8 @@ def test_decode_params_take_lookup_sources():
 # ------------------------------------------------------------------------------------ process level, exact
 
 def params(mode: str, **kw) -> DecodeParams:
-    base = dict(beams=2, min_beams=2, draft_beams=2, gamma=2, max_new_tokens=3)
-    return DecodeParams(mode=mode, seed=0, **{**base, **kw}).validated()
+    base = dict(beams=2, min_beams=2, draft_beams=2, gamma=2, max_new_tokens=3, seed=0)
+    return DecodeParams(mode=mode, **{**base, **kw}).validated()
 
 
 def generate(p: DecodeParams, rand, *, draft=True, metrics=None, builder=None, run_cls=None):
@@ -176,7 +176,8 @@ def sources(*names):
 
 
 @pytest.mark.parametrize("replacement,draft,names", [
-    ("with", True, ("match",)), ("without", True, ("match",)),
+    pytest.param("with", True, ("match",), marks=pytest.mark.slow),  # drafts with replacement: minutes
+    ("without", True, ("match",)),
     ("with", False, ("match", "recycled")), ("without", False, ("match", "recycled")),
 ])
 def test_model_free_nodes_keep_the_baseline_law_exact(replacement, draft, names):
@@ -260,3 +261,25 @@ def test_production_path_without_replacement_with_model_free_nodes_chi_square():
     cells = sorted(want)
     assert sum(counts[c] for c in cells) == 200_000
     assert chisquare_pvalue(np.array([counts[c] for c in cells]), np.array([want[c] for c in cells])) > ALPHA_TEST
+
+
+# ------------------------------------------------------------------------------------- the view and stats
+
+def test_forest_view_and_stats_name_each_lookup_nodes_source():
+    from app.serve.ui.forest import forest_svg
+    from app.serve.ui.stats import stats_markdown
+
+    shown, metrics = [], Metrics(mode="dsbd")
+    for seed in range(10):  # some answers end at once (EOS)
+        p = params("dsbd", replacement="with", lookup_nodes=2, gamma=2, max_new_tokens=12, seed=seed,
+                   lookup_sources=("match",))
+        steps = list(D.dsbd(target=TARGET.context(rows=2, max_tokens=64), draft=None, prompt=PROMPT, params=p,
+                            stopper=Stopper(eos_ids=frozenset({0})), metrics=metrics, vocab=V,
+                            nodes=sources("match")(p)))
+        shown += [s.forest for s in steps if s.forest and any(L["lookups"] for L in s.forest["layers"])]
+    assert shown and all(n["source"] == "match" for f in shown for L in f["layers"] for n in L["lookups"])
+    svg = forest_svg(shown[0])
+    assert "lookup node from a match in the text" in svg and "from a match in the text (" in svg
+    stats = metrics.as_dict()
+    nodes, hits = stats["lookup_sources"]["match"]["nodes"], stats["lookup_sources"]["match"]["hits"]
+    assert nodes > 0 and f"matches in the text {nodes} ({hits} hit)" in stats_markdown(stats, memory=False)

@@ -102,6 +102,8 @@ class AutoPolicy:
         params = params.validated()
         if params.mode == "auto":
             raise ValueError("observe() takes the setting auto picked, not 'auto'")
+        if params.uses_draft and self.draft_cost is None:
+            return  # DSBD without a draft model (model-free lookup nodes): not a setting auto picks from
         if params.uses_draft:
             layers = stats.get("acceptance_by_depth") or {}
             new = []

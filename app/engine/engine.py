@@ -443,6 +443,8 @@ class Engine(ModelEngine):
                 c = ctx.counters()
                 stats[f"{prefix}query_tokens_per_pass"] = c["query_tokens_per_pass"]
                 stats[f"{prefix}distinct_tokens_per_pass"] = c["distinct_tokens_per_pass"]
+                stats[f"{prefix}passes_by_tokens"] = c["passes_by_tokens"]  # for projections (app/compare)
+                stats[f"{prefix}pass_s"] = c["pass_s"]
         if isinstance(target, CountingContext):
             stats["unique_paths"] = isinstance(target, UniquePaths)
         return stats

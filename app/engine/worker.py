@@ -54,7 +54,7 @@ _POLL_S = 0.05  # how often a stream waiting for its next event looks at its can
 _TOKENIZER_ATTRS = ("name", "n_vocab", "bos_id", "eos_id", "eos_ids", "vocab_type", "add_bos", "chat_template")
 # What the parent may call on the child's Engine (streams: "generate" / "chat", opened separately).
 _CALLS = frozenset({"describe", "check_params", "resolve", "pick", "costs", "observe", "encode", "complete", "swap",
-                    "tokenizer.encode", "tokenizer.decode", "tokenizer.piece"})
+                    "use_cost_profile", "tokenizer.encode", "tokenizer.decode", "tokenizer.piece"})
 _WHY = {"SIGILL": "illegal instruction",
         "SIGSEGV": "segmentation fault", "SIGABRT": "aborted", "SIGBUS": "bus error",
         "SIGFPE": "arithmetic fault", "SIGKILL": "killed, e.g. out of memory",

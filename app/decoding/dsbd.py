@@ -32,7 +32,7 @@ from ..config import MODE_FACTS, ConfigError, DecodeParams
 from . import Step, rng_streams
 from .baselines import pad_vocab, warp_of
 from .beams import Beam, Pool, Stopper, common_prefix, final_choice
-from .forest_policy import ForestPolicy, decoder_costs
+from .forest_policy import ForestPolicy, decoder_costs, lookup_layer_cost
 from .lookups import Builder, Shape
 from .metrics import Metrics
 from .sampling import (Draft, DraftWOR, Joint, Rand, SeededRand, draw_without_replacement, log_softmax,
@@ -612,8 +612,10 @@ def model_free_builder(params: DecodeParams, prompt, stopper: Stopper, vocab: in
     if not sources or params.lookup_nodes <= 0 or params.gamma <= 0:
         return None
     price = target_cost if params.adaptive else None
+    costs = {"verify_cost": lookup_layer_cost(params, vocab),
+             "step_cost": decoder_costs(params, vocab)["step_cost"]} if price is not None else {}
     return Builder(prompt, sources=sources, target_cost=price, finished=stopper.finished, calibration=calibration,
-                   **(decoder_costs(params, vocab) if price is not None else {}))
+                   **costs)
 
 
 def _builder(params: DecodeParams, prompt, costs, stopper: Stopper, vocab: int) -> Builder | None:

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from app.config import ACCEPTANCE_PRIOR as PRIOR  # beta1 prior: sum(min(p, q)) of the qwen-coder pair
+from app.config import MODE_FACTS
 PRIOR_RETRY = 0.15  # betaR prior: qwen-coder chat (docs/measurements/qwen-auto-chat.json): 82% of depth-1 layers passed,
 #                     60% of tested drafts accepted, mostly at the first try
 STRENGTH = 4.0  # pseudo-observations behind each prior: a handful of layers outweigh it
@@ -120,11 +121,20 @@ _CHAIN_S_PER_CELL = 0.012 / (4 * 151_936)
 
 
 def decoder_costs(params, vocab: int) -> dict:
-    """Priors for `verify_cost` (seconds per verified layer) and `step_cost` (per iteration) from the measured
-    decoder time, for a target vocabulary of `vocab` ids; observed verify_s replace the first."""
+    """Priors for `verify_cost` (seconds per verified layer) and `step_cost` (per iteration: the output step's
+    warp over the rows carried, one in memory mode) from the measured decoder time, for a target vocabulary of
+    `vocab` ids; observed verify_s replace the first."""
     cells = params.beams * vocab
-    warp = cells * _WARP_S_PER_CELL
-    return {"verify_cost": warp + (0.0 if params.top_k else cells * _CHAIN_S_PER_CELL), "step_cost": warp}
+    carried = (params.beams if MODE_FACTS[params.mode].keeps_rows else 1) * vocab
+    return {"verify_cost": cells * _WARP_S_PER_CELL + (0.0 if params.top_k else cells * _CHAIN_S_PER_CELL),
+            "step_cost": carried * _WARP_S_PER_CELL}
+
+
+def lookup_layer_cost(params, vocab: int) -> float:
+    """The decoder's seconds per verified layer of lookup nodes only (a warp and draws, no residual chain) over
+    its rows: W in full mode, the W_min outputs of the layer before in memory mode."""
+    rows = params.beams if MODE_FACTS[params.mode].keeps_rows else params.min_beams
+    return rows * vocab * _WARP_S_PER_CELL
 
 
 def setting_key(params) -> tuple:

@@ -157,3 +157,21 @@ def test_an_engine_prices_forests_with_a_named_profile_without_timing(tiny_gguf_
         assert e.describe()["cost_profile"] == "rtx4090-1.5b"
     finally:
         e.close()
+
+
+def test_the_profile_script_measures_a_curve_the_app_reads(tmp_path):
+    """scripts/gpu_profile.py on this CPU with a toy shape: a profile file --cost-profile takes."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_profile
+
+    out = tmp_path / "toy.json"
+    assert gpu_profile.main(["--target", "test", "--draft", "test", "--device", "cpu", "--dtype", "float32",
+                             "--context", "16", "--repeats", "1", "--out", str(out)]) == 0
+    p = cost_profile(str(out))
+    assert p.name == "toy" and p.machine == "cpu" and p.target(128) > 0 and p.draft(1) > 0
+    out.write_text('{"machine": "tpu"}')
+    with pytest.raises(ValueError, match="cannot read the cost profile"):
+        cost_profile(str(out))

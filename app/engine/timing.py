@@ -198,13 +198,21 @@ def profile_names() -> list[str]:
 
 
 def cost_profile(name: str = TIMED) -> CostProfile:
-    """A named cost profile; ValueError naming the known ones for any other name."""
+    """A named cost profile, or one from a .json file (scripts/gpu_profile.py writes them); ValueError naming
+    the known ones for any other name, or saying what is wrong with the file."""
     if name == TIMED:
         return CostProfile(TIMED, machine="")
-    path = PROFILES / f"{name}.json"
-    if name not in profile_names():
-        raise ValueError(f"unknown cost profile {name!r}; choose one of: {', '.join(profile_names())}")
-    data = json.loads(path.read_text())
+    path = Path(name) if name.endswith(".json") else PROFILES / f"{name}.json"
+    if not name.endswith(".json") and name not in profile_names():
+        raise ValueError(f"unknown cost profile {name!r}; choose one of: {', '.join(profile_names())}, or a "
+                         "profile .json file")
+    try:
+        data = json.loads(path.read_text())
+        if data["machine"] not in ("cpu", "gpu") or not data["target"] or not data["draft"]:
+            raise ValueError("machine must be cpu or gpu, target and draft seconds by tokens")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot read the cost profile {path}: {e}") from e
     curve = lambda d: CostCurve.of({int(n): float(s) for n, s in d.items()})
-    return CostProfile(name, machine=data["machine"], target=curve(data["target"]), draft=curve(data["draft"]),
+    label = (data.get("name") or path.stem) if name.endswith(".json") else name
+    return CostProfile(label, machine=data["machine"], target=curve(data["target"]), draft=curve(data["draft"]),
                        source=data.get("source", ""), description=data.get("description", ""))

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 from offload.errors import BackendError
+from offload.runtimes import DTYPE_BYTES, KV_TYPE_BYTES, RUNTIMES, resident_mask
 
 if TYPE_CHECKING:
     from offload.geometry import ModelGeometry
@@ -65,10 +66,6 @@ SHAPES = {
 MODES = tuple(SHAPES)
 DRAFT_MODES = tuple(m for m, s in SHAPES.items() if s.drafts)
 MAX_BEAMS = 16
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # PyTorch runtime: weights (dequantised) and KV
-KV_TYPE_BYTES = {"f32": 4, "f16": 2}  # llama.cpp runtime cache types (its default is f32)
-PREFILL_CHUNK = 256  # PyTorchContext.prefill_chunk
-LLAMA_BATCH, LLAMA_SEQS = 512, 256  # llama.cpp runtime DEFAULT_BATCH and LLAMA_MAX_SEQ
 SMALLER_QUANTS = (("Q5_K_M", 5.7), ("Q4_K_M", 4.85), ("Q3_K_M", 3.9), ("Q2_K", 3.35))  # typical bits/weight
 
 
@@ -286,9 +283,9 @@ def _activations(m: _Held, *, rows: int, ctx: int, tree: int, elem: int) -> int:
     """Largest forward's transient bytes (estimate): scores + mask, QKV/MLP activations, logits."""
     g = m.geo
     if m.runtime == "pytorch":
-        shapes = [(1, min(PREFILL_CHUNK, ctx), 0), (rows, 1 + tree, rows + tree)]  # (rows, queries, outputs)
+        shapes = [(1, min(RUNTIMES["pytorch"].batch, ctx), 0), (rows, 1 + tree, rows + tree)]  # (rows, queries, outputs)
     else:
-        shapes = [(1, min(LLAMA_BATCH, ctx), rows + tree)]  # one ubatch over the unified cache
+        shapes = [(1, min(RUNTIMES["llamacpp"].batch, ctx), rows + tree)]  # one ubatch over the unified cache
     worst = 0
     for r, q, outputs in shapes:
         scores = r * q * ctx * (g.n_heads * 4 + 1)  # [rows, heads, q, ctx] float32 worst case + bool mask
@@ -296,15 +293,6 @@ def _activations(m: _Held, *, rows: int, ctx: int, tree: int, elem: int) -> int:
         logits = outputs * g.vocab_size * 4 * 2  # runtime dtype + float32 copy
         worst = max(worst, scores + hidden + logits)
     return worst
-
-
-def resident_mask(n_layers: int, resident: int) -> tuple[bool, ...]:
-    """Which layers stay on the GPU: streamed ones spread evenly, so each copy overlaps resident compute."""
-    streamed = n_layers - max(0, min(resident, n_layers))
-    out = [True] * n_layers
-    for i in range(streamed):
-        out[(2 * i + 1) * n_layers // (2 * streamed)] = False
-    return tuple(out)
 
 
 def _fixed_gpu(m: _Held, *, rows: int, ctx: int, tree: int, elem: int) -> tuple[int, int]:
@@ -369,7 +357,7 @@ def _place_pytorch(m, common, fixed, budget, ring, kv_total, params, full, head_
 
 
 def _llama_logits(m: _Held) -> int:
-    return max(LLAMA_BATCH, LLAMA_SEQS) * m.geo.vocab_size * 4  # host output buffer (n_outputs_max rows)
+    return max(RUNTIMES["llamacpp"].batch, RUNTIMES["llamacpp"].max_seqs) * m.geo.vocab_size * 4  # host output buffer (n_outputs_max rows)
 
 
 def _place_llamacpp(m, common, fixed, budget, kv_layer, act, params_head, head_read) -> Placement:

@@ -21,7 +21,8 @@ from backends.pytorch.runtime import PyTorchModel, model_info
 from offload.cost import HardwareProfile, assumed_stats, pass_cost, profile, project, read_bench
 from offload.geometry import ModelGeometry, read_geometry
 from app.engine.planning import plan_for
-from offload.plan import GiB, MiB, Budget, PlanError, PlanRequest, parse_size, plan, resident_mask
+from offload.plan import GiB, MiB, Budget, PlanError, PlanRequest, parse_size, plan
+from offload.runtimes import resident_mask
 from offload.stream import LayerStreamer, offload_model
 
 ARGS = ModelArgs(arch="llama", vocab_size=97, dim=64, n_layers=5, n_heads=4, n_kv_heads=2, hidden_dim=96,

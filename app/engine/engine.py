@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Iterator, Sequence
 
 from backends.base import BackendError, ContextFull, OutOfMemory
@@ -23,24 +23,9 @@ from backends.registry import ModelSpec
 from app.decoding import decoder, derive_seed
 from app.decoding.beams import Stopper
 from app.decoding.metrics import Metrics
-from app.engine.interface import ModelEngine, PromptTooLong
+from app.engine.interface import Event, ModelEngine, PromptTooLong
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Event:
-    """What a client sees: the stable text so far, then the final text and stats."""
-
-    text: str
-    tokens: int  # tokens final so far
-    live_beams: int  # > 1: "deciding between N beams"
-    done: bool = False
-    stats: dict | None = None
-    forest: dict | None = None
-    error: str | None = None
-    notice: str | None = None  # the engine changed the request to fit memory (first and last event)
-    segments: list | None = None  # last event of a drafted mode: [(text, from the draft?)] covering `text`
 
 
 class Engine(ModelEngine):

@@ -133,8 +133,8 @@ class DecodeParams:
 
     def validated(self) -> "DecodeParams":
         """Check every field; return a copy with defaults resolved. Raises ConfigError."""
-        if self.mode not in MODES:
-            raise ConfigError(f"unknown mode {self.mode!r}; choose one of: {', '.join(MODES)}")
+        if self.mode not in MODE_FACTS:
+            raise ConfigError(f"unknown mode {self.mode!r}; choose one of: {', '.join(MODE_FACTS)}")
         _int("max_new_tokens", self.max_new_tokens, 1, 1_000_000)
         t = _finite("temperature", self.temperature)
         if t < MIN_TEMPERATURE:  # logits / T must stay finite: a subnormal T turns the warp into NaN

@@ -20,16 +20,17 @@ class Runtime:
     # False: the last n_gpu_layers layers sit on the GPU with their KV, the rest compute on the CPU
     streams_layers: bool
     unified_kv: bool  # one cache of KV cells shared by every row (shared prefixes stored once); else one per row
-    dequantizes: bool  # weights and KV in the runtime dtype (DTYPE_BYTES); else the file's blocks, a KV_TYPE_BYTES cache
+    dequantizes: bool  # weights and KV in the runtime dtype (DTYPE_BYTES); else the file's blocks, KV_TYPE_BYTES
     batch: int  # most tokens one forward takes: a prompt is fed in chunks of this size, a forest must fit in one
     max_seqs: int = 0  # sequence ids one context may use (rows and forest branches); 0: no bound
     scratch_slots: int = 0  # KV slots per row beyond the context (where padded queries write)
+    host_logits: bool = False  # keeps float32 logits for max(batch, max_seqs) outputs in host RAM
 
 
 RUNTIMES: dict[str, Runtime] = {r.name: r for r in (
     # llama.cpp: n_batch bounds the forest (its compute buffer grows with it); 256 sequence ids are compiled in
     Runtime("llamacpp", "llama.cpp", streams_layers=False, unified_kv=True, dequantizes=False, batch=512,
-            max_seqs=256),
+            max_seqs=256, host_logits=True),
     # PyTorch: static KV [rows, heads, context + 1, dim]; the prefill chunk bounds the [q, slots] mask
     Runtime("pytorch", "PyTorch", streams_layers=True, unified_kv=False, dequantizes=True, batch=256,
             scratch_slots=1),

@@ -215,22 +215,6 @@ def test_the_parser_sees_lazy_and_relative_imports():
     assert "backends.llamacpp" in lazy  # imported inside a function, not at the top
 
 
-def test_the_planner_sees_every_mode_as_config_states_it():
-    """offload/ cannot import app.config; its table of mode shapes must say what MODE_FACTS says."""
-    from app.config import MODE_FACTS
-    from offload.cost import queries
-    from offload.plan import SHAPES
-
-    concrete = {m for m, f in MODE_FACTS.items() if f.concrete}
-    assert set(SHAPES) == concrete
-    for m in concrete:
-        f, s = MODE_FACTS[m], SHAPES[m]
-        assert (s.beams, s.keeps_rows, s.drafts, s.chain) == (f.beams, f.keeps_rows, f.needs_draft,
-                                                               f.verifier == "sps"), m
-        for w, ws, g in [(1, 1, 0), (4, 5, 3), (3, 8, 6)]:
-            assert queries(m, w, ws, g) == f.target_tokens(w, ws, g), (m, w, ws, g)
-
-
 def test_both_engines_implement_the_one_interface():
     import inspect
 

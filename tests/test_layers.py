@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from offload.runtimes import RUNTIMES
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("app", "backends", "offload")
 UI_LIBS = ("gradio", "fastapi", "uvicorn", "starlette")
@@ -92,7 +94,7 @@ def _broken_rules(importer: str, imported: str) -> list[str]:
     if top == "argparse" and importer != "app.cli":
         broken.append("only app/cli.py parses arguments")
     # A runtime's package is private to backends/: the rest of the app goes through backends' own modules.
-    for runtime in ("backends.llamacpp", "backends.pytorch"):
+    for runtime in (f"backends.{name}" for name in RUNTIMES):
         if _within(imported, runtime) and not _within(importer, "backends"):
             broken.append(f"{runtime} is reached only through backends/ (registry, tokenizer, base)")
     if _within(importer, "app.serve") and top == "offload":

@@ -64,7 +64,6 @@ MODE_FACTS: dict[str, Mode] = {m.name: m for m in (
          concrete=False),
 )}
 MODES = tuple(MODE_FACTS)
-DRAFT_MODES = tuple(m for m, f in MODE_FACTS.items() if f.needs_draft)
 BEAM_MODES = tuple(m for m, f in MODE_FACTS.items() if f.beams and f.concrete)
 # auto's quality levels (app/engine/auto.py): fast = sample | sps, beam = beam-sample | dsbd with W_min >= 2,
 # dynamic = dsbd with W_min = W (beam sampling's law), gamma 0..6 sized to the measured pass costs.

@@ -146,7 +146,7 @@ class Engine(ModelEngine):
     def _context(self, role: str, rows: int, cells: int):
         """A context with >= rows rows; a unified cache (llama.cpp's) also needs >= cells KV cells in all."""
         model = self.target if role == "target" else self.draft
-        facts = RUNTIMES.get(model.info.backend)  # none for the tests' reference model: one KV row per row
+        facts = RUNTIMES.get(model.info.backend)  # None: a model outside the runtime table (a reference model)
         unified = facts is not None and facts.unified_kv
         size = max(self.n_ctx, -(-cells // 512) * 512) if unified else self.n_ctx
         have = self._ctx.get(role)

@@ -373,7 +373,7 @@ def cmd_compare(a) -> int:
 
 def cmd_plan(a) -> int:
     """Memory plan (and, with a hardware profile, speed projections) without loading any weights."""
-    from app.engine.planning import PlanRequest, parse_size, plan_models
+    from app.engine.planning import parse_size, plan_models, plan_request
 
     def size(flag: str, text: str | None) -> int | None:
         try:
@@ -382,8 +382,9 @@ def cmd_plan(a) -> int:
             raise ConfigError(f"{flag}: {e}") from None
 
     target, draft = _specs(a, need_draft=False)
-    request = PlanRequest(context=a.ctx, beams=a.beams, draft_beams=a.draft_beams, gamma=a.gamma, mode=a.mode,
-                          target_backend=a.target_backend, draft_backend=a.draft_backend, dtype=a.dtype, ring=a.ring)
+    request = plan_request(a.mode, draft=draft is not None, context=a.ctx, beams=a.beams, draft_beams=a.draft_beams,
+                           gamma=a.gamma, target_backend=a.target_backend, draft_backend=a.draft_backend,
+                           dtype=a.dtype, ring=a.ring)
     report = plan_models(target, draft, request, vram=size("--vram", a.vram), ram=size("--ram", a.ram),
                          vram_reserve=size("--reserve", a.reserve), ram_reserve=size("--ram-reserve", a.ram_reserve),
                          device=a.device, profile=a.profile, h2d_gbps=a.h2d_gbps, tflops=a.tflops,

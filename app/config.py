@@ -70,7 +70,6 @@ MODE_FACTS: dict[str, Mode] = {m.name: m for m in (
          concrete=False),
 )}
 MODES = tuple(MODE_FACTS)
-DRAFT_MODES = tuple(m for m, f in MODE_FACTS.items() if f.uses_draft)
 BEAM_MODES = tuple(m for m, f in MODE_FACTS.items() if f.beams and f.concrete)
 # auto's quality levels (app/engine/auto.py): fast = sample | sps, beam = beam-sample | dsbd with W_min >= 2,
 # dynamic = dsbd with W_min = W (beam sampling's law), gamma 0..6 sized to the measured pass costs.
@@ -159,8 +158,8 @@ class DecodeParams:
 
     def validated(self) -> "DecodeParams":
         """Check every field; return a copy with defaults resolved. Raises ConfigError."""
-        if self.mode not in MODES:
-            raise ConfigError(f"unknown mode {self.mode!r}; choose one of: {', '.join(MODES)}")
+        if self.mode not in MODE_FACTS:
+            raise ConfigError(f"unknown mode {self.mode!r}; choose one of: {', '.join(MODE_FACTS)}")
         _int("max_new_tokens", self.max_new_tokens, 1, 1_000_000)
         t = _finite("temperature", self.temperature)
         if t < MIN_TEMPERATURE:  # logits / T must stay finite: a subnormal T turns the warp into NaN

@@ -15,42 +15,23 @@ launches, Python). One decoding iteration costs one target pass and d draft pass
 
     tok/s = tau / (T_target(n_t) + sum over the d draft passes of T_draft(n_d))
 
-    mode             n_t (target tokens scored)   draft passes (tokens each)     tau
-    greedy, sample   1                            -                              1
-    beam, beam-*     W                            -                              1
-    sps              1 + gamma                    gamma (1)                      1 / target_passes_per_token
-    dsbd             W + W_S gamma                gamma (W, then W_S)            1 / target_passes_per_token
-    dsbd-mem         1 + W_S gamma                gamma (1, then W_S)            1 / target_passes_per_token
-
-tau and d come from a `dsbd-chat bench --json` file when given (tau = 1 / target_passes_per_token,
-d = draft_passes / target_passes from its runs); otherwise tau = (1 - a^(gamma+1)) / (1 - a) with an
-assumed per-token acceptance a (the caller's prior: app.config.ACCEPTANCE_PRIOR) and d = gamma.
+The caller (app/engine/planning.py, which knows the decoding modes) describes each setting to price as a
+`ModeStats`: its plan request, n_t and each draft pass's n_d (app.config's Mode.target_tokens), tau and d
+(from a `dsbd-chat bench --json` file, or assumed); this module plans its memory and prices its passes.
 Not modelled: attention FLOPs, Layout R padding (a full-mode PyTorch pass computes W (1 + N_max) queries),
 prefill, and the sampler's own time.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
-
 from typing import TYPE_CHECKING
 
-from offload.plan import DRAFT_MODES, SHAPES, Budget, GiB, Placement, PlanError, PlanRequest, Shape, plan
+from offload.plan import Budget, GiB, Placement, PlanError, PlanRequest, plan
 
 if TYPE_CHECKING:
     from offload.geometry import ModelGeometry
     from offload.plan import Plan
-
-_ONE_ROW = Shape(beams=False, keeps_rows=False, drafts=False)
-
-
-def _shape(mode: str) -> Shape:
-    """A mode's shape; a label the planner does not know (auto, in a bench file) prices as one row."""
-    return SHAPES.get(mode, _ONE_ROW)
-
-DEFAULT_MODES = ("sample", "beam-sample", "sps", "dsbd", "dsbd-mem")
 
 
 @dataclass(frozen=True)
@@ -134,78 +115,23 @@ def pass_cost(pl: Placement, hw: HardwareProfile, n_tokens: int, *, kv_fill: flo
                     bound=max(parts, key=parts.get))
 
 
-# ---------------------------------------------------------------- acceptance statistics
+# ---------------------------------------------------------------- what to price
 
 
 @dataclass(frozen=True)
 class ModeStats:
-    """How far one target pass gets a mode (from a bench file, or assumed)."""
+    """One decoding setting to project: what to plan, what its passes score, and how far one target pass gets
+    it (from a bench file, or assumed)."""
 
     mode: str  # decoding mode (bench label without its settings)
     label: str  # bench label, e.g. "dsbd:beams=2"
-    beams: int
-    draft_beams: int
-    gamma: int
+    request: PlanRequest  # its memory plan: the mode's shapes at its W, W_S and gamma
+    drafts: bool  # a draft model runs (W_S, gamma and the draft passes apply)
+    target_tokens: int  # n_t: tokens one target pass scores (measured distinct tokens where a bench file has them)
+    draft_tokens: tuple[int, ...]  # tokens each of an iteration's draft passes scores
     tokens_per_target_pass: float  # tau
     draft_passes_per_target_pass: float  # d
-    source: str  # "bench" | "assumed a=..."
-    # measured distinct tokens per target / draft pass (unique paths score each sequence once); None: W_S * gamma
-    target_tokens: float | None = None
-    draft_tokens: float | None = None
-
-
-def assumed_stats(mode: str, *, beams: int, draft_beams: int, gamma: int,
-                  acceptance: float | None = None) -> ModeStats:
-    """tau = (1 - a^(gamma+1)) / (1 - a) for draft modes (standard speculative sampling), 1 otherwise;
-    a draft mode needs the assumed acceptance a."""
-    shape = _shape(mode)
-    if not shape.drafts:
-        w = beams if shape.beams else 1
-        return ModeStats(mode, mode, w, w, 0, 1.0, 0.0, "1 token/pass")
-    if acceptance is None:
-        raise PlanError(f"{mode} needs an assumed acceptance (or a bench file) to project its speed")
-    a = min(max(acceptance, 0.0), 0.999)
-    tau = (1 - a ** (gamma + 1)) / (1 - a)
-    w, ws = (1, 1) if shape.chain else (beams, draft_beams)
-    return ModeStats(mode, mode, w, ws, gamma, tau, float(gamma), f"assumed a={acceptance:g}")
-
-
-def read_bench(path: str | Path, *, beams: int = 4, draft_beams: int | None = None, gamma: int = 3) -> list[ModeStats]:
-    """Acceptance statistics per mode from `dsbd-chat bench --json FILE` output (or its printed summary)."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise PlanError(f"cannot read bench file {path}: {e}") from e
-    summary = data.get("summary", data) if isinstance(data, dict) else None
-    if not isinstance(summary, dict) or not summary:
-        raise PlanError(f"{path}: expected `dsbd-chat bench --json` output (an object with a 'summary' per mode)")
-    base = data.get("config", {}).get("base", {}) if "summary" in data else {}
-    runs = data.get("runs", []) if "summary" in data else []
-    out = []
-    for label, s in summary.items():
-        mode, _, opts = label.partition(":")
-        kw = {k: base.get(k) for k in ("beams", "draft_beams", "gamma")}
-        for item in filter(None, opts.split(",")):
-            key, _, value = item.partition("=")
-            kw[key.strip().replace("-", "_")] = value
-        shape = _shape(mode)
-        w = int(kw.get("beams") or beams) if shape.beams else 1  # one row otherwise
-        g = int(kw.get("gamma") if kw.get("gamma") is not None else gamma)
-        ws = kw.get("draft_beams")
-        ws = 1 if shape.chain else int(ws) if ws is not None else draft_beams or w + 1  # sps drafts one chain
-        try:
-            per_token = float(s["target_passes_per_token"])
-            tau = 1 / per_token if per_token > 0 else float(s["steps_per_target_pass"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise PlanError(f"{path}: mode {label!r} lacks target_passes_per_token / steps_per_target_pass") from e
-        mine = [r["stats"] for r in runs if r.get("mode") == label and isinstance(r.get("stats"), dict)]
-        target = sum(r.get("target_passes", 0) for r in mine)
-        d = sum(r.get("draft_passes", 0) for r in mine) / target if target else \
-            (float(g) if mode in DRAFT_MODES else 0.0)
-        out.append(ModeStats(mode, label, w, ws, g, tau, d, "bench", s.get("distinct_tokens_per_pass"),
-                             s.get("draft_distinct_tokens_per_pass")))
-    return out
+    source: str  # "bench" | "assumed a=..." | "1 token/pass"
 
 
 # ---------------------------------------------------------------- projections
@@ -230,38 +156,24 @@ class Projection:
     bound: str  # what limits the target pass
     stats_source: str
     why: str = ""  # when it does not fit
+    drafts: bool = False  # W_S, gamma and the draft passes apply (the table shows "-" otherwise)
 
     def as_dict(self) -> dict:
-        return {"kind": "projection", **asdict(self)}
+        out = {"kind": "projection", **asdict(self)}
+        del out["drafts"]  # the mode's fact, not a projection
+        return out
 
 
-def queries(mode: str, w: int, ws: int, g: int) -> tuple[int, list[int]]:
-    """(target tokens scored per pass, tokens scored by each draft pass)."""
-    shape = _shape(mode)
-    roots = w if shape.keeps_rows or (shape.beams and not shape.drafts) else 1
-    if not shape.drafts:
-        return roots, []
-    ws = 1 if shape.chain else ws
-    return roots + ws * g, ([roots] + [ws] * (g - 1)) if g else []
-
-
-def project(target, draft, request: PlanRequest, budget: Budget, hw: HardwareProfile,
-            stats: list[ModeStats]) -> list[Projection]:
-    """One projection per ModeStats: plan that mode's memory, then price its iteration."""
+def project(target, draft, budget: Budget, hw: HardwareProfile, stats: list[ModeStats]) -> list[Projection]:
+    """One projection per ModeStats: plan that setting's memory, then price its iteration."""
     out = []
     for st in stats:
-        if st.mode in DRAFT_MODES and draft is None:
+        if st.drafts and draft is None:
             continue
-        req = replace(request, mode=st.mode, beams=st.beams, gamma=st.gamma,
-                      draft_beams=max(st.draft_beams, st.beams))
-        n_t, n_d = queries(st.mode, st.beams, req.draft_beams, st.gamma)
-        if st.target_tokens:  # the bench's distinct tokens per pass replace the forest's full size
-            n_t = max(1, round(st.target_tokens))
-        if st.draft_tokens and n_d:
-            n_d = [max(1, round(st.draft_tokens))] * len(n_d)
-        common = dict(label=st.label, mode=st.mode, beams=st.beams, draft_beams=req.draft_beams, gamma=st.gamma,
+        req, n_t, n_d = st.request, st.target_tokens, st.draft_tokens
+        common = dict(label=st.label, mode=st.mode, beams=req.beams, draft_beams=req.draft_beams, gamma=req.gamma,
                       target_tokens=n_t, draft_passes=st.draft_passes_per_target_pass,
-                      tokens_per_target_pass=st.tokens_per_target_pass, stats_source=st.source)
+                      tokens_per_target_pass=st.tokens_per_target_pass, stats_source=st.source, drafts=st.drafts)
         try:
             p = plan(target, draft, req, budget)
         except PlanError as e:
@@ -288,10 +200,10 @@ def format_projections(hw: HardwareProfile, rows: list[Projection]) -> str:
     table = [head]
     for r in rows:
         f = lambda x, fmt: "-" if x is None else format(x, fmt)  # noqa: E731
-        table.append((r.label, str(r.beams), str(r.draft_beams) if r.mode in DRAFT_MODES else "-",
-                      str(r.gamma) if r.mode in DRAFT_MODES else "-", str(r.target_tokens),
+        table.append((r.label, str(r.beams), str(r.draft_beams) if r.drafts else "-",
+                      str(r.gamma) if r.drafts else "-", str(r.target_tokens),
                       f(r.target_pass_ms, ".2f"), f(r.draft_pass_ms, ".2f"),
-                      f"{r.draft_passes:.2f}" if r.mode in DRAFT_MODES else "-",
+                      f"{r.draft_passes:.2f}" if r.drafts else "-",
                       f"{r.tokens_per_target_pass:.2f}", r.bound,
                       f(r.tokens_per_s, ".1f") if r.fits else "does not fit", r.stats_source))
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
@@ -331,22 +243,3 @@ class PlanReport:
         if self.hardware is not None:
             lines += ["", format_projections(self.hardware, list(self.projections))]
         return "\n".join(lines)
-
-
-def plan_report(target: "ModelGeometry", draft: "ModelGeometry | None", request: PlanRequest, budget: Budget, *,
-                hardware: HardwareProfile | None = None, bench_json: str | Path | None = None,
-                acceptance: float | None = None, modes: tuple[str, ...] = DEFAULT_MODES,
-                paths: tuple[str, str | None] = ("", None)) -> PlanReport:
-    """Plan `request`; with a hardware profile, project each of `modes` from a bench file's acceptance or
-    from the assumed `acceptance`."""
-    p = plan(target, draft, request, budget)
-    if hardware is None:
-        return PlanReport(target, draft, p, paths=paths)
-    req = request.validated()
-    if bench_json:
-        stats = read_bench(bench_json, beams=req.beams, draft_beams=req.draft_beams, gamma=req.gamma)
-    else:
-        stats = [assumed_stats(m, beams=req.beams, draft_beams=req.draft_beams, gamma=req.gamma,
-                               acceptance=acceptance) for m in modes]
-    rows = project(target, draft, req, budget, hardware, stats)
-    return PlanReport(target, draft, p, hardware, tuple(rows), paths)

@@ -1,15 +1,17 @@
 """Memory planner: fit a target, a draft and their beams' KV into a VRAM and a RAM budget.
 
 Inputs: each model's geometry (offload.geometry: layer sizes, KV shape; read from headers, never the
-weights), the runtime that will hold it, the context, W / W_S / gamma, and the budgets. Output: a frozen
-`Plan` saying which layers sit on the GPU, which stream from pinned RAM (PyTorch runtime), which run on
-the CPU (no GPU, or llama.cpp layers past `n_gpu_layers`), the KV budget, whether DSBD full mode fits or
-memory mode (dsbd-mem) is needed, the largest context and the most beams that fit.
+weights), the runtime that will hold it (its facts: offload.runtimes), the context, W / W_S / gamma, the
+decoding modes to try as `Shape`s (app/engine/planning.py builds them from the app's mode facts; the planner
+knows no mode by name), and the budgets. Output: a frozen `Plan` saying which layers sit on the GPU, which
+stream from pinned RAM (PyTorch runtime), which run on the CPU (no GPU, or llama.cpp layers past
+`n_gpu_layers`), the KV budget, whether the full mode (W rows) fits, the largest context and the most beams
+that fit.
 
-Mode "auto" (with a draft) picks, among dsbd and dsbd-mem, the one that fits with the fewest weight bytes
-per pass outside VRAM (streamed or on CPU layers), dsbd on a tie: full mode when its KV fits beside resident
-weights, memory mode when full mode's KV would push layers off the GPU (spec §9: "memory mode when full mode
-does not fit the KV budget").
+Given several shapes (auto mode with a draft: DSBD and its memory twin), the plan picks the one that fits
+with the fewest weight bytes per pass outside VRAM (streamed or on CPU layers), the first on a tie: full mode
+when its KV fits beside resident weights, memory mode when full mode's KV would push layers off the GPU
+(spec §9: "memory mode when full mode does not fit the KV budget").
 
 Priorities, highest first: whatever must be on the GPU (PyTorch: KV, embeddings, output head, activations;
 llama.cpp: its compute buffer), then the draft's layers (it runs gamma passes per target pass, so a
@@ -33,6 +35,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 from offload.errors import BackendError
+from offload.runtimes import DTYPE_BYTES, KV_TYPE_BYTES, RUNTIMES, Runtime, resident_mask
 
 if TYPE_CHECKING:
     from offload.geometry import ModelGeometry
@@ -42,33 +45,18 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 @dataclass(frozen=True)
 class Shape:
-    """A decoding mode as memory and pass cost see it: plain facts, no decoding logic."""
+    """A decoding mode as memory sees it: plain facts, no decoding logic (app/engine/planning.py builds one
+    from the mode's row of app.config.MODE_FACTS). The planner prints `name` and reasons with the rest."""
 
-    beams: bool  # runs W beams
-    keeps_rows: bool  # W target KV rows between steps (else one)
-    drafts: bool  # a draft model runs
-    chain: bool = False  # the draft writes one chain (W_S = 1)
+    name: str
+    keeps_rows: bool  # W target (and draft) KV rows between steps; else one
+    drafts: bool  # a draft model runs, and its tree (W_S x gamma tokens) rides on the target's pass
+    memory_twin: "Shape | None" = None  # the same decoding carrying one row: the fix to offer when W rows do not fit
+
+    def rows(self, beams: int) -> int:
+        return beams if self.keeps_rows else 1
 
 
-# app.config.MODE_FACTS restricted to what the planner needs (offload/ sits below app/ and cannot import it;
-# tests/test_layers.py holds the two tables equal).
-SHAPES = {
-    "greedy": Shape(beams=False, keeps_rows=False, drafts=False),
-    "sample": Shape(beams=False, keeps_rows=False, drafts=False),
-    "beam": Shape(beams=True, keeps_rows=True, drafts=False),
-    "beam-sample": Shape(beams=True, keeps_rows=True, drafts=False),
-    "beam-sample-repl": Shape(beams=True, keeps_rows=True, drafts=False),
-    "sps": Shape(beams=False, keeps_rows=False, drafts=True, chain=True),
-    "dsbd": Shape(beams=True, keeps_rows=True, drafts=True),
-    "dsbd-mem": Shape(beams=True, keeps_rows=False, drafts=True),
-}
-MODES = tuple(SHAPES)
-DRAFT_MODES = tuple(m for m, s in SHAPES.items() if s.drafts)
-MAX_BEAMS = 16
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # PyTorch runtime: weights (dequantised) and KV
-KV_TYPE_BYTES = {"f32": 4, "f16": 2}  # llama.cpp runtime cache types (its default is f32)
-PREFILL_CHUNK = 256  # PyTorchContext.prefill_chunk
-LLAMA_BATCH, LLAMA_SEQS = 512, 256  # llama.cpp runtime DEFAULT_BATCH and LLAMA_MAX_SEQ
 SMALLER_QUANTS = (("Q5_K_M", 5.7), ("Q4_K_M", 4.85), ("Q3_K_M", 3.9), ("Q2_K", 3.35))  # typical bits/weight
 
 
@@ -154,36 +142,40 @@ def detect_vram(device: str = "cuda") -> int:
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """What to fit. mode "auto": dsbd, else dsbd-mem (with a draft); beam-sample (without one)."""
+    """What to fit: one decoding mode, or the choice among several (auto), at these numbers.
+    app/engine/planning.plan_request builds it from mode names and the app's limits."""
 
+    shapes: tuple[Shape, ...]  # the modes to try: the one reading the fewest weights outside VRAM wins (first on a tie)
+    full: Shape  # the mode whose fit and most beams the plan reports (W rows: DSBD, or beam sampling without a draft)
+    beam_limit: int  # most beams W a request may ask for
+    gamma_limit: int  # deepest draft a request may ask for
     context: int = 4096  # tokens per sequence: prompt + answer + draft tree (the engine's n_ctx)
     beams: int = 4  # W
     draft_beams: int | None = None  # W_S; None -> W + 1
     gamma: int = 3
-    mode: str = "auto"
     target_backend: str = "llamacpp"
     draft_backend: str = "llamacpp"
-    dtype: str = "float32"  # PyTorch runtime weights and KV
+    dtype: str = "float32"  # weights and KV of a dequantising runtime (PyTorch)
     kv_type: str = "f32"  # llama.cpp KV cache
     ring: int = 2  # GPU buffers for streamed layers (2 = compute one while the next one copies)
 
     def validated(self) -> "PlanRequest":
-        if self.mode != "auto" and self.mode not in MODES:
-            raise PlanError(f"unknown mode {self.mode!r}; choose auto or one of: {', '.join(MODES)}")
+        if not self.shapes:
+            raise PlanError("a plan request needs at least one decoding mode")
         for b in (self.target_backend, self.draft_backend):
-            if b not in ("llamacpp", "pytorch"):
-                raise PlanError(f"unknown backend {b!r}; choose llamacpp or pytorch")
+            if b not in RUNTIMES:
+                raise PlanError(f"unknown backend {b!r}; choose {' or '.join(RUNTIMES)}")
         if self.dtype not in DTYPE_BYTES:
             raise PlanError(f"unknown dtype {self.dtype!r}; choose one of: {', '.join(DTYPE_BYTES)}")
         if self.kv_type not in KV_TYPE_BYTES:
             raise PlanError(f"unknown kv type {self.kv_type!r}; choose one of: {', '.join(KV_TYPE_BYTES)}")
-        if not 1 <= self.beams <= MAX_BEAMS:
-            raise PlanError(f"beams must be between 1 and {MAX_BEAMS}, got {self.beams}")
+        if not 1 <= self.beams <= self.beam_limit:
+            raise PlanError(f"beams must be between 1 and {self.beam_limit}, got {self.beams}")
         ws = self.beams + 1 if self.draft_beams is None else self.draft_beams
         if ws < self.beams:
             raise PlanError(f"draft beams (W_S={ws}) must be >= beams (W={self.beams})")
-        if not 0 <= self.gamma <= 16:
-            raise PlanError(f"gamma must be between 0 and 16, got {self.gamma}")
+        if not 0 <= self.gamma <= self.gamma_limit:
+            raise PlanError(f"gamma must be between 0 and {self.gamma_limit}, got {self.gamma}")
         if self.ring < 1:
             raise PlanError(f"ring must be >= 1, got {self.ring}")
         if self.context < ws * self.gamma + 2:
@@ -201,14 +193,14 @@ class Placement:
 
     role: str  # "target" | "draft"
     name: str
-    runtime: str  # "llamacpp" | "pytorch"
+    runtime: str  # a key of offload.runtimes.RUNTIMES
     n_layers: int
     gpu_layers: int  # resident on the GPU
     streamed_layers: int  # pinned RAM -> GPU ring each pass (PyTorch runtime)
     cpu_layers: int  # computed on the CPU
-    n_gpu_layers: int | None  # llama.cpp setting (n_layers + 1 also offloads the output layer); None: PyTorch
+    n_gpu_layers: int | None  # llama.cpp setting (n_layers + 1 also offloads the output layer); None: streamed
     ring: int  # GPU buffers for streamed layers
-    device: str  # PyTorch device to run on ("cuda" | "cpu"); llama.cpp: where its layers mostly are
+    device: str  # a streaming runtime's device ("cuda" | "cpu"); llama.cpp: where its layers mostly are
     kv_rows: int
     kv_tokens: int  # per row
     kv_bytes: int
@@ -243,8 +235,8 @@ class Plan:
     ram_bytes: int
     kv_full_bytes: int  # target KV in full mode: b W context (spec §9: b W (L + N_max))
     kv_mem_bytes: int  # target KV in memory mode: b context (spec §9: b (L + W_S gamma))
-    dsbd_full_fits: bool | None  # None without a draft
-    max_beams: int  # most W for full mode (dsbd, or beam-sample without a draft) at this context; 0: none
+    dsbd_full_fits: bool | None  # the full mode (W rows) fits; None without a draft
+    max_beams: int  # most W for the full mode at this context; 0: none
     max_context: int  # largest context for `mode` at these beams
     notes: tuple[str, ...] = ()
 
@@ -264,31 +256,30 @@ class _Held:
 
     geo: "ModelGeometry"
     role: str
-    runtime: str
+    rt: Runtime
     layer: tuple[int, ...]
     embed: int
     head: int
     kv_token_layer: int
 
     @classmethod
-    def of(cls, geo: "ModelGeometry", role: str, req: PlanRequest) -> "_Held":
-        runtime = req.target_backend if role == "target" else req.draft_backend
-        if runtime == "pytorch":  # dequantised to the runtime dtype at load
-            e = DTYPE_BYTES[req.dtype]
-            return cls(geo, role, runtime, tuple(p * e for p in geo.layer_params), geo.embed_params * e,
+    def of(cls, geo: "ModelGeometry", role: str, rt: Runtime, *, dtype: str, kv_type: str) -> "_Held":
+        if rt.dequantizes:  # to the runtime dtype at load
+            e = DTYPE_BYTES[dtype]
+            return cls(geo, role, rt, tuple(p * e for p in geo.layer_params), geo.embed_params * e,
                        geo.head_params * e, 2 * geo.n_kv_heads * geo.head_dim * e)
-        e = KV_TYPE_BYTES[req.kv_type]
-        return cls(geo, role, runtime, geo.layer_bytes, geo.embed_bytes, geo.head_bytes,
+        e = KV_TYPE_BYTES[kv_type]
+        return cls(geo, role, rt, geo.layer_bytes, geo.embed_bytes, geo.head_bytes,
                    2 * geo.n_kv_heads * geo.head_dim * e)
 
 
 def _activations(m: _Held, *, rows: int, ctx: int, tree: int, elem: int) -> int:
     """Largest forward's transient bytes (estimate): scores + mask, QKV/MLP activations, logits."""
-    g = m.geo
-    if m.runtime == "pytorch":
-        shapes = [(1, min(PREFILL_CHUNK, ctx), 0), (rows, 1 + tree, rows + tree)]  # (rows, queries, outputs)
+    g, chunk = m.geo, min(m.rt.batch, ctx)
+    if m.rt.unified_kv:
+        shapes = [(1, chunk, rows + tree)]  # (rows, queries, outputs): one ubatch over the unified cache
     else:
-        shapes = [(1, min(LLAMA_BATCH, ctx), rows + tree)]  # one ubatch over the unified cache
+        shapes = [(1, chunk, 0), (rows, 1 + tree, rows + tree)]  # a prompt chunk; each row's suffix and tree
     worst = 0
     for r, q, outputs in shapes:
         scores = r * q * ctx * (g.n_heads * 4 + 1)  # [rows, heads, q, ctx] float32 worst case + bool mask
@@ -298,22 +289,13 @@ def _activations(m: _Held, *, rows: int, ctx: int, tree: int, elem: int) -> int:
     return worst
 
 
-def resident_mask(n_layers: int, resident: int) -> tuple[bool, ...]:
-    """Which layers stay on the GPU: streamed ones spread evenly, so each copy overlaps resident compute."""
-    streamed = n_layers - max(0, min(resident, n_layers))
-    out = [True] * n_layers
-    for i in range(streamed):
-        out[(2 * i + 1) * n_layers // (2 * streamed)] = False
-    return tuple(out)
-
-
 def _fixed_gpu(m: _Held, *, rows: int, ctx: int, tree: int, elem: int) -> tuple[int, int]:
     """(bytes that must be on the GPU whatever the layer split, activation estimate)."""
     act = _activations(m, rows=rows, ctx=ctx, tree=tree, elem=elem)
-    if m.runtime == "pytorch":
-        kv = rows * (ctx + 1) * m.kv_token_layer * len(m.layer)
+    if m.rt.streams_layers:  # every layer computes on the GPU: embeddings, head and all KV live there
+        kv = rows * (ctx + m.rt.scratch_slots) * m.kv_token_layer * len(m.layer)
         return m.embed + m.head + kv + act, act
-    return act, act  # llama.cpp: a compute buffer; layers and their KV may all stay on the CPU
+    return act, act  # a compute buffer; layers and their KV may all stay on the CPU
 
 
 def _place(m: _Held, *, rows: int, ctx: int, tree: int, elem: int, gpu: bool, layer_budget: int,
@@ -321,30 +303,29 @@ def _place(m: _Held, *, rows: int, ctx: int, tree: int, elem: int, gpu: bool, la
     """Split one model's layers given `layer_budget` VRAM bytes left for its layers (after fixed parts)."""
     n = len(m.layer)
     fixed, act = _fixed_gpu(m, rows=rows, ctx=ctx, tree=tree, elem=elem)
-    kv_layer = rows * (ctx + (m.runtime == "pytorch")) * m.kv_token_layer  # one layer's KV, all rows
+    kv_layer = rows * (ctx + m.rt.scratch_slots) * m.kv_token_layer  # one layer's KV, all rows
     kv_total = kv_layer * n
     params_layers = sum(m.geo.layer_params)
     tied = m.geo.tied_embeddings  # the output projection is the embedding matrix
     params_head = m.geo.head_params + (m.geo.embed_params if tied else 0)
     head_read = m.head + (m.embed if tied else 0)
-    common = dict(role=m.role, name=m.geo.name, runtime=m.runtime, n_layers=n, kv_rows=rows, kv_tokens=ctx,
+    common = dict(role=m.role, name=m.geo.name, runtime=m.rt.name, n_layers=n, kv_rows=rows, kv_tokens=ctx,
                   kv_bytes=kv_total, activation_bytes=act, kv_bytes_per_token=m.kv_token_layer * n)
     full = sum(m.layer) + m.embed + m.head
     if not gpu:  # everything on the CPU, in RAM
-        llama = m.runtime == "llamacpp"
-        host = full + kv_total + act + (_llama_logits(m) if llama else 0)
+        host = full + kv_total + act + _host_logits(m)
         return Placement(**common, gpu_layers=0, streamed_layers=0, cpu_layers=n,
-                         n_gpu_layers=0 if llama else None, ring=0, device="cpu",
+                         n_gpu_layers=None if m.rt.streams_layers else 0, ring=0, device="cpu",
                          kv_gpu_bytes=0, weight_gpu_bytes=0, weight_ram_bytes=full, vram_bytes=0, ram_bytes=host,
                          h2d_bytes=0, gpu_read_bytes=0, cpu_read_bytes=sum(m.layer) + head_read, gpu_params=0,
                          cpu_params=params_layers + params_head)
-    if m.runtime == "pytorch":
-        return _place_pytorch(m, common, fixed, layer_budget, ring, kv_total, params_layers + params_head, full,
-                              head_read)
-    return _place_llamacpp(m, common, fixed, layer_budget, kv_layer, act, params_head, head_read)
+    if m.rt.streams_layers:
+        return _place_streamed(m, common, fixed, layer_budget, ring, kv_total, params_layers + params_head, full,
+                               head_read)
+    return _place_split(m, common, fixed, layer_budget, kv_layer, act, params_head, head_read)
 
 
-def _place_pytorch(m, common, fixed, budget, ring, kv_total, params, full, head_read) -> Placement:
+def _place_streamed(m, common, fixed, budget, ring, kv_total, params, full, head_read) -> Placement:
     n, big = len(m.layer), max(m.layer)
     k, r = n, 0
     if sum(m.layer) > budget:  # stream: keep `ring` buffers, then as many resident layers as still fit
@@ -368,11 +349,12 @@ def _place_pytorch(m, common, fixed, budget, ring, kv_total, params, full, head_
                      gpu_params=params, cpu_params=0)
 
 
-def _llama_logits(m: _Held) -> int:
-    return max(LLAMA_BATCH, LLAMA_SEQS) * m.geo.vocab_size * 4  # host output buffer (n_outputs_max rows)
+def _host_logits(m: _Held) -> int:
+    """A runtime's host output buffer (llama.cpp: n_outputs_max rows of float32 logits)."""
+    return max(m.rt.batch, m.rt.max_seqs) * m.geo.vocab_size * 4 if m.rt.host_logits else 0
 
 
-def _place_llamacpp(m, common, fixed, budget, kv_layer, act, params_head, head_read) -> Placement:
+def _place_split(m, common, fixed, budget, kv_layer, act, params_head, head_read) -> Placement:
     n = len(m.layer)
     k, used = 0, 0
     for b in reversed(m.layer):  # llama.cpp offloads the last n_gpu_layers layers, each with its KV
@@ -384,7 +366,7 @@ def _place_llamacpp(m, common, fixed, budget, kv_layer, act, params_head, head_r
     gpu_w = sum(m.layer[n - k:]) + (head_read if head_on_gpu else 0)
     cpu_w = sum(m.layer[: n - k]) + (0 if head_on_gpu else m.head)
     cpu_read = cpu_w + (0 if head_on_gpu else head_read - m.head)
-    logits = _llama_logits(m)
+    logits = _host_logits(m)
     gpu_p = sum(m.geo.layer_params[n - k:]) + (params_head if head_on_gpu else 0)
     cpu_p = sum(m.geo.layer_params[: n - k]) + (0 if head_on_gpu else params_head)
     return Placement(**common, gpu_layers=k, streamed_layers=0, cpu_layers=n - k,
@@ -400,7 +382,7 @@ def _place_llamacpp(m, common, fixed, budget, kv_layer, act, params_head, head_r
 
 @dataclass(frozen=True)
 class _Try:
-    mode: str
+    shape: Shape
     target: Placement
     draft: Placement | None
     vram: int
@@ -408,26 +390,24 @@ class _Try:
     fits: bool
 
 
-def _rows(mode: str, beams: int) -> int:
-    return beams if SHAPES[mode].keeps_rows else 1
-
-
-def _try(tgt: "ModelGeometry", dft: "ModelGeometry | None", req: PlanRequest, budget: Budget, mode: str,
+def _try(tgt: "ModelGeometry", dft: "ModelGeometry | None", req: PlanRequest, budget: Budget, shape: Shape,
          *, context: int | None = None, beams: int | None = None) -> _Try:
     """Place both models for one mode; `fits` says whether both budgets hold."""
     ctx = req.context if context is None else context
     w = req.beams if beams is None else beams
     ws = req.draft_beams + (w - req.beams)  # keep W_S - W when trying other widths
-    rows = _rows(mode, w)
-    uses_draft = mode in DRAFT_MODES and dft is not None
+    rows = shape.rows(w)
+    uses_draft = shape.drafts and dft is not None
     tree = ws * req.gamma if uses_draft else 0
-    held = [_Held.of(tgt, "target", req)] + ([_Held.of(dft, "draft", req)] if uses_draft else [])
+    held = [_Held.of(tgt, "target", RUNTIMES[req.target_backend], dtype=req.dtype, kv_type=req.kv_type)]
+    if uses_draft:
+        held.append(_Held.of(dft, "draft", RUNTIMES[req.draft_backend], dtype=req.dtype, kv_type=req.kv_type))
     elem = DTYPE_BYTES[req.dtype]
     fixed = {m.role: _fixed_gpu(m, rows=rows, ctx=ctx, tree=tree, elem=elem)[0] for m in held}
     left = budget.vram_avail - sum(fixed.values())
-    # A streamed PyTorch target needs its ring whatever the draft takes; keep room for it first.
+    # A streamed target needs its ring whatever the draft takes; keep room for it first.
     t = held[0]
-    keep = min(req.ring, len(t.layer)) * max(t.layer) if t.runtime == "pytorch" and sum(t.layer) > left else 0
+    keep = min(req.ring, len(t.layer)) * max(t.layer) if t.rt.streams_layers and sum(t.layer) > left else 0
     placed = {}
     for m in reversed(held):  # draft layers before target layers (see module docstring)
         room = max(0, left - (keep if m.role == "draft" else 0))
@@ -438,7 +418,7 @@ def _try(tgt: "ModelGeometry", dft: "ModelGeometry | None", req: PlanRequest, bu
     vram = sum(p.vram_bytes for p in placed.values())
     ram = sum(p.ram_bytes for p in placed.values())
     fits = vram <= budget.vram_avail and ram <= budget.ram_avail
-    return _Try(mode, placed["target"], placed.get("draft"), vram, ram, fits)
+    return _Try(shape, placed["target"], placed.get("draft"), vram, ram, fits)
 
 
 def _slow_bytes(t: _Try) -> int:
@@ -446,76 +426,68 @@ def _slow_bytes(t: _Try) -> int:
     return sum(p.h2d_bytes + p.cpu_read_bytes for p in (t.target, t.draft) if p is not None)
 
 
-def _candidates(req: PlanRequest, has_draft: bool) -> tuple[str, ...]:
-    if req.mode != "auto":
-        return (req.mode,)
-    return ("dsbd", "dsbd-mem") if has_draft else ("beam-sample",)
-
-
-def max_context(tgt, dft, req: PlanRequest, budget: Budget, mode: str, *, beams: int | None = None) -> int:
-    """Largest context (a multiple of 256 above 512) for `mode` that fits; 0 when even the smallest does not."""
+def max_context(tgt, dft, req: PlanRequest, budget: Budget, shape: Shape, *, beams: int | None = None) -> int:
+    """Largest context (a multiple of 256 above 512) for `shape` that fits; 0 when even the smallest does not."""
     ws = req.draft_beams + ((beams or req.beams) - req.beams)
-    lo = ws * req.gamma + 2 if mode in DRAFT_MODES else 2
-    hi = tgt.n_ctx_train if dft is None or mode not in DRAFT_MODES else min(tgt.n_ctx_train, dft.n_ctx_train)
+    lo = ws * req.gamma + 2 if shape.drafts else 2
+    hi = tgt.n_ctx_train if dft is None or not shape.drafts else min(tgt.n_ctx_train, dft.n_ctx_train)
     hi = max(hi, lo)
-    if not _try(tgt, dft, req, budget, mode, context=lo, beams=beams).fits:
+    if not _try(tgt, dft, req, budget, shape, context=lo, beams=beams).fits:
         return 0
     while lo < hi:  # fits(lo) holds; find the largest fitting context in [lo, hi]
         mid = (lo + hi + 1) // 2
-        if _try(tgt, dft, req, budget, mode, context=mid, beams=beams).fits:
+        if _try(tgt, dft, req, budget, shape, context=mid, beams=beams).fits:
             lo = mid
         else:
             hi = mid - 1
     return lo - lo % 256 if lo >= 512 else lo
 
 
-def max_beams(tgt, dft, req: PlanRequest, budget: Budget, mode: str) -> int:
-    """Most beams W (<= 16) for which `mode` fits at the requested context; 0 when none."""
+def max_beams(tgt, dft, req: PlanRequest, budget: Budget, shape: Shape) -> int:
+    """Most beams W (up to the request's limit) for which `shape` fits at the requested context; 0 when none."""
     best = 0
-    for w in range(1, MAX_BEAMS + 1):
-        if req.draft_beams + (w - req.beams) < w or not _try(tgt, dft, req, budget, mode, beams=w).fits:
+    for w in range(1, req.beam_limit + 1):
+        if req.draft_beams + (w - req.beams) < w or not _try(tgt, dft, req, budget, shape, beams=w).fits:
             break
         best = w
     return best
 
 
 def plan(target: "ModelGeometry", draft: "ModelGeometry | None", request: PlanRequest, budget: Budget) -> Plan:
-    """Placement for the requested mode, or for auto's pick (see the module docstring). Raises PlanError
-    saying what would fit when nothing does."""
+    """Placement for the requested mode, or for the pick among several (see the module docstring). Raises
+    PlanError saying what would fit when nothing does."""
     req = request.validated()
-    tries = [_try(target, draft, req, budget, m) for m in _candidates(req, draft is not None)]
+    tries = [_try(target, draft, req, budget, s) for s in req.shapes]
     fitting = [t for t in tries if t.fits]
     if not fitting:
         raise PlanError(_no_fit_message(target, draft, req, budget, tries))
-    # auto: the mode whose weights come from VRAM the most (full mode's KV may push layers off the GPU);
-    # ties keep the order dsbd, dsbd-mem.
+    # The mode whose weights come from VRAM the most (full mode's KV may push layers off the GPU); ties keep
+    # the request's order.
     chosen = min(fitting, key=_slow_bytes)
-    full_mode = "dsbd" if draft is not None else "beam-sample"
-    full = next((t for t in tries if t.mode == full_mode), None) or _try(target, draft, req, budget, full_mode)
-    rows_full = _rows(full_mode, req.beams)
+    full = next((t for t in tries if t.shape == req.full), None) or _try(target, draft, req, budget, req.full)
     b = full.target.kv_bytes_per_token
     notes = []
-    if chosen.mode == "dsbd-mem" and req.mode == "auto":
-        why = (f"would read {fmt_bytes(_slow_bytes(full))} of weights per pass outside VRAM (dsbd-mem: "
+    if len(tries) > 1 and chosen.shape != req.full:
+        why = (f"would read {fmt_bytes(_slow_bytes(full))} of weights per pass outside VRAM ({chosen.shape.name}: "
                f"{fmt_bytes(_slow_bytes(chosen))})" if full.fits else
                f"needs {fmt_bytes(full.vram)} VRAM / {fmt_bytes(full.ram)} RAM")
-        notes.append(f"dsbd full mode {why}; memory-reduced mode carries one beam between iterations")
+        notes.append(f"{req.full.name} full mode {why}; memory-reduced mode carries one beam between iterations")
     if chosen.target.streamed_layers:
         notes.append(f"{chosen.target.streamed_layers} target layers stream from pinned RAM every pass "
                      f"({fmt_bytes(chosen.target.h2d_bytes)} per pass)")
-    llama = [p for p in (chosen.target, chosen.draft) if p is not None and p.runtime == "llamacpp"]
-    if llama and budget.has_gpu:
-        notes.append("llama.cpp: load " + " and ".join(f"the {p.role} with n_gpu_layers={p.n_gpu_layers}"
-                                                       for p in llama))
-    if req.target_backend == "llamacpp" and _rows(chosen.mode, req.beams) > 1:
-        notes.append("llama.cpp's unified cache stores shared prefixes once: its real KV use is lower than planned")
+    split = [p for p in (chosen.target, chosen.draft) if p is not None and p.n_gpu_layers is not None]
+    if split and budget.has_gpu:
+        notes.append(f"{RUNTIMES[split[0].runtime].label}: load " + " and ".join(
+            f"the {p.role} with n_gpu_layers={p.n_gpu_layers}" for p in split))
+    if (rt := RUNTIMES[req.target_backend]).unified_kv and chosen.shape.rows(req.beams) > 1:
+        notes.append(f"{rt.label}'s unified cache stores shared prefixes once: its real KV use is lower than planned")
     return Plan(
-        mode=chosen.mode, context=req.context, beams=req.beams, draft_beams=req.draft_beams, gamma=req.gamma,
+        mode=chosen.shape.name, context=req.context, beams=req.beams, draft_beams=req.draft_beams, gamma=req.gamma,
         budget=budget, target=chosen.target, draft=chosen.draft, vram_bytes=chosen.vram, ram_bytes=chosen.ram,
-        kv_full_bytes=b * rows_full * req.context, kv_mem_bytes=b * req.context,
+        kv_full_bytes=b * req.full.rows(req.beams) * req.context, kv_mem_bytes=b * req.context,
         dsbd_full_fits=full.fits if draft is not None else None,
-        max_beams=max_beams(target, draft, req, budget, full_mode),
-        max_context=max_context(target, draft, req, budget, chosen.mode),
+        max_beams=max_beams(target, draft, req, budget, req.full),
+        max_context=max_context(target, draft, req, budget, chosen.shape),
         notes=tuple(notes),
     )
 
@@ -532,20 +504,20 @@ def _no_fit_message(tgt, dft, req: PlanRequest, budget: Budget, tries: list[_Try
     if t.ram > budget.ram_avail:
         short.append(f"{fmt_bytes(t.ram)} RAM but {fmt_bytes(budget.ram_avail)} is usable "
                      f"({fmt_bytes(budget.ram)} - {fmt_bytes(budget.ram_reserve)} reserve)")
-    head = (f"{' / '.join(x.mode for x in tries)} at context {req.context}, W={req.beams}, W_S={req.draft_beams}, "
-            f"gamma={req.gamma} does not fit: {t.mode} needs {' and '.join(short)}")
+    head = (f"{' / '.join(x.shape.name for x in tries)} at context {req.context}, W={req.beams}, "
+            f"W_S={req.draft_beams}, gamma={req.gamma} does not fit: {t.shape.name} needs {' and '.join(short)}")
     fixes = []
-    if req.mode == "dsbd" and dft is not None and _try(tgt, dft, req, budget, "dsbd-mem").fits:
-        mem = _try(tgt, dft, req, budget, "dsbd-mem")
-        fixes.append(f"memory-reduced mode --mode dsbd-mem (target KV {fmt_bytes(mem.target.kv_bytes)} instead of "
-                     f"{fmt_bytes(t.target.kv_bytes)})")
-    for m in dict.fromkeys(x.mode for x in reversed(tries)):
-        if (c := max_context(tgt, dft, req, budget, m)) > 0:
-            fixes.append(f"a smaller context: --context {c} (the largest that fits {m})")
+    twin = req.shapes[0].memory_twin if len(req.shapes) == 1 else None
+    if twin is not None and dft is not None and (mem := _try(tgt, dft, req, budget, twin)).fits:
+        fixes.append(f"memory-reduced mode --mode {twin.name} (target KV {fmt_bytes(mem.target.kv_bytes)} "
+                     f"instead of {fmt_bytes(t.target.kv_bytes)})")
+    for s in dict.fromkeys(x.shape for x in reversed(tries)):
+        if (c := max_context(tgt, dft, req, budget, s)) > 0:
+            fixes.append(f"a smaller context: --context {c} (the largest that fits {s.name})")
             break
-    if SHAPES[t.mode].keeps_rows and req.beams > 1 and (w := max_beams(tgt, dft, req, budget, t.mode)) > 0:
+    if t.shape.keeps_rows and req.beams > 1 and (w := max_beams(tgt, dft, req, budget, t.shape)) > 0:
         fixes.append(f"fewer beams: --beams {w}")
-    fixes += _smaller_weights(tgt, dft, req, budget, t.mode)
+    fixes += _smaller_weights(tgt, dft, req, budget, t.shape)
     if not fixes:
         need = [f"{fmt_bytes(t.vram - budget.vram_avail)} more VRAM" if t.vram > budget.vram_avail else "",
                 f"{fmt_bytes(t.ram - budget.ram_avail)} more RAM" if t.ram > budget.ram_avail else ""]
@@ -554,23 +526,25 @@ def _no_fit_message(tgt, dft, req: PlanRequest, budget: Budget, tries: list[_Try
     return head + ". To make it fit, use " + "; or ".join(fixes)
 
 
-def _smaller_weights(tgt, dft, req: PlanRequest, budget: Budget, mode: str) -> list[str]:
-    """Hints for a lighter dtype (PyTorch) or a smaller GGUF quant (llama.cpp), checked by re-planning."""
+def _smaller_weights(tgt, dft, req: PlanRequest, budget: Budget, shape: Shape) -> list[str]:
+    """Hints for a lighter dtype (a dequantising runtime) or a smaller GGUF quant (the others), checked by
+    re-planning."""
     out = []
-    if "pytorch" in (req.target_backend, req.draft_backend) and req.dtype == "float32":
-        if _try(tgt, dft, replace(req, dtype="bfloat16"), budget, mode).fits:
-            out.append("--dtype bfloat16 (halves PyTorch weights and KV)")
+    dequant = [RUNTIMES[b] for b in (req.target_backend, req.draft_backend) if RUNTIMES[b].dequantizes]
+    if dequant and req.dtype == "float32":
+        if _try(tgt, dft, replace(req, dtype="bfloat16"), budget, shape).fits:
+            out.append(f"--dtype bfloat16 (halves {dequant[0].label} weights and KV)")
     for role in ("target", "draft"):
         geo = tgt if role == "target" else dft
         backend = req.target_backend if role == "target" else req.draft_backend
-        if geo is None or backend != "llamacpp" or (role == "draft" and mode not in DRAFT_MODES):
+        if geo is None or RUNTIMES[backend].dequantizes or (role == "draft" and not shape.drafts):
             continue
         for quant, bpw in SMALLER_QUANTS:
             if bpw >= geo.bits_per_weight - 0.3:
                 continue
             small = geo.with_bits_per_weight(bpw, quant)
             pair = (small, dft) if role == "target" else (tgt, small)
-            if _try(*pair, req, budget, mode).fits:
+            if _try(*pair, req, budget, shape).fits:
                 out.append(f"a {quant} quant of the {role} (~{fmt_bytes(small.weight_bytes)} instead of "
                            f"{fmt_bytes(geo.weight_bytes)} at {geo.quant})")
                 break
@@ -639,8 +613,7 @@ def plan_hosts(geo: "ModelGeometry", workers: "list[tuple[str, int]]", *, contex
     embeddings, the output head (pinned to the host), the logits buffer and the draft on this machine."""
     n = geo.n_layers
     remote = max(0, n - max(0, host_layers))
-    req = PlanRequest(context=context, beams=max(1, rows))
-    held = _Held.of(geo, "target", replace(req, kv_type=kv_type))
+    held = _Held.of(geo, "target", RUNTIMES["llamacpp"], dtype="float32", kv_type=kv_type)  # RPC is llama.cpp's
     kv_layer = rows * context * held.kv_token_layer
     act = _activations(held, rows=rows, ctx=context, tree=0, elem=4)
     total = float(sum(max(f, 1) for _, f in workers)) or 1.0
@@ -657,7 +630,7 @@ def plan_hosts(geo: "ModelGeometry", workers: "list[tuple[str, int]]", *, contex
     out = []
     host = list(range(n - remote))
     w_host = sum(geo.layer_bytes[i] for i in host) + held.embed + held.head
-    need_host = w_host + len(host) * kv_layer + act + _llama_logits(held) + draft_bytes
+    need_host = w_host + len(host) * kv_layer + act + _host_logits(held) + draft_bytes
     out.append(HostShare("this machine", host[0] if host else None, host[-1] if host else None, w_host,
                          len(host) * kv_layer, need_host, host_free))
     for i, (name, free) in enumerate(workers):

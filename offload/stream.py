@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from offload.errors import BackendError
-from offload.plan import resident_mask
+from offload.runtimes import resident_mask
 
 _ALIGN_BYTES = 256  # every view in a flat buffer starts 256-byte aligned, like a fresh allocation
 

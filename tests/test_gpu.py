@@ -123,7 +123,8 @@ def test_modes_under_capped_vram():
     from backends.registry import ModelNotFound, resolve
     from offload.cost import pass_cost, profile
     from offload.geometry import read_geometry
-    from offload.plan import Budget, PlanRequest, parse_size, plan
+    from app.engine.planning import plan_request
+    from offload.plan import Budget, parse_size, plan
 
     try:
         paths = {role: resolve("qwen-coder", role=role) for role in ("target", "draft")}
@@ -137,8 +138,8 @@ def test_modes_under_capped_vram():
         import psutil
 
         budget = Budget(vram=cap, ram=psutil.virtual_memory().available, vram_reserve=256 << 20)
-        request = PlanRequest(context=1024, beams=4, gamma=3, mode="dsbd", target_backend="pytorch",
-                              draft_backend="pytorch", dtype="bfloat16")
+        request = plan_request("dsbd", draft=True, context=1024, beams=4, gamma=3, target_backend="pytorch",
+                               draft_backend="pytorch", dtype="bfloat16")
         geo = {r: read_geometry(p.path, name=p.name) for r, p in paths.items()}
         p = plan(geo["target"], geo["draft"], request, budget)  # dsbd has the largest KV of the modes run
         models = {}

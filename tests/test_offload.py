@@ -18,10 +18,11 @@ from backends.registry import ModelSpec
 from backends.base import ROOT, BackendError, Forest, Path
 from backends.pytorch.model import ModelArgs, init_random
 from backends.pytorch.runtime import PyTorchModel, model_info
-from offload.cost import HardwareProfile, assumed_stats, pass_cost, profile, project, read_bench
+from offload.cost import HardwareProfile, pass_cost, profile, project
 from offload.geometry import ModelGeometry, read_geometry
-from app.engine.planning import plan_for
-from offload.plan import GiB, MiB, Budget, PlanError, PlanRequest, parse_size, plan, resident_mask
+from app.engine.planning import assumed_stats, plan_for, plan_request, read_bench, shape
+from offload.plan import GiB, MiB, Budget, PlanError, PlanRequest, parse_size, plan
+from offload.runtimes import resident_mask
 from offload.stream import LayerStreamer, offload_model
 
 ARGS = ModelArgs(arch="llama", vocab_size=97, dim=64, n_layers=5, n_heads=4, n_kv_heads=2, hidden_dim=96,
@@ -37,6 +38,15 @@ def synthetic(n_layers=10, layer=100 * MiB, params=None, name="t", vocab=1000, k
                          n_ctx_train=32768, layer_bytes=(layer,) * n_layers, layer_params=(p,) * n_layers,
                          embed_bytes=50 * MiB, embed_params=50 * MiB, head_bytes=50 * MiB, head_params=50 * MiB,
                          tied_embeddings=False)
+
+
+def request(mode: str = "auto", *, draft: bool = True, **numbers) -> PlanRequest:
+    """A plan request as the app builds it: the modes as shapes read from app.config.MODE_FACTS."""
+    return plan_request(mode, draft=draft, **numbers)
+
+
+def with_mode(req: PlanRequest, mode: str) -> PlanRequest:
+    return replace(req, shapes=(shape(mode),))
 
 
 # ---------------------------------------------------------------- sizes and geometry
@@ -110,8 +120,8 @@ def test_resident_mask_spreads_streamed_layers():
 
 def test_kv_accounting_follows_spec_section_9():
     t, d = synthetic(), synthetic(n_layers=4, layer=10 * MiB, name="d")
-    req = PlanRequest(context=4096, beams=4, gamma=3, target_backend="pytorch", draft_backend="pytorch",
-                      dtype="bfloat16")
+    req = request(context=4096, beams=4, gamma=3, target_backend="pytorch", draft_backend="pytorch",
+                  dtype="bfloat16")
     p = plan(t, d, req, Budget(vram=64 * GiB, ram=64 * GiB))
     b = 2 * 10 * 2 * 64 * 2  # 2 x layers x kv_heads x head_dim x bf16
     assert p.target.kv_bytes_per_token == b
@@ -123,7 +133,7 @@ def test_kv_accounting_follows_spec_section_9():
 
 def test_pytorch_streams_what_does_not_fit():
     t = synthetic(n_layers=10, layer=100 * MiB, params=50 * MiB)  # bf16: 100 MiB per layer on the GPU
-    req = PlanRequest(context=1024, beams=1, mode="sample", target_backend="pytorch", dtype="bfloat16", ring=2)
+    req = request("sample", draft=False, context=1024, beams=1, target_backend="pytorch", dtype="bfloat16", ring=2)
     whole = plan(t, None, req, Budget(vram=64 * GiB, ram=64 * GiB))
     fixed = whole.target.vram_bytes - 10 * 100 * MiB  # embeddings, head, KV, activations
     budget = Budget(vram=fixed + 6 * 100 * MiB + 512 * MiB + MiB, ram=64 * GiB)  # room for 6 layers
@@ -135,7 +145,7 @@ def test_pytorch_streams_what_does_not_fit():
 
 def test_llamacpp_n_gpu_layers():
     t = synthetic(n_layers=10, layer=100 * MiB)
-    req = PlanRequest(context=512, beams=1, mode="sample")
+    req = request("sample", draft=False, context=512, beams=1)
     all_in = plan(t, None, req, Budget(vram=64 * GiB, ram=64 * GiB))
     assert all_in.target.n_gpu_layers == 11 and all_in.target.cpu_layers == 0  # + the output layer
     cpu = plan(t, None, req, Budget(vram=0, ram=64 * GiB))
@@ -148,7 +158,7 @@ def test_llamacpp_n_gpu_layers():
 
 def test_auto_falls_back_to_memory_mode():
     t, d = synthetic(kv_heads=8, head_dim=128), synthetic(n_layers=4, layer=10 * MiB, name="d")
-    req = PlanRequest(context=8192, beams=8, target_backend="pytorch", draft_backend="pytorch", dtype="bfloat16")
+    req = request(context=8192, beams=8, target_backend="pytorch", draft_backend="pytorch", dtype="bfloat16")
     full = plan(t, d, req, Budget(vram=64 * GiB, ram=64 * GiB))
     assert full.mode == "dsbd" and full.target.streamed_layers == 0
     # Full mode's KV would push layers off the GPU (it still fits, streaming): memory mode keeps them resident.
@@ -156,31 +166,31 @@ def test_auto_falls_back_to_memory_mode():
     p = plan(t, d, req, roomy)
     assert p.mode == "dsbd-mem" and p.dsbd_full_fits and p.target.kv_rows == 1 and p.target.streamed_layers == 0
     assert "dsbd full mode would read" in p.notes[0] and "outside VRAM" in p.notes[0]
-    assert plan(t, d, replace(req, mode="dsbd"), roomy).target.streamed_layers > 0
+    assert plan(t, d, with_mode(req, "dsbd"), roomy).target.streamed_layers > 0
     # Full mode's KV alone exceeds the GPU: only memory mode fits.
     tight = Budget(vram=full.vram_bytes - full.kv_full_bytes + full.kv_mem_bytes + 10 * MiB, ram=64 * GiB)
     p = plan(t, d, req, tight)
     assert p.mode == "dsbd-mem" and p.dsbd_full_fits is False and 1 <= p.max_beams < 8 and p.max_context >= 8192
     with pytest.raises(PlanError, match="--mode dsbd-mem"):
-        plan(t, d, replace(req, mode="dsbd"), tight)
+        plan(t, d, with_mode(req, "dsbd"), tight)
 
 
 def test_max_context_and_max_beams_are_tight():
     t, d = synthetic(), synthetic(n_layers=4, layer=10 * MiB, name="d")
-    req = PlanRequest(context=2048, beams=4)
+    req = request(context=2048, beams=4)
     budget = Budget(vram=0, ram=4 * GiB)
     p = plan(t, d, req, budget)
     more = replace(req, context=p.max_context + 256)
     assert plan(t, d, replace(req, context=p.max_context), budget).mode == p.mode
     with pytest.raises(PlanError):
-        plan(t, d, replace(more, mode=p.mode), budget)
+        plan(t, d, with_mode(more, p.mode), budget)
     with pytest.raises(PlanError):
-        plan(t, d, replace(req, mode="dsbd", beams=p.max_beams + 1), budget)
+        plan(t, d, replace(with_mode(req, "dsbd"), beams=p.max_beams + 1), budget)
 
 
 def test_no_fit_error_says_what_would_fit():
     t, d = synthetic(), synthetic(n_layers=4, layer=10 * MiB, name="d")
-    req = PlanRequest(context=32768, beams=8)
+    req = request(context=32768, beams=8)
     with pytest.raises(PlanError) as e:
         plan(t, d, req, Budget(vram=0, ram=4 * GiB))
     msg = str(e.value)
@@ -189,12 +199,12 @@ def test_no_fit_error_says_what_would_fit():
     c = int(msg.split("--context ")[1].split(" ")[0])
     assert 0 < c < 32768 and plan(t, d, replace(req, context=c), Budget(vram=0, ram=4 * GiB))
     with pytest.raises(PlanError, match=r"a Q\d_K\w* quant of the target"):  # 8-bit weights: a smaller quant fits
-        plan(t, d, PlanRequest(context=512, beams=1), Budget(vram=0, ram=2 * GiB + 700 * MiB))
+        plan(t, d, request(context=512, beams=1), Budget(vram=0, ram=2 * GiB + 700 * MiB))
     with pytest.raises(PlanError, match="--dtype bfloat16"):
-        plan(synthetic(params=100 * MiB), None, PlanRequest(context=512, beams=1, target_backend="pytorch"),
+        plan(synthetic(params=100 * MiB), None, request(draft=False, context=512, beams=1, target_backend="pytorch"),
              Budget(vram=0, ram=2 * GiB + 3 * GiB))
     with pytest.raises(PlanError, match="Free .* more RAM"):
-        plan(t, d, PlanRequest(context=512, beams=1), Budget(vram=0, ram=2 * GiB + 10 * MiB))
+        plan(t, d, request(context=512, beams=1), Budget(vram=0, ram=2 * GiB + 10 * MiB))
 
 
 def test_plan_for_specs_and_detected_budget():
@@ -210,13 +220,13 @@ def test_plan_for_specs_and_detected_budget():
 
 def test_plan_is_printable_and_serialisable():
     t, d = synthetic(), synthetic(n_layers=4, layer=10 * MiB, name="d")
-    p = plan(t, d, PlanRequest(), Budget(vram=8 * GiB, ram=32 * GiB))
+    p = plan(t, d, request(), Budget(vram=8 * GiB, ram=32 * GiB))
     text = p.format()
     assert "mode: dsbd" in text and "n_gpu_layers" in text and "max context" in text
     back = json.loads(json.dumps(p.as_dict()))
     assert back["target"]["n_gpu_layers"] == 11 and back["budget"]["vram"] == 8 * GiB
     with pytest.raises(PlanError, match="draft beams"):
-        plan(t, d, PlanRequest(beams=4, draft_beams=3), Budget(vram=0, ram=32 * GiB))
+        plan(t, d, request(beams=4, draft_beams=3), Budget(vram=0, ram=32 * GiB))
 
 
 # ---------------------------------------------------------------- streaming (CPU path)
@@ -294,7 +304,7 @@ def test_streamed_equals_resident_tiny_gguf(tiny_gguf_path):
 
 def test_pass_cost_roofline_and_overlap():
     t = synthetic(n_layers=10, layer=100 * MiB, params=50 * MiB)
-    req = PlanRequest(context=1024, beams=1, mode="sample", target_backend="pytorch", dtype="bfloat16")
+    req = request("sample", draft=False, context=1024, beams=1, target_backend="pytorch", dtype="bfloat16")
     budget = Budget(vram=int(1.2 * GiB), ram=64 * GiB)
     p = plan(t, None, req, budget).target
     assert p.streamed_layers > 0
@@ -318,29 +328,31 @@ def test_bench_file_and_projection(tmp_path):
     }
     f = tmp_path / "bench.json"
     f.write_text(json.dumps(bench))
-    stats = {s.label: s for s in read_bench(f)}
+    stats = {s.label: s for s in read_bench(f, request())}
     assert stats["dsbd:gamma=2"].tokens_per_target_pass == pytest.approx(2.5)
-    assert stats["dsbd:gamma=2"].gamma == 2 and stats["dsbd:gamma=2"].draft_passes_per_target_pass == 2
-    assert stats["sps"].draft_beams == 1 and stats["beam-sample"].draft_passes_per_target_pass == 0
+    assert stats["dsbd:gamma=2"].request.gamma == 2 and stats["dsbd:gamma=2"].draft_passes_per_target_pass == 2
+    assert stats["sps"].request.draft_beams == 1 and stats["beam-sample"].draft_passes_per_target_pass == 0
     t, d = synthetic(), synthetic(n_layers=4, layer=10 * MiB, name="d")
     hw = profile("rtx3060-12gb")
-    rows = {r.label: r for r in project(t, d, PlanRequest(), Budget(vram=12 * GiB, ram=64 * GiB), hw,
+    rows = {r.label: r for r in project(t, d, Budget(vram=12 * GiB, ram=64 * GiB), hw,
                                         list(stats.values()))}
     r = rows["dsbd:gamma=2"]
     assert r.fits and r.target_tokens == 4 + 5 * 2
     assert r.tokens_per_s == pytest.approx(2.5 / (r.target_pass_ms + 2 * r.draft_pass_ms) * 1e3)
     assert r.as_dict()["kind"] == "projection"
-    tight = project(t, d, PlanRequest(), Budget(vram=0, ram=2 * GiB + 300 * MiB), hw, list(stats.values()))
+    tight = project(t, d, Budget(vram=0, ram=2 * GiB + 300 * MiB), hw, list(stats.values()))
     assert not any(x.fits for x in tight) and "does not fit" in tight[0].why
     with pytest.raises(PlanError, match="summary"):
         (tmp_path / "bad.json").write_text("[1]")
-        read_bench(tmp_path / "bad.json")
+        read_bench(tmp_path / "bad.json", request())
 
 
 def test_assumed_stats_and_profiles():
-    s = assumed_stats("sps", beams=4, draft_beams=5, gamma=3, acceptance=0.5)
-    assert s.tokens_per_target_pass == pytest.approx(1 + 0.5 + 0.25 + 0.125) and (s.beams, s.draft_beams) == (1, 1)
-    assert assumed_stats("beam-sample", beams=4, draft_beams=5, gamma=3).tokens_per_target_pass == 1
+    base = request(beams=4, draft_beams=5, gamma=3)
+    s = assumed_stats("sps", base, acceptance=0.5)
+    assert s.tokens_per_target_pass == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert (s.request.beams, s.request.draft_beams, s.target_tokens, s.draft_tokens) == (1, 1, 4, (1, 1, 1))
+    assert assumed_stats("beam-sample", base).tokens_per_target_pass == 1
     assert profile("cpu-only").vram_gb == 0 and profile(h2d_gbps=1, tflops=2, mem_gbps=3).name == "custom"
     with pytest.raises(PlanError, match="unknown hardware profile"):
         profile("rtx9090")

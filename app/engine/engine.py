@@ -11,11 +11,12 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Iterator, Sequence
 
 from backends.base import BackendError, ContextFull, OutOfMemory
 from backends.unique import CountingContext, UniquePaths
+from offload.runtimes import RUNTIMES
 
 from app.chat import encode_chat
 from app.config import MODE_FACTS, ConfigError, DecodeParams
@@ -23,26 +24,11 @@ from backends.registry import ModelSpec
 from app.decoding import decoder, derive_seed
 from app.decoding.beams import Stopper
 from app.decoding.metrics import Metrics
-from app.engine.interface import ModelEngine, PromptTooLong
+from app.engine.interface import Event, ModelEngine, PromptTooLong
 from app.engine.learned import Learned, entry_key, model_key
 from app.engine.timing import TIMED, cost_profile
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Event:
-    """What a client sees: the stable text so far, then the final text and stats."""
-
-    text: str
-    tokens: int  # tokens final so far
-    live_beams: int  # > 1: "deciding between N beams"
-    done: bool = False
-    stats: dict | None = None
-    forest: dict | None = None
-    error: str | None = None
-    notice: str | None = None  # the engine changed the request to fit memory (first and last event)
-    segments: list | None = None  # last event of a drafted mode: [(text, from the draft?)] covering `text`
 
 
 class Engine(ModelEngine):
@@ -168,9 +154,10 @@ class Engine(ModelEngine):
 
     # -- contexts ------------------------------------------------------------------------------
     def _context(self, role: str, rows: int, cells: int):
-        """A context with >= rows rows; llama.cpp's unified cache also needs >= cells KV cells in all."""
+        """A context with >= rows rows; a unified cache (llama.cpp's) also needs >= cells KV cells in all."""
         model = self.target if role == "target" else self.draft
-        unified = model.info.backend == "llamacpp"
+        facts = RUNTIMES.get(model.info.backend)  # None: a model outside the runtime table (a reference model)
+        unified = facts is not None and facts.unified_kv
         size = max(self.n_ctx, -(-cells // 512) * 512) if unified else self.n_ctx
         have = self._ctx.get(role)
         if have is not None and have[0] >= rows and have[2] >= size:
@@ -493,8 +480,7 @@ def memory_plan(target: ModelSpec, draft: ModelSpec | None, *, budget=None):
         log.info("no memory plan for %s: its layers go to the RPC workers %s", target.source, ", ".join(target.rpc))
         return None
     try:
-        return plan_for(target, draft, DecodeParams(mode="dsbd" if draft is not None else "beam-sample"),
-                        budget=budget)
+        return plan_for(target, draft, budget=budget)
     except PlanError:
         raise
     except Exception as e:  # the plan is advice; a model it cannot size still loads
@@ -503,13 +489,14 @@ def memory_plan(target: ModelSpec, draft: ModelSpec | None, *, budget=None):
 
 
 def load_planned(spec: ModelSpec, role: str, plan):
-    """Load one model as `plan` places it: llama.cpp's n_gpu_layers, or PyTorch layers streamed to the GPU."""
+    """Load one model as `plan` places it: its n_gpu_layers (llama.cpp), or its layers streamed to the GPU
+    (a streaming runtime: PyTorch)."""
     from backends.registry import load_model
 
     place = None if plan is None else (plan.target if role == "target" else plan.draft)
     if place is None:
         return load_model(spec, role=role)
-    if place.runtime == "llamacpp":
+    if not RUNTIMES[place.runtime].streams_layers:
         if spec.n_gpu_layers is None:
             spec = replace(spec, n_gpu_layers=place.n_gpu_layers or 0)
         return load_model(spec, role=role)

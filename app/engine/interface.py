@@ -1,4 +1,4 @@
-"""The one engine interface the edges (CLI, API, UI, compare) program against, and the engine's typed errors.
+"""The one engine interface the edges (CLI, API, UI, compare) program against, its events and typed errors.
 
 `Engine` runs the models in this process; `WorkerEngine` runs an `Engine` in a supervised child and forwards
 the same calls. Both subclass `ModelEngine`, so an edge never knows which one it holds.
@@ -8,14 +8,29 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from app.config import ConfigError, DecodeParams
 from backends.base import BackendError
 
 if TYPE_CHECKING:
-    from app.engine.engine import Event
     from backends.registry import ModelSpec
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a client sees: the stable text so far, then the final text and stats."""
+
+    text: str
+    tokens: int  # tokens final so far
+    live_beams: int  # > 1: "deciding between N beams"
+    done: bool = False
+    stats: dict | None = None
+    forest: dict | None = None
+    error: str | None = None
+    notice: str | None = None  # the engine changed the request to fit memory (first and last event)
+    segments: list | None = None  # last event of a drafted mode: [(text, from the draft?)] covering `text`
 
 
 class PromptTooLong(ConfigError):
@@ -81,11 +96,11 @@ class ModelEngine(ABC):
 
     @abstractmethod
     def generate(self, prompt: Sequence[int], params: DecodeParams, *,
-                 cancel: threading.Event | None = None) -> Iterator["Event"]:
+                 cancel: threading.Event | None = None) -> Iterator[Event]:
         """Stream one completion of `prompt`; raises ConfigError / PromptTooLong before any work."""
 
     def chat(self, messages: list[dict], params: DecodeParams, *,
-             cancel: threading.Event | None = None) -> Iterator["Event"]:
+             cancel: threading.Event | None = None) -> Iterator[Event]:
         return self.generate(self.encode(messages), params, cancel=cancel)
 
     @abstractmethod

@@ -1,19 +1,52 @@
 """Memory plans for model specs: resolve the files (backends.registry), read their headers (offload.geometry)
-and hand the planner plain numbers. One function per question, whichever edge asks (engine load, the Models
-tab, `dsbd-chat plan`); no weights are read."""
+and hand the planner plain facts: each decoding mode as a `Shape` read from app.config.MODE_FACTS, the app's
+limits, what to price. One function per question, whichever edge asks (engine load, the Models tab,
+`dsbd-chat plan`); no weights are read."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
-from app.config import ACCEPTANCE_PRIOR, DecodeParams
+from app.config import ACCEPTANCE_PRIOR, MAX_BEAMS, MAX_GAMMA, MODE_FACTS, DecodeParams, Mode
 from backends.registry import ModelSpec, resolve
-from offload.cost import PlanReport, plan_report
+from offload.cost import ModeStats, PlanReport, project
 from offload.cost import profile as hardware_profile
 from offload.geometry import ModelGeometry, read_geometry
-from offload.plan import GiB, Budget, Plan, PlanError, PlanRequest, parse_size, plan
+from offload.plan import GiB, Budget, Plan, PlanError, PlanRequest, Shape, parse_size, plan
 
-__all__ = ["Budget", "PlanError", "PlanRequest", "budget_for", "geometries", "parse_size", "plan_for", "plan_models"]
+__all__ = ["Budget", "PlanError", "PlanRequest", "budget_for", "geometries", "parse_size", "plan_for", "plan_models",
+           "plan_request", "shape"]
+
+# The mode whose fit and most beams a plan reports, and auto's first choice (beside its memory twin): full-mode
+# DSBD with a draft, beam sampling without one.
+FULL_MODE = {True: "dsbd", False: "beam-sample"}
+PROJECTED_MODES = ("sample", "beam-sample", "sps", "dsbd", "dsbd-mem")  # `plan --profile` without a bench file
+
+
+def shape(mode: str) -> Shape:
+    """A mode as the planner sees it, read from its row of MODE_FACTS."""
+    f = MODE_FACTS[mode]
+    return Shape(mode, keeps_rows=f.keeps_rows, drafts=f.uses_draft,
+                 memory_twin=shape(f.memory_twin) if f.memory_twin else None)
+
+
+def _shapes(mode: str, full: Shape) -> tuple[Shape, ...]:
+    """The modes a plan for `mode` tries: auto, the full mode and its memory twin; any other, itself."""
+    if mode == "auto":
+        return (full, full.memory_twin) if full.memory_twin else (full,)
+    concrete = [m for m, f in MODE_FACTS.items() if f.concrete]
+    if mode not in concrete:
+        raise PlanError(f"unknown mode {mode!r}; choose auto or one of: {', '.join(concrete)}")
+    return (shape(mode),)
+
+
+def plan_request(mode: str = "auto", *, draft: bool, **numbers) -> PlanRequest:
+    """The planner's request for `mode`, with or without a draft model; `numbers` are PlanRequest's (context,
+    beams, draft_beams, gamma, runtimes, dtype, kv_type, ring)."""
+    full = shape(FULL_MODE[draft])
+    return PlanRequest(_shapes(mode, full), full, beam_limit=MAX_BEAMS, gamma_limit=MAX_GAMMA, **numbers)
 
 
 def geometries(target: ModelSpec, draft: ModelSpec | None) -> tuple[tuple[ModelGeometry, ModelGeometry | None],
@@ -29,9 +62,9 @@ def request_for(target: ModelSpec, draft: ModelSpec | None, params: DecodeParams
                 mode: str = "auto", ring: int = 2) -> PlanRequest:
     """The planner's request for these specs and decoding settings (defaults: DecodeParams')."""
     p = params or DecodeParams()
-    return PlanRequest(context=target.n_ctx, mode=mode, ring=ring, beams=p.beams, draft_beams=p.draft_beams,
-                       gamma=p.gamma, target_backend=target.backend,
-                       draft_backend=draft.backend if draft is not None else "llamacpp", dtype=target.dtype)
+    runtimes = {"target_backend": target.backend} | ({"draft_backend": draft.backend} if draft is not None else {})
+    return plan_request(mode, draft=draft is not None, context=target.n_ctx, ring=ring, beams=p.beams,
+                        draft_beams=p.draft_beams, gamma=p.gamma, dtype=target.dtype, **runtimes)
 
 
 def budget_for(device: str = "cuda") -> Budget:
@@ -53,7 +86,8 @@ def plan_models(target: ModelSpec, draft: ModelSpec | None, request: PlanRequest
                 h2d_gbps: float | None = None, tflops: float | None = None, mem_gbps: float | None = None,
                 bench_json: str | None = None, acceptance: float = ACCEPTANCE_PRIOR) -> PlanReport:
     """`dsbd-chat plan`: the budget (explicit numbers, else a named profile's VRAM, else detected), the plan
-    and, with a hardware profile (named or custom numbers), projected speeds."""
+    and, with a hardware profile (named or custom numbers), projected speeds: of each mode in a bench file
+    at its measured acceptance, else of PROJECTED_MODES at the assumed `acceptance`."""
     hw = None
     if profile or any(x is not None for x in (h2d_gbps, tflops, mem_gbps)):
         hw = hardware_profile(profile, h2d_gbps=h2d_gbps, tflops=tflops, mem_gbps=mem_gbps)
@@ -64,6 +98,96 @@ def plan_models(target: ModelSpec, draft: ModelSpec | None, request: PlanRequest
     budget = Budget.detect(vram=vram, ram=ram, device=device if device.startswith("cuda") else "cuda", **kw)
     source = (f"VRAM {'profile ' + profile if from_profile else 'explicit' if vram is not None else 'detected'}, "
               f"RAM {'explicit' if ram is not None else 'detected'}")
+    budget = replace(budget, source=source)
     (tgt, dft), paths = geometries(target, draft)
-    return plan_report(tgt, dft, request, replace(budget, source=source), hardware=hw, bench_json=bench_json,
-                       acceptance=acceptance, paths=paths)
+    report = PlanReport(tgt, dft, plan(tgt, dft, request, budget), paths=paths)
+    if hw is None:
+        return report
+    base = request.validated()
+    stats = read_bench(bench_json, base) if bench_json else \
+        [assumed_stats(m, base, acceptance=acceptance) for m in PROJECTED_MODES]
+    return replace(report, hardware=hw, projections=tuple(project(tgt, dft, budget, hw, stats)))
+
+
+# ---------------------------------------------------------------- what `plan` projects
+
+
+def _facts(mode: str) -> Mode:
+    """A label's mode facts; a label no concrete mode has (auto, in a bench file) prices as one row, like greedy."""
+    f = MODE_FACTS.get(mode)
+    return f if f is not None and f.concrete else MODE_FACTS["greedy"]
+
+
+def _priced(mode: str, label: str, base: PlanRequest, *, w: int, ws: int, g: int, tau: float, d: float,
+            source: str, distinct: float | None = None, draft_distinct: float | None = None) -> ModeStats:
+    """A setting to project: `base`'s runtimes and context at this mode, W, W_S and gamma; its passes' tokens
+    from the mode's facts, or the distinct tokens per pass a bench file measured."""
+    f = _facts(mode)
+    ws = max(ws, w)
+    n_t, n_d = f.target_tokens(w, ws, g)
+    if distinct:  # the bench's distinct tokens per pass replace the forest's full size
+        n_t = max(1, round(distinct))
+    if draft_distinct and n_d:
+        n_d = [max(1, round(draft_distinct))] * len(n_d)
+    request = replace(base, shapes=_shapes(mode, base.full), beams=w, draft_beams=ws, gamma=g)
+    return ModeStats(mode, label, request, f.uses_draft, n_t, tuple(n_d), tau, d, source)
+
+
+def assumed_stats(mode: str, base: PlanRequest, *, acceptance: float | None = None) -> ModeStats:
+    """`mode` at `base`'s W, W_S and gamma: tau = (1 - a^(gamma+1)) / (1 - a) for draft modes (standard
+    speculative sampling) with d = gamma, 1 otherwise; a draft mode needs the assumed acceptance a."""
+    f = _facts(mode)
+    if not f.uses_draft:
+        w = base.beams if f.beams else 1
+        return _priced(mode, mode, base, w=w, ws=w, g=0, tau=1.0, d=0.0, source="1 token/pass")
+    if acceptance is None:
+        raise PlanError(f"{mode} needs an assumed acceptance (or a bench file) to project its speed")
+    a = min(max(acceptance, 0.0), 0.999)
+    tau = (1 - a ** (base.gamma + 1)) / (1 - a)
+    w, ws = (1, 1) if f.verifier == "sps" else (base.beams, base.draft_beams)
+    return _priced(mode, mode, base, w=w, ws=ws, g=base.gamma, tau=tau, d=float(base.gamma),
+                   source=f"assumed a={acceptance:g}")
+
+
+def read_bench(path: str | Path, base: PlanRequest) -> list[ModeStats]:
+    """Each mode of `dsbd-chat bench --json FILE` output (or its printed summary) at its measured acceptance
+    (tau = 1 / target_passes_per_token, d = draft_passes / target_passes of its runs), W, W_S and gamma
+    (`base`'s where the file does not say)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise PlanError(f"cannot read bench file {path}: {e}") from e
+    summary = data.get("summary", data) if isinstance(data, dict) else None
+    if not isinstance(summary, dict) or not summary:
+        raise PlanError(f"{path}: expected `dsbd-chat bench --json` output (an object with a 'summary' per mode)")
+    config = data.get("config", {}).get("base", {}) if "summary" in data else {}
+    runs = data.get("runs", []) if "summary" in data else []
+    out = []
+    for label, s in summary.items():
+        mode, _, opts = label.partition(":")
+        kw = {k: config.get(k) for k in ("beams", "draft_beams", "gamma")}
+        for item in filter(None, opts.split(",")):
+            key, _, value = item.partition("=")
+            kw[key.strip().replace("-", "_")] = value
+        f = _facts(mode)
+        w = int(kw.get("beams") or base.beams) if f.beams else 1  # one row otherwise
+        g = int(kw.get("gamma") if kw.get("gamma") is not None else base.gamma)
+        ws = kw.get("draft_beams")
+        ws = 1 if f.verifier == "sps" else int(ws) if ws is not None else base.draft_beams or w + 1  # sps: a chain
+        try:
+            per_token = float(s["target_passes_per_token"])
+            tau = 1 / per_token if per_token > 0 else float(s["steps_per_target_pass"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"{path}: mode {label!r} lacks target_passes_per_token / steps_per_target_pass") from e
+        mine = [r["stats"] for r in runs if r.get("mode") == label and isinstance(r.get("stats"), dict)]
+        target = sum(r.get("target_passes", 0) for r in mine)
+        d = sum(r.get("draft_passes", 0) for r in mine) / target if target else \
+            (float(g) if f.uses_draft else 0.0)
+        try:
+            out.append(_priced(mode, label, base, w=w, ws=ws, g=g, tau=tau, d=d, source="bench",
+                               distinct=s.get("distinct_tokens_per_pass"),
+                               draft_distinct=s.get("draft_distinct_tokens_per_pass")))
+        except PlanError as e:
+            raise PlanError(f"{path}: {e}") from None
+    return out

@@ -15,11 +15,10 @@ from backends.llamacpp import probe
 from backends.llamacpp._native import ModelHandle, check_gguf_header, default_threads, take_errors
 from backends.llamacpp.layout import LayoutU
 from backends.llamacpp.tokenizer import GGUFTokenizer
+from offload.runtimes import KV_TYPE_BYTES, RUNTIMES
 
-LLAMA_MAX_SEQ = 256  # llama.cpp's compile-time bound on sequence ids
-DEFAULT_BATCH = 512  # tokens per llama_decode; bounds the forest size (compute buffer grows with it)
+_LIMITS = RUNTIMES["llamacpp"]  # n_batch (tokens per llama_decode) and the sequence ids llama.cpp compiles in
 _KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type ids
-_KV_BYTES = {"f32": 4, "f16": 2}
 _DECODE_ERRORS = {1: "no free KV cell for the batch", 2: "aborted", -1: "invalid batch"}
 
 
@@ -64,7 +63,7 @@ class LlamaModel(Closing):
         self._contexts: weakref.WeakSet[LlamaContext] = weakref.WeakSet()
 
     def context(self, *, rows: int, max_tokens: int, n_batch: int | None = None,
-                max_seqs: int = LLAMA_MAX_SEQ, kv_type: str | None = None,
+                max_seqs: int = _LIMITS.max_seqs, kv_type: str | None = None,
                 flash_attn: bool = False) -> "LlamaContext":
         """A context for `rows` committed rows sharing `max_tokens` KV cells (prefixes stored once).
 
@@ -72,7 +71,7 @@ class LlamaModel(Closing):
         sequence ids (rows + forest branch points), at most 256; kv_type defaults to the model's.
         flash_attn=True trades exactness for nothing measurable on CPU (see LlamaContext).
         """
-        ctx = LlamaContext(self, rows=rows, max_tokens=max_tokens, n_batch=n_batch or min(max_tokens, DEFAULT_BATCH),
+        ctx = LlamaContext(self, rows=rows, max_tokens=max_tokens, n_batch=n_batch or min(max_tokens, _LIMITS.batch),
                            max_seqs=max_seqs, kv_type=kv_type or self.kv_type, flash_attn=flash_attn)
         self._contexts.add(ctx)
         return ctx
@@ -96,7 +95,7 @@ def _model_info(h: ModelHandle, kv_type: str, repack: probe.Verdict) -> ModelInf
         vocab_size=ll.llama_vocab_n_tokens(h.vocab),
         n_ctx_train=ll.llama_model_n_ctx_train(m),
         n_layers=n_layer,
-        kv_bytes_per_token=n_layer * n_head_kv * (head_k + head_v) * _KV_BYTES[kv_type],  # K and V
+        kv_bytes_per_token=n_layer * n_head_kv * (head_k + head_v) * KV_TYPE_BYTES[kv_type],  # K and V
         weight_bytes=h.path.stat().st_size,
         extra={"path": str(h.path), "arch": arch, "n_embd": n_embd, "n_head": n_head, "n_head_kv": n_head_kv,
                "head_dim": head_k, "kv_type": kv_type, "n_params": ll.llama_model_n_params(m),
@@ -128,7 +127,7 @@ class LlamaContext(Closing):
             raise ValueError(f"kv_type must be one of {sorted(_KV_TYPES)}, got {kv_type!r}")
         if rows < 1 or max_tokens < 1 or n_batch < 1:
             raise ValueError(f"rows, max_tokens and n_batch must be >= 1, got {rows}, {max_tokens}, {n_batch}")
-        n_seq = min(max_seqs, LLAMA_MAX_SEQ)
+        n_seq = min(max_seqs, _LIMITS.max_seqs)
         if rows > n_seq:
             raise ContextFull(f"{rows} rows need {rows} sequence ids; llama.cpp allows at most {n_seq}")
         self._model = model  # keeps the weights alive while this context exists
@@ -161,7 +160,7 @@ class LlamaContext(Closing):
         self._mem = _Memory(ctx)
         self._vocab = model.info.vocab_size
         self._layout = LayoutU(n_seq=n_seq, max_rows=rows, n_vocab=self._vocab)
-        self._bytes_per_cell = model.info.kv_bytes_per_token * _KV_BYTES[kv_type] // _KV_BYTES[model.kv_type]
+        self._bytes_per_cell = model.info.kv_bytes_per_token * KV_TYPE_BYTES[kv_type] // KV_TYPE_BYTES[model.kv_type]
 
     # -- protocol --------------------------------------------------------------------------------------
     @property

@@ -17,6 +17,7 @@ import torch
 
 from backends.base import ROOT, BackendError, Closing, ContextFull, Forest, Logits, ModelInfo, OutOfMemory, Path
 from backends.pytorch.model import KVCache, Transformer
+from offload.runtimes import RUNTIMES
 
 
 def _typed_oom(fn):
@@ -42,7 +43,7 @@ class _Node:
 class PyTorchContext(Closing):
     """Static-KV context: `max_rows` rows x `max_tokens` slots (+1 scratch slot for padded queries)."""
 
-    prefill_chunk = 256  # prompt tokens per forward; bounds the [q, slots] mask and activations
+    prefill_chunk = RUNTIMES["pytorch"].batch  # prompt tokens per forward; bounds the [q, slots] mask and activations
 
     def __init__(
         self,

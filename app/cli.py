@@ -100,7 +100,7 @@ def _rpc_endpoints(a) -> tuple[str, ...]:
     """--rpc as normalised endpoints; an install without RPC support says how to rebuild it."""
     if not getattr(a, "rpc", None):
         return ()
-    from backends.registry import require_rpc
+    from backends.host import require_rpc
     from backends.remote import parse_endpoints
 
     endpoints = parse_endpoints(a.rpc)
@@ -173,7 +173,8 @@ def _aggregate(completions: list[dict]) -> dict:
 
 
 def cmd_models(a) -> int:
-    from backends.registry import cpu_report, format_models_table, list_models
+    from backends.host import cpu_report
+    from backends.presets import format_models_table, list_models
 
     rows = list_models()
     cpu = cpu_report()
@@ -191,7 +192,7 @@ def cmd_models(a) -> int:
 def _worker_rows(endpoints) -> list[dict]:
     if not endpoints:
         return []
-    from backends.registry import rpc_devices
+    from backends.host import rpc_devices
 
     return rpc_devices(endpoints)
 
@@ -374,7 +375,8 @@ def _rpc_hosts(target: ModelSpec, draft: ModelSpec | None, a):
     """`plan --rpc`: memory per machine, from what each worker reports free."""
     import psutil
 
-    from backends.registry import resolve, rpc_devices
+    from backends.host import rpc_devices
+    from backends.registry import resolve
     from offload.geometry import read_geometry
     from offload.plan import plan_hosts
 
@@ -391,7 +393,7 @@ def _rpc_hosts(target: ModelSpec, draft: ModelSpec | None, a):
 def cmd_rpc_worker(a) -> int:
     """Serve this machine's devices to one dsbd-chat (its target's layers) over llama.cpp's RPC protocol."""
     from backends import remote
-    from backends.registry import require_rpc, serve_rpc
+    from backends.host import require_rpc, serve_rpc
 
     if a.threads is not None and a.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {a.threads}")

@@ -147,7 +147,7 @@ class Engine(ModelEngine):
             d |= {"draft": self.draft.info.name, "draft_backend": self.draft.info.backend}
         repack = {m.info.extra.get("weight_repack") for m in (self.target, self.draft) if m is not None} - {None}
         if repack:  # llama.cpp: whether the weight repack runs (off where it crashes, e.g. AMX)
-            from backends.registry import cpu_summary
+            from backends.host import cpu_summary
 
             d["cpu"] = f"{cpu_summary()}; " + "; ".join(sorted(repack))
         if where := self.target.info.extra.get("placement"):  # an RPC target: which machine holds what

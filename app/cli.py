@@ -281,7 +281,9 @@ def cmd_bench(a) -> int:
     finally:
         engine.close()
     if a.plot:
-        bench.plot(result, Path(a.plot))
+        from app.compare.report import plot_bench
+
+        plot_bench(result, Path(a.plot))
     print(json.dumps(result["summary"], indent=2))
     return 0
 

@@ -7,7 +7,6 @@ test_llamacpp (the same tolerance), the end-to-end paths on the real `tiny` pres
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -23,6 +22,7 @@ from app.config import DecodeParams
 from backends.base import BackendError
 from backends.llamacpp import rpc
 from backends.registry import ModelSpec, SpecError
+from helpers import free_port
 
 ROOT_DIR = Path(__file__).resolve().parent.parent
 WORKER_LIFETIME_S = 900
@@ -44,12 +44,6 @@ _WORKER = textwrap.dedent("""
     from app.cli import main
     sys.exit(main(["rpc-worker", "--port", sys.argv[1], "--threads", "1", *sys.argv[3:]]))
 """)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Worker:

@@ -1,4 +1,5 @@
-"""`dsbd-chat` and its subcommands: the chat UI (default), generate, models. The only argument parser."""
+"""`dsbd-chat` and its subcommands: chat (the browser UI and the API, the default), generate, bench, compare,
+models, plan and rpc-worker. The only argument parser."""
 
 from __future__ import annotations
 
@@ -109,10 +110,12 @@ def _rpc_endpoints(a) -> tuple[str, ...]:
     return endpoints
 
 
-def _load(target: ModelSpec, draft: ModelSpec | None):
-    """The engine for generate / bench / compare: in this process, or, with RPC workers, in a supervised model
-    process (the native RPC client aborts its process when a worker goes away)."""
-    if target.rpc:
+def open_engine(target: ModelSpec, draft: ModelSpec | None, *, supervised: bool = False):
+    """The engine every command runs on: in a supervised model process when asked (the chat server: a native
+    crash ends one answer, not the server) and always when the target's layers live on RPC workers (the native
+    RPC client aborts its process when a worker goes away: a lost worker then ends the answers that needed it,
+    never the command); otherwise in this process."""
+    if supervised or target.rpc:
         from app.engine.worker import WorkerEngine
 
         return WorkerEngine.load(target, draft)
@@ -126,7 +129,7 @@ def cmd_generate(a) -> int:
     if a.n < 1:
         raise ConfigError(f"--n must be >= 1, got {a.n}")
     target, draft = _specs(a, need_draft=params.needs_draft)
-    engine = _load(target, draft if params.needs_draft or params.mode == "auto" else None)
+    engine = open_engine(target, draft if params.needs_draft or params.mode == "auto" else None)
     try:
         tok = engine.tokenizer
         if a.raw:
@@ -230,14 +233,7 @@ def cmd_chat(a) -> int:
     if a.no_worker and target.rpc:
         raise ConfigError("--rpc needs the supervised model process (a lost worker aborts the process that "
                           "holds the model): drop --no-worker")
-    if a.no_worker:
-        from app.engine.engine import Engine
-
-        engine = Engine.load(target, draft)
-    else:  # the models run in a supervised child process: a native crash ends one answer, not the server
-        from app.engine.worker import WorkerEngine
-
-        engine = WorkerEngine.load(target, draft)
+    engine = open_engine(target, draft, supervised=not a.no_worker)
     if draft is not None:  # the default preset sizes DSBD forests from timed passes: time them now, while the
         threading.Thread(target=_time_passes, args=(engine,), daemon=True).start()  # page opens, not at message 1
     try:
@@ -274,7 +270,7 @@ def cmd_bench(a) -> int:
     for m in modes:
         bench.parse_mode(m, base)  # bad settings fail before any model loads
     target, draft = _specs(a, need_draft=any(bench.parse_mode(m, base)[1].needs_draft for m in modes))
-    engine = _load(target, draft)
+    engine = open_engine(target, draft)
     try:
         out = Path(a.json) if a.json else None
         result = bench.run_bench(engine, modes=modes, prompts=prompts, base=base, repeats=a.repeats, out=out)
@@ -301,9 +297,7 @@ def cmd_compare(a) -> int:
     run, params, items = runner.prepare(store, resume=a.resume, modes=a.modes, suite=a.suite, prompts=a.prompts,
                                         base=base)
     target, draft = _specs(a, need_draft=any(p.needs_draft for p in params.values()))
-    from app.engine.engine import Engine
-
-    engine = Engine.load(target, draft)
+    engine = open_engine(target, draft)
     try:
         run, params = runner.start(engine, store, run, params, items=items, source=a.suite,
                                    settings=base.as_dict(), seed=a.seed, system=a.system or "")

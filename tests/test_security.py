@@ -230,10 +230,25 @@ def test_template_errors_that_are_not_template_errors_are_chat_errors():
 
 
 def test_bad_decode_settings_are_config_errors():
-    # Fixed with issue #7: a stop value that is not a list used to raise a raw TypeError.
+    # A stop value that is not a list of strings (a bare string would iterate as characters).
     for stop in (None, 5, "ab"):
         with pytest.raises(ConfigError, match="stop must be a list"):
             DecodeParams(stop=stop).validated()
+
+
+BAD_FIELDS = [("mode", "turbo"), ("max_new_tokens", 0), ("temperature", float("nan")), ("top_k", -1),
+              ("top_p", 0.0), ("beams", 0), ("draft_beams", 0), ("gamma", -1), ("threshold", 2.0), ("min_beams", 0),
+              ("select", "x"), ("length_penalty", 99.0), ("seed", -1), ("stop", "x"), ("quality", "x"),
+              ("forest", "x"), ("unique_paths", 1), ("replacement", "x"), ("lookup_nodes", -1)]
+
+
+def test_every_config_error_names_its_field():
+    """The API reports `param` from ConfigError.field: every field's own check names that field."""
+    assert {f for f, _ in BAD_FIELDS} == set(DecodeParams.__dataclass_fields__)
+    for field, bad in BAD_FIELDS:
+        with pytest.raises(ConfigError) as e:
+            DecodeParams(**({"mode": "dsbd"} | {field: bad})).validated()
+        assert e.value.field == field, (field, str(e.value))
 
 
 def test_length_penalty_is_bounded():

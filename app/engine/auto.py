@@ -91,7 +91,7 @@ class AutoPolicy:
     def iteration_s(self, p: DecodeParams) -> float:
         n_t, drafts = MODE_FACTS[p.mode].target_tokens(p.beams, p.draft_beams, p.gamma)
         if drafts and self.draft_cost is None:
-            raise ConfigError(f"mode {p.mode!r} needs a draft model")
+            raise ConfigError(f"mode {p.mode!r} needs a draft model", field="mode")
         return self.target_cost(n_t) + sum(self.draft_cost(n) for n in drafts)
 
     def projected_tps(self, p: DecodeParams) -> float:
@@ -125,7 +125,7 @@ class AutoPolicy:
     def candidates(self, base: DecodeParams, level: str) -> list[DecodeParams]:
         """Every setting of a level, validated; drafted modes only with a draft model."""
         if level not in LEVELS:
-            raise ConfigError(f"unknown auto level {level!r}; choose one of: {', '.join(LEVELS)}")
+            raise ConfigError(f"unknown auto level {level!r}; choose one of: {', '.join(LEVELS)}", field="quality")
         w = base.beams
         drafted = self.draft_cost is not None
 

@@ -184,7 +184,8 @@ class Engine(ModelEngine):
             raise ConfigError("auto picks a concrete mode first: call Engine.pick")
         if params.needs_draft and self.draft is None:
             alone = " / ".join(m for m, f in MODE_FACTS.items() if f.concrete and not f.needs_draft)
-            raise ConfigError(f"mode {params.mode!r} needs a draft model: load one (--draft) or pick {alone}")
+            raise ConfigError(f"mode {params.mode!r} needs a draft model: load one (--draft) or pick {alone}",
+                              field="mode")
         plan = self.plan
         twin = MODE_FACTS[params.mode].memory_twin
         if twin and plan is not None and plan.dsbd_full_fits is not None and params.beams > plan.max_beams:

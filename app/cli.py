@@ -79,7 +79,7 @@ def _params(a, *, validate: bool = True) -> DecodeParams:
                      top_p=a.top_p, beams=a.beams, draft_beams=a.draft_beams, gamma=a.gamma,
                      threshold=a.threshold, min_beams=a.min_beams, select=a.select,
                      length_penalty=a.length_penalty, seed=a.seed, stop=tuple(a.stop), quality=a.quality,
-                     forest=a.forest, unique_paths=getattr(a, "unique_paths", True), replacement=a.replacement,
+                     forest=a.forest, unique_paths=a.unique_paths, replacement=a.replacement,
                      lookup_nodes=a.lookup_nodes)
     return p.validated() if validate else p
 
@@ -92,14 +92,14 @@ def _specs(a, *, need_draft: bool) -> tuple[ModelSpec, ModelSpec | None]:
     draft_src = a.draft or (a.preset if not a.target else None)
     if need_draft and draft_src is None:
         raise ConfigError("this mode needs a draft model: pass --draft (a small model sharing the target's vocabulary)")
-    draft = ModelSpec(source=draft_src, backend=a.draft_backend, quant=getattr(a, "draft_quant", None),
+    draft = ModelSpec(source=draft_src, backend=a.draft_backend, quant=a.draft_quant,
                       **common).validated() if draft_src else None
     return target, draft
 
 
 def _rpc_endpoints(a) -> tuple[str, ...]:
     """--rpc as normalised endpoints; an install without RPC support says how to rebuild it."""
-    if not getattr(a, "rpc", None):
+    if not a.rpc:
         return ()
     from backends.host import require_rpc
     from backends.remote import parse_endpoints

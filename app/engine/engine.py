@@ -20,7 +20,7 @@ from backends.unique import CountingContext, UniquePaths
 from app.chat import encode_chat
 from app.config import MODE_FACTS, ConfigError, DecodeParams
 from backends.registry import ModelSpec
-from app.decoding import decoder, derive_seed
+from app.decoding import derive_seed, start
 from app.decoding.beams import Stopper
 from app.decoding.metrics import Metrics
 from app.engine.interface import ModelEngine, PromptTooLong
@@ -172,14 +172,17 @@ class Engine(ModelEngine):
         return ctx
 
     # -- generation ----------------------------------------------------------------------------
+    # The public calls validate the request once; the private ones take validated DecodeParams.
     def check_params(self, params: DecodeParams) -> DecodeParams:
         """Validated params as they would run; auto stays auto (it picks when its generation starts)."""
         params = params.validated()
-        return params if params.mode == "auto" else self.resolve(params)[0]
+        return params if params.mode == "auto" else self._resolve(params)[0]
 
     def resolve(self, params: DecodeParams) -> tuple[DecodeParams, str | None]:
         """Validated params, switched to memory-reduced DSBD when full mode does not fit the memory plan."""
-        params = params.validated()
+        return self._resolve(params.validated())
+
+    def _resolve(self, params: DecodeParams) -> tuple[DecodeParams, str | None]:
         if params.mode == "auto":
             raise ConfigError("auto picks a concrete mode first: call Engine.pick")
         if params.needs_draft and self.draft is None:
@@ -198,9 +201,11 @@ class Engine(ModelEngine):
     def pick(self, params: DecodeParams) -> tuple[DecodeParams, dict]:
         """Auto mode: the setting of params.quality with the best projected tok/s, and what it was based on.
         The first call after a load times the models' passes (seconds; waits for a running answer)."""
+        return self._pick(params.validated())
+
+    def _pick(self, params: DecodeParams) -> tuple[DecodeParams, dict]:
         from app.engine.auto import describe
 
-        params = params.validated()
         info = {"quality": params.quality}
         with self.lock:  # timing evaluates the models: never beside a running generation
             info |= self._calibrated()
@@ -244,15 +249,20 @@ class Engine(ModelEngine):
         prompt = list(prompt)
         if not prompt:
             raise ConfigError("the prompt is empty")
-        auto = None
-        if params.validated().mode == "auto":
-            params, auto = self.pick(params)
-        params, notice = self.resolve(params)
+        params, auto = params.validated(), None
+        if params.mode == "auto":
+            params, auto = self._pick(params)
+        params, notice = self._resolve(params)
         tree = MODE_FACTS[params.mode].tree_tokens(params.draft_beams, params.gamma)
         if len(prompt) + params.max_new_tokens + tree > self.n_ctx:
             raise PromptTooLong(prompt=len(prompt), max_new=params.max_new_tokens, tree=tree, n_ctx=self.n_ctx)
-        # Adaptive forests price each iteration with the timed pass costs (the first use times them).
-        costs = self.costs() if params.forest == "adaptive" and MODE_FACTS[params.mode].forest else None
+        costs = None
+        if params.forest == "adaptive" and MODE_FACTS[params.mode].forest:
+            # Adaptive forests price each iteration with the timed pass costs (the first use times them).
+            costs = self.costs()
+            if costs[1] is None:
+                raise ConfigError("forest='adaptive' needs the timed pass costs of the target and the draft",
+                                  field="forest")
         return self._run(prompt, params, cancel, self.target, notice, auto, costs)
 
     def _run(self, prompt, params, cancel, encoded_for, notice, auto=None, costs=None) -> Iterator[Event]:
@@ -313,9 +323,8 @@ class Engine(ModelEngine):
             stopper = Stopper(eos_ids=tok.eos_ids, stop=params.stop, decode=tok.decode)
             metrics = Metrics(mode=params.mode, prompt_tokens=len(prompt))
             policy = self._forest_policy(params, costs)
-            steps = decoder(params.mode)(target=target, draft=draft, prompt=prompt, params=params,
-                                         stopper=stopper, metrics=metrics, vocab=self.target.info.vocab_size,
-                                         costs=costs, policy=policy)
+            steps = start(params, target=target, draft=draft, prompt=prompt, stopper=stopper, metrics=metrics,
+                          vocab=self.target.info.vocab_size, policy=policy)
             try:
                 for step in steps:
                     if cancel is not None and cancel.is_set() and not step.done:
@@ -350,9 +359,10 @@ class Engine(ModelEngine):
                     self._acceptance[policy.setting] = policy.known
 
     def _forest_policy(self, params: DecodeParams, costs):
-        """Adaptive DSBD: a forest policy starting from this model pair's counts at this setting, exploring
-        (cheapest drafted forest) until the pair has EXPLORE_LAYERS observed layers; None for fixed forests."""
-        if costs is None or params.forest != "adaptive" or costs[1] is None:
+        """The forest policy of an adaptive forest (generate() timed its `costs`; None: a fixed forest, no
+        policy): it starts from this model pair's counts at this setting and explores (cheapest drafted forest)
+        until the pair has EXPLORE_LAYERS observed layers."""
+        if costs is None:
             return None
         from app.decoding.forest_policy import ForestPolicy, decoder_costs, setting_key
 
@@ -422,7 +432,7 @@ def memory_plan(target: ModelSpec, draft: ModelSpec | None, *, budget=None):
     Files the planner cannot read (an unknown architecture, say) load unplanned."""
     from app.engine.planning import PlanError, plan_for
 
-    if getattr(target, "rpc", ()):  # the target's layers live on RPC workers: this host's plan would overcount
+    if target.rpc:  # the target's layers live on RPC workers: this host's plan would overcount
         log.info("no memory plan for %s: its layers go to the RPC workers %s", target.source, ", ".join(target.rpc))
         return None
     try:

@@ -417,7 +417,7 @@ class WorkerEngine(ModelEngine):
         """(endpoint, why) of an RPC worker of the target that no longer answers; with every worker answering,
         an abort (the native client's reaction to a broken connection) still names them: one restarted."""
         target = self.specs[0]
-        if target is None or not getattr(target, "rpc", ()):
+        if target is None or not target.rpc:
             return None
         from backends.remote import first_unreachable
 

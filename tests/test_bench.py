@@ -54,7 +54,8 @@ def test_peak_rss_sees_a_short_lived_allocation():
 
 
 def test_split_modes_keeps_several_settings_with_their_mode():
-    """The --modes help's own example (dsbd:beams=2,gamma=4) used to split into a mode named 'gamma=4'."""
+    """The --modes help's own example (dsbd:beams=2,gamma=4) is one mode with two settings, not a mode named
+    'gamma=4'."""
     assert bench.split_modes("sample, dsbd:beams=2,gamma=4,forest=adaptive,beam-sample,dsbd-mem:gamma=1") == [
         "sample", "dsbd:beams=2,gamma=4,forest=adaptive", "beam-sample", "dsbd-mem:gamma=1"]
     label, p = bench.parse_mode(bench.split_modes("dsbd:beams=2,gamma=4")[0], DecodeParams())

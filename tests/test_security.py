@@ -252,14 +252,14 @@ def test_every_config_error_names_its_field():
 
 
 def test_length_penalty_is_bounded():
-    # Found by tests/test_fuzz_params.py: lambda = 1e300 made n ** lambda overflow (a raw OverflowError).
+    # S(y) = s(y) / n^lambda: lambda = 1e300 would overflow n ** lambda (a raw OverflowError).
     with pytest.raises(ConfigError, match="length_penalty must be between -10 and 10"):
         DecodeParams(length_penalty=1e300).validated()
     assert DecodeParams(length_penalty=-10).validated().length_penalty == -10
 
 
 def test_temperature_has_a_floor():
-    # Found by tests/test_fuzz_params.py: T = 5e-324 made logits / T overflow to NaN (a raw IndexError).
+    # logits / T must stay finite: T = 5e-324 would turn them into NaN (a raw IndexError).
     with pytest.raises(ConfigError, match="temperature must be >= 1e-06"):
         DecodeParams(mode="sample", temperature=5e-324).validated()
     assert DecodeParams(mode="sample", temperature=1e-6).validated().temperature == 1e-6

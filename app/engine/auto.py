@@ -25,8 +25,8 @@ Quality levels (config.QUALITY_LEVELS; every candidate of a level keeps the user
              iterations (spec §9) and measured at sampling quality (log-prob -1.07 vs sample's -0.98 in the
              bench, docs/measurements).
     dynamic  dsbd with W_min = W (gamma 0..6, W_S): W beams at every step, so the output law is beam sampling
-             with replacement (spec Theorem 2) whatever the draft does; the draft only buys speed, and gamma = 0
-             (no draft) is a candidate where drafting does not pay. The bench found no narrower setting
+             with replacement (spec §11, fixed width) whatever the draft does; the draft only buys speed, and
+             gamma = 0 (no draft) is a candidate where drafting does not pay. The bench found no narrower setting
              (smaller t or W_min) at beam sampling's log-prob.
     Without a draft model every level falls back to its draft-free mode (sample, beam-sample).
 No exploration: a setting never run keeps its prior until observed (the engine observes every finished

@@ -256,13 +256,9 @@ class Engine(ModelEngine):
         tree = MODE_FACTS[params.mode].tree_tokens(params.draft_beams, params.gamma)
         if len(prompt) + params.max_new_tokens + tree > self.n_ctx:
             raise PromptTooLong(prompt=len(prompt), max_new=params.max_new_tokens, tree=tree, n_ctx=self.n_ctx)
-        costs = None
-        if params.forest == "adaptive" and MODE_FACTS[params.mode].forest:
-            # Adaptive forests price each iteration with the timed pass costs (the first use times them).
-            costs = self.costs()
-            if costs[1] is None:
-                raise ConfigError("forest='adaptive' needs the timed pass costs of the target and the draft",
-                                  field="forest")
+        # Adaptive forests price each iteration with the timed pass costs (the first use times them); a forest
+        # mode has a draft (_resolve), so both curves are there.
+        costs = self.costs() if params.forest == "adaptive" and MODE_FACTS[params.mode].forest else None
         return self._run(prompt, params, cancel, self.target, notice, auto, costs)
 
     def _run(self, prompt, params, cancel, encoded_for, notice, auto=None, costs=None) -> Iterator[Event]:

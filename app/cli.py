@@ -1,4 +1,5 @@
-"""`dsbd-chat` and its subcommands: the chat UI (default), generate, models. The only argument parser."""
+"""`dsbd-chat` and its subcommands: chat (the browser UI and the API, the default), generate, bench, compare,
+models, plan and rpc-worker. The only argument parser."""
 
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ def _params(a, *, validate: bool = True) -> DecodeParams:
                      top_p=a.top_p, beams=a.beams, draft_beams=a.draft_beams, gamma=a.gamma,
                      threshold=a.threshold, min_beams=a.min_beams, select=a.select,
                      length_penalty=a.length_penalty, seed=a.seed, stop=tuple(a.stop), quality=a.quality,
-                     forest=a.forest, unique_paths=getattr(a, "unique_paths", True), replacement=a.replacement,
+                     forest=a.forest, unique_paths=a.unique_paths, replacement=a.replacement,
                      lookup_nodes=a.lookup_nodes,
                      lookup_sources=tuple(x.strip() for x in a.lookup_sources.split(",") if x.strip()))
     return p.validated() if validate else p
@@ -103,16 +104,16 @@ def _specs(a, *, need_draft: bool) -> tuple[ModelSpec, ModelSpec | None]:
     draft_src = a.draft or (a.preset if not a.target else None)
     if need_draft and draft_src is None:
         raise ConfigError("this mode needs a draft model: pass --draft (a small model sharing the target's vocabulary)")
-    draft = ModelSpec(source=draft_src, backend=a.draft_backend, quant=getattr(a, "draft_quant", None),
+    draft = ModelSpec(source=draft_src, backend=a.draft_backend, quant=a.draft_quant,
                       **common).validated() if draft_src else None
     return target, draft
 
 
 def _rpc_endpoints(a) -> tuple[str, ...]:
     """--rpc as normalised endpoints; an install without RPC support says how to rebuild it."""
-    if not getattr(a, "rpc", None):
+    if not a.rpc:
         return ()
-    from backends.registry import require_rpc
+    from backends.host import require_rpc
     from backends.remote import parse_endpoints
 
     endpoints = parse_endpoints(a.rpc)
@@ -121,31 +122,27 @@ def _rpc_endpoints(a) -> tuple[str, ...]:
     return endpoints
 
 
-def _profile(a):
-    """--cost-profile as a CostProfile; a name it does not know fails before any model loads."""
+def _profile(a) -> str:
+    """--cost-profile, checked: a name it does not know fails before any model loads."""
     try:
-        return cost_profile(getattr(a, "cost_profile", TIMED))
+        cost_profile(a.cost_profile)
     except ValueError as e:
-        raise ConfigError(str(e)) from e
+        raise ConfigError(str(e), field="cost_profile") from e
+    return a.cost_profile
 
 
-def _priced(engine, a):
-    """The engine, pricing forests with --cost-profile when one is named."""
-    if _profile(a).name != TIMED:
-        engine.use_cost_profile(a.cost_profile)
-    return engine
-
-
-def _load(target: ModelSpec, draft: ModelSpec | None):
-    """The engine for generate / bench / compare: in this process, or, with RPC workers, in a supervised model
-    process (the native RPC client aborts its process when a worker goes away)."""
-    if target.rpc:
+def open_engine(target: ModelSpec, draft: ModelSpec | None, *, supervised: bool = False, profile: str = TIMED):
+    """The engine every command runs on: in a supervised model process when asked (the chat server: a native
+    crash ends one answer, not the server) and always when the target's layers live on RPC workers (the native
+    RPC client aborts its process when a worker goes away: a lost worker then ends the answers that needed it,
+    never the command); otherwise in this process. `profile`: the cost profile adaptive forests are priced with."""
+    if supervised or target.rpc:
         from app.engine.worker import WorkerEngine
 
-        return WorkerEngine.load(target, draft)
+        return WorkerEngine.load(target, draft, profile=profile)
     from app.engine.engine import Engine
 
-    return Engine.load(target, draft)
+    return Engine.load(target, draft, profile=profile)
 
 
 def cmd_generate(a) -> int:
@@ -153,8 +150,8 @@ def cmd_generate(a) -> int:
     if a.n < 1:
         raise ConfigError(f"--n must be >= 1, got {a.n}")
     target, draft = _specs(a, need_draft=params.needs_draft)
-    _profile(a)
-    engine = _priced(_load(target, draft if params.uses_draft or params.mode == "auto" else None), a)
+    engine = open_engine(target, draft if params.uses_draft or params.mode == "auto" else None,
+                         profile=_profile(a))
     try:
         tok = engine.tokenizer
         if a.raw:
@@ -201,7 +198,8 @@ def _aggregate(completions: list[dict]) -> dict:
 
 
 def cmd_models(a) -> int:
-    from backends.registry import cpu_report, format_models_table, list_models
+    from backends.host import cpu_report
+    from backends.presets import format_models_table, list_models
 
     rows = list_models()
     cpu = cpu_report()
@@ -219,7 +217,7 @@ def cmd_models(a) -> int:
 def _worker_rows(endpoints) -> list[dict]:
     if not endpoints:
         return []
-    from backends.registry import rpc_devices
+    from backends.host import rpc_devices
 
     return rpc_devices(endpoints)
 
@@ -252,21 +250,13 @@ def parse_auth(text: str | None) -> tuple[str, str] | None:
 def cmd_chat(a) -> int:
     host, auth = bind_address(a), parse_auth(a.auth)  # before the (slow) model load
     target, draft = _specs(a, need_draft=False)
-    _profile(a)
+    profile = _profile(a)
     from app.serve.ui import QUEUE_KWARGS, build_app, launch_kwargs
 
     if a.no_worker and target.rpc:
         raise ConfigError("--rpc needs the supervised model process (a lost worker aborts the process that "
                           "holds the model): drop --no-worker")
-    if a.no_worker:
-        from app.engine.engine import Engine
-
-        engine = Engine.load(target, draft)
-    else:  # the models run in a supervised child process: a native crash ends one answer, not the server
-        from app.engine.worker import WorkerEngine
-
-        engine = WorkerEngine.load(target, draft)
-    _priced(engine, a)
+    engine = open_engine(target, draft, supervised=not a.no_worker, profile=profile)
     if draft is not None:  # the default preset sizes DSBD forests from timed passes: time them now, while the
         threading.Thread(target=_time_passes, args=(engine,), daemon=True).start()  # page opens, not at message 1
     try:
@@ -303,8 +293,8 @@ def cmd_bench(a) -> int:
     for m in modes:
         bench.parse_mode(m, base)  # bad settings fail before any model loads
     target, draft = _specs(a, need_draft=any(bench.parse_mode(m, base)[1].needs_draft for m in modes))
-    profile = _profile(a)
-    engine = _priced(_load(target, draft), a)
+    profile = cost_profile(_profile(a))
+    engine = open_engine(target, draft, profile=profile.name if profile.target is None else a.cost_profile)
     try:
         out = Path(a.json) if a.json else None
         result = bench.run_bench(engine, modes=modes, prompts=prompts, base=base, repeats=a.repeats, out=out,
@@ -312,7 +302,9 @@ def cmd_bench(a) -> int:
     finally:
         engine.close()
     if a.plot:
-        bench.plot(result, Path(a.plot))
+        from app.compare.report import plot_bench
+
+        plot_bench(result, Path(a.plot))
     print(json.dumps(result["summary"], indent=2))
     return 0
 
@@ -330,9 +322,7 @@ def cmd_compare(a) -> int:
     run, params, items = runner.prepare(store, resume=a.resume, modes=a.modes, suite=a.suite, prompts=a.prompts,
                                         base=base)
     target, draft = _specs(a, need_draft=any(p.needs_draft for p in params.values()))
-    from app.engine.engine import Engine
-
-    engine = _priced(Engine.load(target, draft), a)
+    engine = open_engine(target, draft, profile=_profile(a))
     try:
         run, params = runner.start(engine, store, run, params, items=items, source=a.suite,
                                    settings=base.as_dict(), seed=a.seed, system=a.system or "")
@@ -407,7 +397,8 @@ def _rpc_hosts(target: ModelSpec, draft: ModelSpec | None, a):
     """`plan --rpc`: memory per machine, from what each worker reports free."""
     import psutil
 
-    from backends.registry import resolve, rpc_devices
+    from backends.host import rpc_devices
+    from backends.registry import resolve
     from offload.geometry import read_geometry
     from offload.plan import plan_hosts
 
@@ -424,7 +415,7 @@ def _rpc_hosts(target: ModelSpec, draft: ModelSpec | None, a):
 def cmd_rpc_worker(a) -> int:
     """Serve this machine's devices to one dsbd-chat (its target's layers) over llama.cpp's RPC protocol."""
     from backends import remote
-    from backends.registry import require_rpc, serve_rpc
+    from backends.host import require_rpc, serve_rpc
 
     if a.threads is not None and a.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {a.threads}")

@@ -96,7 +96,12 @@ MIN_TEMPERATURE = 1e-6  # below this sampling is argmax anyway
 
 
 class ConfigError(ValueError):
-    """A parameter is out of range; the message says which and what is allowed."""
+    """A parameter is out of range; the message says which and what is allowed, `field` names it (a DecodeParams
+    field; None when the error is about no one field)."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 PRESETS_FILE = Path(__file__).resolve().parents[1] / "assets" / "presets.json"
@@ -117,15 +122,15 @@ def load_presets(machine: str = "cpu", path: Path | None = None) -> dict[str, di
 
 def _finite(name: str, value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+        raise ConfigError(f"{name} must be a finite number, got {value!r}", field=name)
     return float(value)
 
 
 def _int(name: str, value: int, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an integer, got {value!r}")
+        raise ConfigError(f"{name} must be an integer, got {value!r}", field=name)
     if not lo <= value <= hi:
-        raise ConfigError(f"{name} must be between {lo} and {hi}, got {value}")
+        raise ConfigError(f"{name} must be between {lo} and {hi}, got {value}", field=name)
     return value
 
 
@@ -159,53 +164,54 @@ class DecodeParams:
     def validated(self) -> "DecodeParams":
         """Check every field; return a copy with defaults resolved. Raises ConfigError."""
         if self.mode not in MODE_FACTS:
-            raise ConfigError(f"unknown mode {self.mode!r}; choose one of: {', '.join(MODE_FACTS)}")
+            raise ConfigError(f"unknown mode {self.mode!r}; choose one of: {', '.join(MODE_FACTS)}", field="mode")
         _int("max_new_tokens", self.max_new_tokens, 1, 1_000_000)
         t = _finite("temperature", self.temperature)
         if t < MIN_TEMPERATURE:  # logits / T must stay finite: a subnormal T turns the warp into NaN
-            raise ConfigError(f"temperature must be >= {MIN_TEMPERATURE:g} (use mode 'greedy' for argmax), got {t}")
+            raise ConfigError(f"temperature must be >= {MIN_TEMPERATURE:g} (use mode 'greedy' for argmax), got {t}",
+                              field="temperature")
         _int("top_k", self.top_k, 0, 1_000_000)
         p = _finite("top_p", self.top_p)
         if not 0 < p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {p}")
+            raise ConfigError(f"top_p must be in (0, 1], got {p}", field="top_p")
         w = _int("beams", self.beams, 1, MAX_BEAMS)
         _int("gamma", self.gamma, 0, MAX_GAMMA)
         th = _finite("threshold", self.threshold)
         if not 0 <= th <= 1:
-            raise ConfigError(f"threshold must be in [0, 1], got {th}")
+            raise ConfigError(f"threshold must be in [0, 1], got {th}", field="threshold")
         facts = MODE_FACTS[self.mode]
         ws = facts.default_draft_beams(w) if self.draft_beams is None else self.draft_beams
         _int("draft_beams", ws, 1, 4 * MAX_BEAMS)
         if facts.forest and ws < w:
-            raise ConfigError(f"draft_beams (W_S={ws}) must be >= beams (W={w})")
+            raise ConfigError(f"draft_beams (W_S={ws}) must be >= beams (W={w})", field="draft_beams")
         _int("min_beams", self.min_beams, 1, w)
         if self.quality not in QUALITY_LEVELS:
             raise ConfigError(f"unknown quality level {self.quality!r} for auto; choose one of: "
-                              f"{', '.join(QUALITY_LEVELS)}")
+                              f"{', '.join(QUALITY_LEVELS)}", field="quality")
         if self.replacement not in REPLACEMENTS:
             raise ConfigError(f"replacement must be 'with' or 'without' (without: DSBD reproduces beam-sample, "
-                              f"conventional beam sampling), got {self.replacement!r}")
+                              f"conventional beam sampling), got {self.replacement!r}", field="replacement")
         _int("lookup_nodes", self.lookup_nodes, 0, 4 * MAX_BEAMS)
         sources = (self.lookup_sources,) if isinstance(self.lookup_sources, str) else self.lookup_sources
         if not isinstance(sources, (list, tuple)) or any(s not in LOOKUP_SOURCES for s in sources):
             raise ConfigError(f"lookup_sources must name some of: {', '.join(LOOKUP_SOURCES)}, got "
-                              f"{self.lookup_sources!r:.80}")
+                              f"{self.lookup_sources!r:.80}", field="lookup_sources")
         if self.forest not in FOREST_POLICIES:
             raise ConfigError(f"forest must be one of: {', '.join(FOREST_POLICIES)} (adaptive: per iteration "
                               f"gamma <= {self.gamma} and W <= W_S <= draft_beams, sized to the timed pass costs), "
-                              f"got {self.forest!r}")
+                              f"got {self.forest!r}", field="forest")
         if not isinstance(self.unique_paths, bool):
-            raise ConfigError(f"unique_paths must be true or false, got {self.unique_paths!r}")
+            raise ConfigError(f"unique_paths must be true or false, got {self.unique_paths!r}", field="unique_paths")
         if self.select not in ("best", "sample"):
-            raise ConfigError(f"select must be 'best' or 'sample', got {self.select!r}")
+            raise ConfigError(f"select must be 'best' or 'sample', got {self.select!r}", field="select")
         lp = _finite("length_penalty", self.length_penalty)
         if not -10 <= lp <= 10:  # S(y) = s(y) / n^lambda: beyond this n^lambda overflows a float
-            raise ConfigError(f"length_penalty must be between -10 and 10, got {lp}")
+            raise ConfigError(f"length_penalty must be between -10 and 10, got {lp}", field="length_penalty")
         if self.seed is not None:
             _int("seed", self.seed, 0, 2**63 - 1)
         # A bare string would iterate as characters, and None or a number would not iterate at all.
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ConfigError(f"stop must be a list of non-empty strings, got {self.stop!r:.80}")
+            raise ConfigError(f"stop must be a list of non-empty strings, got {self.stop!r:.80}", field="stop")
         return replace(self, draft_beams=ws, temperature=t, top_p=p, threshold=th, stop=tuple(self.stop),
                        lookup_sources=tuple(s for s in LOOKUP_SOURCES if s in sources))
 

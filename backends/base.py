@@ -19,14 +19,22 @@ import numpy as np
 
 from offload.errors import BackendError, BadModelFile, OutOfMemory
 
-__all__ = ["ROOT", "BackendError", "BadModelFile", "OutOfMemory", "Closing", "ContextFull", "ContentKeys", "Forest",
-           "Logits", "Path", "ModelInfo", "Context", "Model", "Tokenizer"]
+__all__ = ["ROOT", "BackendError", "BadModelFile", "OutOfMemory", "Closing", "ContextFull", "ContentKeys",
+           "RegistryError", "ModelNotFound", "Forest", "Logits", "Path", "ModelInfo", "Context", "Model", "Tokenizer"]
 
 ROOT = -1  # parent id of a node that hangs directly off its row's suffix
 
 
 class ContextFull(BackendError):
     """The request needs more KV cells or rows than the context was created with."""
+
+
+class RegistryError(BackendError):
+    """A model could not be found, fetched or verified; the message says what to do."""
+
+
+class ModelNotFound(RegistryError):
+    """The source names nothing we can find (missing path, package, repo or file)."""
 
 
 class ContentKeys:

@@ -1,5 +1,5 @@
 """RPC workers as the app reaches them: endpoints and checks, for a target spread over several machines
-through llama.cpp's RPC backend (the native side, reached through backends.registry, is
+through llama.cpp's RPC backend (the native side, reached through backends.host, is
 backends/llamacpp/rpc.py).
 
 Everything here is plain Python (sockets, no native library), so the chat server's supervisor can check a

@@ -198,7 +198,7 @@ def compare_quants(args, source: str, ns: Sequence[int], stat) -> None:
     import json
 
     from backends.llamacpp.quantize import requantized
-    from backends.registry import cache_dir
+    from backends.presets import cache_dir
     from backends.registry import ModelSpec, load_model
 
     files = {q: source if q == "none" else str(requantized(Path(source), q, folder=cache_dir()))
@@ -289,7 +289,7 @@ def main() -> None:
         return
     if args.quant:
         from backends.llamacpp.quantize import requantized
-        from backends.registry import cache_dir
+        from backends.presets import cache_dir
 
         source = str(requantized(Path(source), args.quant, folder=cache_dir()))
         print(f"requantized copy: {source}")

@@ -23,12 +23,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from _common import ROOT_DIR as ROOT  # the repository (and tests/, for helpers) on sys.path
 
 from app.config import DecodeParams  # noqa: E402
 from backends.llamacpp import rpc  # noqa: E402
 from backends.registry import ModelSpec  # noqa: E402
+from helpers import free_port  # noqa: E402
 
 FOREST_SIZES = (1, 4, 16, 64)
 MODES = {"greedy": DecodeParams(mode="greedy"),
@@ -36,12 +36,6 @@ MODES = {"greedy": DecodeParams(mode="greedy"),
          "dsbd": DecodeParams(mode="dsbd", beams=4, gamma=3, top_k=20, seed=1)}
 PROMPTS = [[{"role": "user", "content": "Write a Python function that checks whether a number is prime."}],
            [{"role": "user", "content": "Explain in three sentences why the sky is blue."}]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_worker() -> tuple[subprocess.Popen, str]:

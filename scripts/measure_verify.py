@@ -16,7 +16,7 @@ from pathlib import Path
 from _common import load_pair, pair_arguments
 
 from app.config import DecodeParams  # noqa: E402
-from app.decoding import decoder  # noqa: E402
+from app.decoding import start  # noqa: E402
 from app.decoding.beams import Stopper  # noqa: E402
 from app.decoding.metrics import Metrics  # noqa: E402
 
@@ -70,8 +70,8 @@ def main() -> None:
                 t.prefill(prompt[:-1])  # warm the caches: the decoder's own prefill then reuses them
                 d.prefill(prompt[:-1])
                 t0, ts, ds = time.perf_counter(), t.spent, d.spent
-                for _ in decoder(mode)(target=t, draft=d, prompt=prompt, params=params, vocab=target.info.vocab_size,
-                                       stopper=Stopper(eos_ids=target.tokenizer.eos_ids), metrics=m):
+                for _ in start(params, target=t, draft=d, prompt=prompt, vocab=target.info.vocab_size,
+                               stopper=Stopper(eos_ids=target.tokenizer.eos_ids), metrics=m):
                     pass
                 total += time.perf_counter() - t0
                 t_sum, d_sum = t_sum + t.spent - ts, d_sum + d.spent - ds

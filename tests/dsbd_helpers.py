@@ -1,4 +1,5 @@
-"""Test helpers for the decoding math: fixed seeds, merged-cell chi-square, and an enumerating `Rand`.
+"""Test helpers for the decoding math: fixed seeds, merged-cell chi-square, test distributions and drafts, and an
+enumerating `Rand`.
 
 Statistical design (spec §13): chi-square with cells of expected count < 5 merged, significance 1e-4 per
 assertion, seeds fixed from `numpy.random.SeedSequence(test_id)`. Set DSBD_FRESH_SEEDS=1 (nightly) to draw fresh
@@ -14,7 +15,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 from scipy import stats
 
-from app.decoding.sampling import Joint, Warp, warp_joint
+from app.decoding.sampling import Draft, Joint, Warp, warp_joint
 
 ALPHA_TEST = 1e-4  # significance per assertion
 NEG_CONTROL_P = 1e-10  # a negative control must reach this at the same N
@@ -126,6 +127,22 @@ def enumerate_paths(
 
 # ---------------------------------------------------------------------------------------------------------
 # Layer cases: (p, q, valid_parent) in one key space, each with exactly one invalid parent row (spec §13.1).
+
+
+def joint_from_dense(table: Any) -> Joint:
+    """A Joint from a dense [n_parents, V] probability table (zeros are dropped, no renormalisation)."""
+    table = np.asarray(table, dtype=np.float64)
+    flat = table.reshape(-1)  # [n V]
+    keys = np.flatnonzero(flat > 0)
+    return Joint(keys.astype(np.int64), flat[keys].copy(), int(table.shape[-1]))
+
+
+def make_drafts(keys: np.ndarray, q: Joint, valid_parent: np.ndarray) -> list[Draft]:
+    """Drafts (in draw order) for keys drawn from q; valid_parent [n_parents] bool marks the valid parents."""
+    keys = np.asarray(keys, dtype=np.int64)  # [W_S]
+    qval = q.lookup(keys)  # [W_S]
+    valid = np.asarray(valid_parent, dtype=bool)[q.parent(keys)]  # [W_S]
+    return [Draft(int(k), float(v), bool(ok)) for k, v, ok in zip(keys, qval, valid)]
 
 
 def joint(table: Any, warp: Warp = Warp()) -> Joint:

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import os
 import random
-import signal
-import subprocess
-import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
+
+from helpers import kill_mid_save
 
 ROOT = Path(__file__).resolve().parents[1]
 N_RECORDS, KILLS = 4, 8
@@ -50,26 +48,7 @@ def test_sigkill_mid_vote_never_loses_a_saved_vote(tmp_path):
     done: dict[str, int] = {}
     start, stops, rng, torn = 0, [5, 17, 3, 29, 11], random.Random(12), 0
     for round_no in range(KILLS):
-        child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), str(start)], stdout=subprocess.PIPE,
-                                 text=True)
-        try:
-            last = start - 1
-            for _ in range(stops[round_no % len(stops)]):
-                line = child.stdout.readline()
-                assert line, f"child died early (rc={child.poll()})"
-                rid, seq = line.split()
-                done[rid], last = int(seq), int(seq)
-            time.sleep(rng.uniform(0, 0.015))  # a save is ~10 ms (two fsyncs): land anywhere inside one
-            child.send_signal(signal.SIGKILL)
-            child.wait(10)
-            for line in child.stdout:  # votes it reported while we slept are complete too
-                if line.endswith("\n"):
-                    rid, seq = line.split()
-                    done[rid], last = int(seq), int(seq)
-        finally:
-            child.kill()
-            child.wait(10)
-            child.stdout.close()
+        last = kill_mid_save(CHILD, tmp_path, start, stops[round_no % len(stops)], rng, done)
         again = R.ResultStore(tmp_path)  # the app starting again
         in_flight = last + 1  # may or may not have reached its rename before the kill
         loaded = {r["id"]: r for r in again.list()}

@@ -15,8 +15,8 @@ import pytest
 from scipy.stats import chi2_contingency
 
 from app.engine.auto import CostCurve
-from app.config import DecodeParams
-from app.decoding import decoder
+from app.config import MODE_FACTS, DecodeParams
+from app.decoding import decoder, start
 from app.decoding.beams import Stopper
 from app.decoding.metrics import Metrics
 from refmodel import TableModel, bigram
@@ -33,8 +33,8 @@ def run(mode: str, target, draft=None, *, seed: int, prompt=(1, 2), collect_step
     d = draft.context(rows=rows, max_tokens=256) if draft is not None else None
     stopper = Stopper(eos_ids=frozenset({0}), stop=params.stop, decode=target.tokenizer.decode)
     metrics = Metrics(mode=mode)
-    steps = list(decoder(mode)(target=t, draft=d, prompt=list(prompt), params=params, stopper=stopper,
-                               metrics=metrics, vocab=target.vocab, costs=costs))
+    steps = list(start(params, target=t, draft=d, prompt=list(prompt), stopper=stopper, metrics=metrics,
+                       vocab=target.vocab, costs=costs))
     assert steps[-1].done
     out = steps[-1].output.tokens
     return (out, metrics, steps, t) if collect_steps else out
@@ -80,6 +80,25 @@ VARYING = (CostCurve.of({1: 1.0, 2: 1.1, 4: 1.3, 5: 1.7, 6: 1.8, 8: 2.1}), CostC
 
 
 # --- reductions (spec §11 R1-R3) -----------------------------------------------------------------
+
+def test_each_decoder_declares_what_start_passes_it():
+    """start() gives a decoder the common arguments, a drafted mode's the draft and vocab, a forest mode's the
+    costs and policy: each decoder names every one it gets and requires no other."""
+    import inspect
+
+    for mode, facts in MODE_FACTS.items():
+        if not facts.concrete:
+            continue
+        declared = inspect.signature(decoder(mode)).parameters
+        passed = {"target", "prompt", "params", "stopper", "metrics"} | \
+            ({"draft", "vocab"} if facts.needs_draft else set()) | ({"costs", "policy"} if facts.forest else set())
+        assert passed <= set(declared), (mode, sorted(passed - set(declared)))
+        required = {n for n, p in declared.items() if p.default is p.empty and p.kind is not p.VAR_KEYWORD}
+        assert required <= passed, (mode, sorted(required - passed))
+    with pytest.raises(ValueError, match="sizes no forest"):
+        start(DecodeParams(mode="greedy").validated(), target=None, draft=None, prompt=[1], stopper=None,
+              metrics=None, vocab=V, costs=VARYING)
+
 
 @pytest.mark.parametrize("seed", range(5))
 def test_gamma_zero_is_beam_sampling_with_replacement_token_for_token(seed):

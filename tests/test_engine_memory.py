@@ -1,4 +1,4 @@
-"""Memory planning in the engine (issue #4): a plan that cannot fit refuses before loading, full DSBD
+"""Memory planning in the engine: a plan that cannot fit refuses before loading, full DSBD
 switches to memory-reduced mode when its KV does not fit, and an out-of-memory error frees the caches and
 retries once with a lighter setting, or fails with a message, never aborting the process."""
 

@@ -21,7 +21,7 @@ import pytest
 
 from app.config import DecodeParams
 from backends.registry import ModelSpec
-from app.decoding import decoder
+from app.decoding import start
 from app.decoding.beams import Stopper
 from app.decoding.metrics import Metrics
 from app.decoding.sampling import log_softmax
@@ -33,7 +33,7 @@ from test_decoding import homogeneous
 
 ALPHA = 1e-4
 PROMPT = "My favourite animal is the"
-ISSUE = dict(beams=2, max_new_tokens=2, temperature=1.0, top_k=0, top_p=1.0)
+SHORT_BEAMS = dict(beams=2, max_new_tokens=2, temperature=1.0, top_k=0, top_p=1.0)  # two beams, two tokens, no warp
 DSBD = dict(mode="dsbd", draft_beams=3, min_beams=2, threshold=0.0, gamma=3)
 
 
@@ -42,18 +42,18 @@ def run(mode: str, target, draft, prompt, *, seed: int, **kw) -> tuple[int, ...]
     t = target.context(rows=params.beams, max_tokens=512)
     d = draft.context(rows=params.beams, max_tokens=512) if draft is not None else None
     stopper = Stopper(eos_ids=target.tokenizer.eos_ids)
-    steps = decoder(mode)(target=t, draft=d, prompt=list(prompt), params=params, stopper=stopper,
-                          metrics=Metrics(mode=mode), vocab=target.vocab)
+    steps = start(params, target=t, draft=d, prompt=list(prompt), stopper=stopper, metrics=Metrics(mode=mode),
+                  vocab=target.vocab)
     *_, last = steps
     return last.output.tokens
 
 
 def arms(target, draft, prompt, n: int, **extra) -> tuple[Counter, Counter, float]:
-    ref = Counter(run("beam-sample-repl", target, None, prompt, seed=10_000_000 + i, **ISSUE)
+    ref = Counter(run("beam-sample-repl", target, None, prompt, seed=10_000_000 + i, **SHORT_BEAMS)
                   for i in range(n))
     dsbd = {**DSBD, **extra}
     mode = dsbd.pop("mode")
-    got = Counter(run(mode, target, draft, prompt, seed=90_000_000 + i, **ISSUE, **dsbd) for i in range(n))
+    got = Counter(run(mode, target, draft, prompt, seed=90_000_000 + i, **SHORT_BEAMS, **dsbd) for i in range(n))
     return ref, got, homogeneous(ref, got)
 
 
@@ -101,8 +101,8 @@ def test_failed_layer_does_not_feed_an_accepted_token_twice():
         params = DecodeParams(mode="dsbd", seed=seed, beams=2, draft_beams=3, gamma=3, max_new_tokens=6,
                               threshold=0.5).validated()
         t, d = SEQ_TARGET.context(rows=2, max_tokens=64), SEQ_DRAFT.context(rows=2, max_tokens=64)
-        *_, last = decoder("dsbd")(target=t, draft=d, prompt=prompt, params=params, stopper=Stopper(eos_ids=frozenset()),
-                                   metrics=Metrics(mode="dsbd"), vocab=SV)
+        *_, last = start(params, target=t, draft=d, prompt=prompt, stopper=Stopper(eos_ids=frozenset()),
+                         metrics=Metrics(mode="dsbd"), vocab=SV)
         assert last.output.tokens == out
         want = sum(log_softmax(SEQ_TARGET.fn(prompt + list(out[:i])))[out[i]] for i in range(len(out)))
         assert abs(last.output.score - want) < 1e-5, (seed, out)  # float32 logits
@@ -150,8 +150,8 @@ def test_negative_control_on_tiny_real_vocabulary(tiny_pair):
     """The check has teeth at this size: one beam instead of two changes the answer law."""
     target, draft = tiny_pair
     prompt = target.tokenizer.encode(PROMPT)
-    ref = Counter(run("beam-sample-repl", target, None, prompt, seed=i, **ISSUE) for i in range(1500))
-    one = Counter(run("beam-sample-repl", target, None, prompt, seed=5_000_000 + i, **{**ISSUE, "beams": 1})
+    ref = Counter(run("beam-sample-repl", target, None, prompt, seed=i, **SHORT_BEAMS) for i in range(1500))
+    one = Counter(run("beam-sample-repl", target, None, prompt, seed=5_000_000 + i, **{**SHORT_BEAMS, "beams": 1})
                   for i in range(1500))
     assert homogeneous(ref, one) < ALPHA
 

@@ -19,7 +19,7 @@ from app.engine.auto import PRIOR_ACCEPTANCE
 from app.engine.timing import CostCurve
 from app.config import ConfigError, DecodeParams
 from backends.registry import ModelSpec
-from app.decoding import decoder
+from app.decoding import start
 from app.decoding.beams import Stopper
 from app.decoding.forest_policy import (PRIOR, Acceptance, ForestPolicy, count_law, expected_distinct,
                                         layer_pass)
@@ -38,9 +38,9 @@ def decode(mode, target, draft, *, seed, prompt=(1, 2, 3), vocab=None, costs=Non
     t = target.context(rows=params.beams, max_tokens=512)
     d = draft.context(rows=params.beams, max_tokens=512) if draft is not None else None
     metrics = Metrics(mode=mode)
-    steps = list(decoder(mode)(target=t, draft=d, prompt=list(prompt), params=params,
-                               stopper=Stopper(eos_ids=target.tokenizer.eos_ids), metrics=metrics,
-                               vocab=vocab or target.vocab, costs=costs, policy=policy))
+    steps = list(start(params, target=t, draft=d, prompt=list(prompt),
+                       stopper=Stopper(eos_ids=target.tokenizer.eos_ids), metrics=metrics,
+                       vocab=vocab or target.vocab, costs=costs, policy=policy))
     return steps[-1].output.tokens, metrics, steps
 
 
@@ -105,7 +105,8 @@ def test_adaptive_with_one_candidate_equals_fixed(mode, kw):
 
 @pytest.mark.parametrize("seed", range(5))
 def test_adaptive_gamma_zero_only_is_beam_sampling_token_for_token(seed):
-    """R2 through the policy: never drafting is baseline A, the draft cache commits notwithstanding."""
+    """gamma = 0 through the policy (spec §11, reductions): never drafting is baseline A, the draft cache
+    commits notwithstanding."""
     kw = dict(beams=3, max_new_tokens=8, temperature=1.0)
     only0 = ForestPolicy(*GPU, gammas=(0,), widths=(3,), threshold=0.9, min_beams=1, beams=3)
     got, m, _ = decode("dsbd", SEQ_TARGET, SEQ_DRAFT, seed=seed, vocab=SV, forest="adaptive", policy=only0,

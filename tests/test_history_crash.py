@@ -7,14 +7,13 @@ import importlib.util
 import json
 import os
 import random
-import signal
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
+
+from helpers import kill_mid_save
 
 ROOT = Path(__file__).resolve().parents[1]
 HISTORY_PY = ROOT / "app" / "storage.py"
@@ -63,26 +62,7 @@ def test_sigkill_mid_save_never_loses_a_completed_save(tmp_path, history):
     done: dict[str, int] = {}  # chat id -> last save the child reported complete
     start, stops, rng, torn = 0, [7, 23, 41, 3, 60, 15], random.Random(7), 0
     for round_no in range(KILLS):
-        child = subprocess.Popen([sys.executable, "-c", CHILD, str(root), str(start)], stdout=subprocess.PIPE,
-                                 text=True)
-        try:
-            last = start - 1
-            for _ in range(stops[round_no % len(stops)]):  # then kill it while it is writing the next one
-                line = child.stdout.readline()
-                assert line, f"child died early (rc={child.poll()})"
-                cid, seq = line.split()
-                done[cid], last = int(seq), int(seq)
-            time.sleep(rng.uniform(0, 0.015))  # a save takes ~10 ms (two fsyncs): land anywhere in it
-            child.send_signal(signal.SIGKILL)
-            child.wait(10)
-            for line in child.stdout:  # saves it reported while we slept count as completed too
-                if line.endswith("\n"):  # a report cut short leaves its save as the in-flight one below
-                    cid, seq = line.split()
-                    done[cid], last = int(seq), int(seq)
-        finally:
-            child.kill()
-            child.wait(10)
-            child.stdout.close()
+        last = kill_mid_save(CHILD, root, start, stops[round_no % len(stops)], rng, done)  # then its next save
         store = history.HistoryStore(root)
         in_flight = last + 1  # may or may not have reached its os.replace before the kill
         for cid, seq in done.items():

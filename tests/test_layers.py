@@ -96,7 +96,7 @@ def _broken_rules(importer: str, imported: str) -> list[str]:
     # A runtime's package is private to backends/: the rest of the app goes through backends' own modules.
     for runtime in (f"backends.{name}" for name in RUNTIMES):
         if _within(imported, runtime) and not _within(importer, "backends"):
-            broken.append(f"{runtime} is reached only through backends/ (registry, tokenizer, base)")
+            broken.append(f"{runtime} is reached only through backends/ (registry, host, tokenizer, base)")
     if _within(importer, "app.serve") and top == "offload":
         broken.append("app/serve reaches offload/ through app/engine")
     # Arrows point down: a lower layer never imports a higher one.

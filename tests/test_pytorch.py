@@ -7,7 +7,6 @@ that node's explicit token sequence (committed row + suffix + ancestors + itself
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import replace
 
 import numpy as np
@@ -527,28 +526,3 @@ def test_pytorch_matches_llamacpp(smol, tiny_gguf_path):
     print(f"\npytorch vs llama.cpp on {n} tokens: top-1 agreement {agree:.1%}, max abs logit diff {diff:.3f}")
     assert n >= 80
     assert agree >= 0.95
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("threads", [1, 2])
-def test_gguf_decode_timing(smol, threads):
-    """Prints single-token decode time and the cost of scoring k tokens in one pass (context ~200)."""
-    ctx = smol.context(rows=1, max_tokens=300)
-    ctx.prefill([(7 * i) % 5000 + 100 for i in range(200)])
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        med = {}
-        for k in (1, 8, 32, 64):
-            f = Forest(suffix=((11,),), tokens=tuple(range(12, 11 + k)), parents=(ROOT,) * (k - 1), rows=(0,) * (k - 1))
-            times = []
-            for _ in range(9):
-                t0 = time.perf_counter()
-                ctx.evaluate(f)
-                times.append(time.perf_counter() - t0)
-                ctx.truncate(200)
-            med[k] = float(np.median(times))
-    finally:
-        torch.set_num_threads(old)
-    cells = ", ".join(f"{k} tok {1000 * t:.1f} ms (x{t / med[1]:.2f})" for k, t in med.items())
-    print(f"\n{threads} thread(s): {cells}")

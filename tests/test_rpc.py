@@ -7,7 +7,7 @@ test_llamacpp (the same tolerance), the end-to-end paths on the real `tiny` pres
 
 from __future__ import annotations
 
-import os
+import json
 import signal
 import socket
 import subprocess
@@ -23,6 +23,7 @@ from app.config import DecodeParams
 from backends.base import BackendError
 from backends.llamacpp import rpc
 from backends.registry import ModelSpec, SpecError
+from helpers import free_port
 
 ROOT_DIR = Path(__file__).resolve().parent.parent
 WORKER_LIFETIME_S = 900
@@ -44,12 +45,6 @@ _WORKER = textwrap.dedent("""
     from app.cli import main
     sys.exit(main(["rpc-worker", "--port", sys.argv[1], "--threads", "1", *sys.argv[3:]]))
 """)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Worker:
@@ -288,6 +283,41 @@ def test_cli_rejects_what_cannot_work_before_loading(capsys, workers):
     assert "must be HOST:PORT" in capsys.readouterr().err
     assert main(["generate", "--prompt", "x", "--rpc", ep, "--target-backend", "pytorch"]) == 2
     assert "use --target-backend llamacpp" in capsys.readouterr().err
+
+
+def test_compare_over_rpc_outlives_a_killed_worker(tmp_path, capsys, monkeypatch, tiny_gguf_path):
+    """`compare --rpc` runs the target in the supervised model process, as generate and bench do: a worker lost
+    mid-run ends the answers that needed it (saved as errors naming the worker), never the command (in this
+    process the native RPC client would abort it, and this test run with it)."""
+    from app.cli import main
+    from app.compare import runner
+    from app.compare.store import ResultStore
+
+    if not rpc.supported():
+        pytest.skip("llama-cpp-python built without GGML_RPC")
+    a, b = Worker(), Worker()
+    answer, answers = runner.generate_answer, []
+
+    def kill_before_the_second_item(engine, *args, **kwargs):
+        answers.append(engine)
+        if len(answers) == 3:  # item 1 answered by both modes; item 2 meets a dead worker
+            b.kill()
+        return answer(engine, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "generate_answer", kill_before_the_second_item)
+    try:
+        code = main(["compare", "--target", "tiny", "--rpc", f"{a.endpoint},{b.endpoint}", "--ctx", "512",
+                     "--threads", "1", "--llama-extra-bufts", "off", "--modes", "greedy,sample", "--prompts", "2",
+                     "--max-tokens", "6", "--seed", "1", "--data-dir", str(tmp_path), "--json"])
+    finally:
+        a.kill()
+        b.kill()
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and (out["state"], out["done"]) == ("done", 2)
+    assert type(answers[0]).__name__ == "WorkerEngine"
+    assert {m: (s["answers"], s["errors"]) for m, s in out["summary"].items()} == {"greedy": (2, 1), "sample": (2, 1)}
+    errors = [x["error"] for r in ResultStore(tmp_path).list() for x in r["answers"] if x["error"]]
+    assert len(errors) == 2 and all(b.endpoint in e for e in errors), errors
 
 
 def test_plan_and_models_show_each_machines_part(capsys, workers, random_gguf):

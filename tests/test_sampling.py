@@ -1,4 +1,4 @@
-"""Sampling math (spec §2.1, §5, §13 item 8): log_softmax, warp, Joint, sample_iid, residual chain, Rand."""
+"""Sampling math (spec §2, §5, §13 item 8): log_softmax, warp, Joint, sample_iid, residual chain, Rand."""
 
 from __future__ import annotations
 
@@ -12,14 +12,13 @@ from app.decoding.sampling import (
     SeededRand,
     Warp,
     log_softmax,
-    make_drafts,
     positions,
     residual_chain,
     sample_iid,
     verify_layer,
     warp_joint,
 )
-from dsbd_helpers import ALPHA_TEST, chisquare_pvalue, joint, rngs
+from dsbd_helpers import ALPHA_TEST, chisquare_pvalue, joint, joint_from_dense, make_drafts, rngs
 
 NEG = -np.inf
 
@@ -151,7 +150,7 @@ def test_bit_identical_on_identical_inputs(warp: Warp) -> None:
 
 
 def reference_warp(z: np.ndarray, warp: Warp) -> tuple[np.ndarray, np.ndarray]:
-    """§2.1 the obvious way: one full sort by (-value, key)."""
+    """§2 the obvious way: one full sort by (-value, key)."""
     flat = z.reshape(-1) / warp.temperature
     keys = np.flatnonzero(np.isfinite(flat))
     order = keys[np.lexsort((keys, -flat[keys]))]  # descending value, ties by lower key
@@ -198,13 +197,13 @@ def test_warp_errors_and_underflow() -> None:
 
 
 def test_joint_helpers() -> None:
-    p = Joint.from_dense([[0.5, 0.0, 0.2], [0.0, 0.3, 0.0]])
+    p = joint_from_dense([[0.5, 0.0, 0.2], [0.0, 0.3, 0.0]])
     assert list(p.keys) == [0, 2, 4] and len(p) == 3
     np.testing.assert_array_equal(p.lookup(np.array([4, 1, 0, 99, -1])), [0.3, 0.0, 0.5, 0.0, 0.0])
     np.testing.assert_array_equal(p.parent(p.keys), [0, 0, 1])
     np.testing.assert_array_equal(p.token(p.keys), [0, 2, 1])
     np.testing.assert_array_equal(positions(p.keys, np.array([2, 3, 4])), [1, -1, 2])
-    big = Joint.from_dense(np.random.default_rng(0).random((3, 5000)) * (np.arange(15000) % 3 > 0).reshape(3, -1))
+    big = joint_from_dense(np.random.default_rng(0).random((3, 5000)) * (np.arange(15000) % 3 > 0).reshape(3, -1))
     probe = np.arange(-5, 15010, 2)  # > 4096 keys: the dense-scatter path, including keys out of range
     expect = np.where(positions(big.keys, probe) >= 0, big.probs[np.maximum(positions(big.keys, probe), 0)], 0.0)
     np.testing.assert_array_equal(big.lookup(probe), expect)
@@ -245,8 +244,8 @@ def test_seeded_rand_conventions() -> None:
 
 
 def test_residual_chain_golden_rows() -> None:
-    p = Joint.from_dense([[0.5, 0.3, 0.2], [0, 0, 0]])
-    q = Joint.from_dense([[0.1, 0.2, 0.05], [0.3, 0.25, 0.1]])
+    p = joint_from_dense([[0.5, 0.3, 0.2], [0, 0, 0]])
+    q = joint_from_dense([[0.1, 0.2, 0.05], [0.3, 0.25, 0.1]])
     S, R, alpha = residual_chain(p, q, 3)
     assert S is p.keys and R.shape == (4, 3) and alpha.shape == (3,)
     np.testing.assert_array_equal(R[0], p.probs)
@@ -299,8 +298,8 @@ class CountingRand:
 
 
 def test_verify_layer_mechanics() -> None:
-    p = Joint.from_dense([[0.5, 0.3, 0.2], [0, 0, 0]])
-    q = Joint.from_dense([[0.1, 0.2, 0.05], [0.3, 0.25, 0.1]])
+    p = joint_from_dense([[0.5, 0.3, 0.2], [0, 0, 0]])
+    q = joint_from_dense([[0.1, 0.2, 0.05], [0.3, 0.25, 0.1]])
     S, R, _ = residual_chain(p, q, 4)
     drafts = make_drafts(np.array([3, 1, 0, 2]), q, np.array([True, False]))
     assert [d.valid for d in drafts] == [False, True, True, True]

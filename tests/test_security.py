@@ -230,21 +230,36 @@ def test_template_errors_that_are_not_template_errors_are_chat_errors():
 
 
 def test_bad_decode_settings_are_config_errors():
-    # Fixed with issue #7: a stop value that is not a list used to raise a raw TypeError.
+    # A stop value that is not a list of strings (a bare string would iterate as characters).
     for stop in (None, 5, "ab"):
         with pytest.raises(ConfigError, match="stop must be a list"):
             DecodeParams(stop=stop).validated()
 
 
+BAD_FIELDS = [("mode", "turbo"), ("max_new_tokens", 0), ("temperature", float("nan")), ("top_k", -1),
+              ("top_p", 0.0), ("beams", 0), ("draft_beams", 0), ("gamma", -1), ("threshold", 2.0), ("min_beams", 0),
+              ("select", "x"), ("length_penalty", 99.0), ("seed", -1), ("stop", "x"), ("quality", "x"),
+              ("forest", "x"), ("unique_paths", 1), ("replacement", "x"), ("lookup_nodes", -1)]
+
+
+def test_every_config_error_names_its_field():
+    """The API reports `param` from ConfigError.field: every field's own check names that field."""
+    assert {f for f, _ in BAD_FIELDS} == set(DecodeParams.__dataclass_fields__)
+    for field, bad in BAD_FIELDS:
+        with pytest.raises(ConfigError) as e:
+            DecodeParams(**({"mode": "dsbd"} | {field: bad})).validated()
+        assert e.value.field == field, (field, str(e.value))
+
+
 def test_length_penalty_is_bounded():
-    # Found by tests/test_fuzz_params.py: lambda = 1e300 made n ** lambda overflow (a raw OverflowError).
+    # S(y) = s(y) / n^lambda: lambda = 1e300 would overflow n ** lambda (a raw OverflowError).
     with pytest.raises(ConfigError, match="length_penalty must be between -10 and 10"):
         DecodeParams(length_penalty=1e300).validated()
     assert DecodeParams(length_penalty=-10).validated().length_penalty == -10
 
 
 def test_temperature_has_a_floor():
-    # Found by tests/test_fuzz_params.py: T = 5e-324 made logits / T overflow to NaN (a raw IndexError).
+    # logits / T must stay finite: T = 5e-324 would turn them into NaN (a raw IndexError).
     with pytest.raises(ConfigError, match="temperature must be >= 1e-06"):
         DecodeParams(mode="sample", temperature=5e-324).validated()
     assert DecodeParams(mode="sample", temperature=1e-6).validated().temperature == 1e-6

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from app.config import ConfigError, DecodeParams
-from app.decoding import decoder
+from app.decoding import start
 from app.decoding.beams import Stopper
 from app.decoding.metrics import Metrics
 from backends.base import ROOT, Forest, Path
@@ -79,8 +79,8 @@ def run(mode: str, seed: int, unique: bool):
         t.strict = d.strict = True
         t, d = UniquePaths(t), UniquePaths(d)
     stopper = Stopper(eos_ids=frozenset({0}), decode=TARGET.tokenizer.decode)
-    steps = list(decoder(mode)(target=t, draft=d, prompt=[1, 2], params=params, stopper=stopper,
-                               metrics=Metrics(mode=mode), vocab=V))
+    steps = list(start(params, target=t, draft=d, prompt=[1, 2], stopper=stopper, metrics=Metrics(mode=mode),
+                       vocab=V))
     out = steps[-1].output
     return (out.tokens, out.score), (t, d), inner
 

@@ -20,7 +20,6 @@ from app.decoding.sampling import (
     Rand,
     SeededRand,
     Warp,
-    make_drafts,
     positions,
     residual_chain,
     sample_iid,
@@ -34,6 +33,7 @@ from dsbd_helpers import (
     enumerate_paths,
     joint,
     layer_cases,
+    make_drafts,
     rngs,
 )
 

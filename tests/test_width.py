@@ -7,9 +7,10 @@ import itertools
 import numpy as np
 import pytest
 
-from app.decoding.sampling import Draft, Joint, SeededRand, make_drafts, residual_chain, sample_iid, verify_layer
+from app.decoding.sampling import Draft, Joint, SeededRand, residual_chain, sample_iid, verify_layer
 from app.decoding.width import acceptance_count_law, acceptance_count_table, choose_width, tail_probabilities
-from dsbd_helpers import ALPHA_TEST, NEG_CONTROL_P, chisquare_pvalue, enumerate_paths, layer_cases, rngs
+from dsbd_helpers import (ALPHA_TEST, NEG_CONTROL_P, chisquare_pvalue, enumerate_paths, layer_cases, make_drafts,
+                          rngs)
 
 CASES = layer_cases()
 N_MC = 200_000

@@ -1,9 +1,10 @@
 """Benchmark harness: decoding modes run interleaved (A B C A B C ...) on one loaded engine, so ratios hold
-on a noisy machine. Writes JSON after every run (resumable) and optionally plots (speed vs quality,
+on a noisy machine. Writes JSON after every run (resumable); app.compare.report plots it (speed vs quality,
 acceptance per depth, widths).
 
 A suite is {"prompts": [str, ...]} (quality = mean target log-prob) or {"tasks": [{"prompt", "entry_point",
-"tests": [assert lines], "reference"}, ...]} (quality also = pass rate of the hidden tests, see `grade`).
+"tests": [assert lines], "reference"}, ...]} (quality also = pass rate of the hidden tests, see
+app.compare.grading).
 Mode `auto[:quality=fast|beam|dynamic]` is the engine's auto mode (app/engine/auto.py): it picks per run, having
 observed every earlier run of every mode, as it would observe earlier turns of a chat.
 """
@@ -14,14 +15,12 @@ import json
 import os
 import re
 import statistics
-import subprocess
-import sys
-import tempfile
 import threading
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
+from app.compare.grading import grade
 from app.compare.projection import projected_seconds
 from app.config import ConfigError, DecodeParams, load_presets
 from app.engine.engine import final_event
@@ -41,47 +40,6 @@ def load_suite(name: str) -> list:
 
 def _prompt(item) -> str:
     return item["prompt"] if isinstance(item, dict) else item
-
-
-# ---------------------------------------------------------------- code grading
-
-_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.S)
-
-
-def extract_code(text: str) -> str:
-    """The first ```python (or bare ```) block; an unclosed last block counts; else the whole answer."""
-    m = _BLOCK.search(text)
-    if m:
-        return m.group(1)
-    start = re.search(r"```(?:python|py)?[ \t]*\n", text)  # cut off by max_tokens mid-block
-    return text[start.end():] if start else text
-
-
-def _limits() -> None:  # runs in the child before exec: caps memory and CPU time, no core files
-    import resource
-
-    resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
-    resource.setrlimit(resource.RLIMIT_CPU, (10, 10))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-
-def grade(answer: str, task: dict, *, timeout: float = 5.0) -> bool:
-    """Run the answer's code plus the task's hidden asserts in a fresh `python -I`; True when all pass.
-
-    A subprocess with a timeout and rlimits, a minimal environment and a temporary working folder: enough
-    for our own short tasks, not a sandbox for untrusted code.
-    """
-    program = extract_code(answer) + "\n\n" + "\n".join(task["tests"]) + "\n"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "solution.py"
-        path.write_text(program)
-        try:
-            done = subprocess.run([sys.executable, "-I", str(path)], cwd=tmp, env={"PATH": os.defpath},
-                                  stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,
-                                  preexec_fn=_limits if os.name == "posix" else None)
-        except subprocess.TimeoutExpired:
-            return False
-    return done.returncode == 0
 
 
 # ---------------------------------------------------------------- modes
@@ -177,15 +135,23 @@ def run_bench(engine, *, modes: list[str], prompts: list, base: DecodeParams, re
 
 
 class PeakRSS:
-    """The highest resident set size of this process while the block runs (psutil, sampled every 20 ms)."""
+    """The highest resident set size of this process while the block runs: on Linux the kernel's own high-water
+    mark (reset on entry, read on exit, so no allocation is missed); elsewhere psutil, sampled every 20 ms."""
 
     def __enter__(self) -> "PeakRSS":
-        import psutil
+        self._thread = None
+        try:
+            _CLEAR_REFS.write_text("5")  # resets VmHWM to the current resident size
+            self.peak = _high_water_mark()
+        except OSError:
+            self.peak = None
+        if self.peak is None:
+            import psutil
 
-        self._proc, self._stop = psutil.Process(), threading.Event()
-        self.peak = self._proc.memory_info().rss
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
+            self._proc, self._stop = psutil.Process(), threading.Event()
+            self.peak = self._proc.memory_info().rss
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
         return self
 
     def _sample(self) -> None:
@@ -193,9 +159,24 @@ class PeakRSS:
             self.peak = max(self.peak, self._proc.memory_info().rss)
 
     def __exit__(self, *exc) -> None:
+        if self._thread is None:
+            self.peak = max(self.peak, _high_water_mark() or 0)
+            return
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
+_CLEAR_REFS, _STATUS = Path("/proc/self/clear_refs"), Path("/proc/self/status")
+
+
+def _high_water_mark() -> int | None:
+    """Linux: this process's peak resident bytes since the last reset (VmHWM); None where there is none."""
+    try:
+        m = re.search(r"^VmHWM:\s+(\d+) kB", _STATUS.read_text(), re.M)
+    except OSError:
+        return None
+    return int(m.group(1)) << 10 if m else None
 
 
 def _calibration(engine) -> dict:
@@ -325,96 +306,3 @@ def paired_logprob(runs: list[dict], mode: str, ref: str) -> dict | None:
     if len(d) < 2 or mode == ref:
         return None
     return {"mean": statistics.mean(d), "se": statistics.stdev(d) / len(d) ** 0.5, "pairs": len(d)}
-
-
-def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The non-dominated (speed, quality) points, fastest first: none is both faster and better."""
-    front: list[tuple[float, float]] = []
-    for x, y in sorted(points, key=lambda p: (-p[0], -p[1])):
-        if not front or y > front[-1][1]:
-            front.append((x, y))
-    return front
-
-
-def _quality(summary: dict) -> tuple[str, str]:
-    """Pass rate when every mode was graded (a code suite), else the mean target log-prob."""
-    if summary and all(s.get("pass_rate") is not None for s in summary.values()):
-        return "pass_rate", "pass rate of the hidden tests"
-    return "mean_target_logprob", "mean target log-prob per token (higher = better)"
-
-
-def plot(result: dict, path: Path) -> list[Path]:
-    """Three PNGs: speed vs quality with its Pareto front at `path`, acceptance per depth at
-    <stem>-acceptance.png, chosen widths of the DSBD modes at <stem>-widths.png. Returns the paths written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    summary = result["summary"]
-    title = f"dsbd-chat bench: {result['config']['models'].get('target', '')}"
-    key, label = _quality(summary)
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    pts = {}
-    for mode, s in summary.items():
-        if s.get(key) is None:
-            continue
-        pts[mode] = (s["tokens_per_s_median"], s[key])
-        ax.scatter(*pts[mode], s=40)
-    for i, mode in enumerate(sorted(pts, key=pts.get)):  # labels alternate above / below along x
-        ax.annotate(mode, pts[mode], fontsize=8, xytext=(4, 5 if i % 2 == 0 else -12), textcoords="offset points")
-    front = pareto(list(pts.values()))
-    if len(front) > 1:
-        ax.plot(*zip(*front), "--", color="gray", lw=1, label="Pareto front")
-        ax.legend(fontsize=8)
-    ax.set_xlabel("tokens/s (median)")
-    ax.set_ylabel(label)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    written = [_save(fig, path)]
-
-    # Acceptance per depth: one group per depth, one bar per drafted mode.
-    acc = {m: s["acceptance_by_depth"] for m, s in summary.items() if s.get("acceptance_by_depth")}
-    depths = sorted({int(d) for a in acc.values() for d in a})
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    bar = 0.8 / max(1, len(acc))
-    for j, (mode, a) in enumerate(acc.items()):
-        ax.bar([d + (j - (len(acc) - 1) / 2) * bar for d in depths], [a.get(str(d)) or 0 for d in depths],
-               width=bar, label=mode)
-    ax.set_xticks(depths or [1])
-    ax.set_xlabel("draft depth")
-    ax.set_ylabel("acceptance rate (accepted / tested)")
-    ax.set_ylim(0, 1)
-    ax.set_title(title)
-    if acc:
-        ax.legend(fontsize=8)
-    written.append(_save(fig, path.with_name(f"{path.stem}-acceptance{path.suffix}")))
-
-    # Widths: the share of layers run at each width W_L, per DSBD mode.
-    wid = {m: s["widths_histogram"] for m, s in summary.items() if s.get("widths_histogram")}
-    widths = sorted({int(w) for h in wid.values() for w in h})
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    bar = 0.8 / max(1, len(wid))
-    for j, (mode, h) in enumerate(wid.items()):
-        total = sum(h.values())
-        ax.bar([w + (j - (len(wid) - 1) / 2) * bar for w in widths], [h.get(str(w), 0) / total for w in widths],
-               width=bar, label=mode)
-    ax.set_xticks(widths or [1])
-    ax.set_xlabel("layer width W_L chosen")
-    ax.set_ylabel("share of layers")
-    ax.set_title(title)
-    if wid:
-        ax.legend(fontsize=8)
-    written.append(_save(fig, path.with_name(f"{path.stem}-widths{path.suffix}")))
-    return written
-
-
-def _save(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

@@ -1,4 +1,5 @@
-"""Quality report: one page per model pair from saved comparisons (app/compare/store.py, stats.py), as PNG and HTML.
+"""Quality report: one page per model pair from saved comparisons (app/compare/store.py, stats.py), as PNG and HTML;
+and the bench's plots (`plot_bench`), drawn with the same panels.
 
 Speed against three quality figures with error bars (mean target log-prob, pass rate of hidden tests, blind
 win rate), acceptance per draft depth and the widths DSBD chose (from app.compare.bench.summarize), the pairwise
@@ -70,33 +71,8 @@ def figure(records: list[dict], title: str = "") -> Figure:
     for ax in (axes[0][1], axes[0][2]):
         ax.set_ylim(-0.05, 1.05)
 
-    acc = {m: s["acceptance_by_depth"] for m, s in bs.items() if s.get("acceptance_by_depth")}
-    ax = axes[1][0]
-    depths = sorted({int(d) for a in acc.values() for d in a})
-    bar = 0.8 / max(1, len(acc))
-    for j, (m, a) in enumerate(acc.items()):
-        ax.bar([d + (j - (len(acc) - 1) / 2) * bar for d in depths], [a.get(str(d)) or 0 for d in depths],
-               width=bar, label=m, color=colours.get(m))
-    ax.set_xticks(depths or [1])
-    ax.set_xlabel("draft depth")
-    ax.set_ylabel("acceptance (accepted / tested)")
-    ax.set_ylim(0, 1)
-    if acc:
-        ax.legend(fontsize=8)
-
-    wid = {m: s["widths_histogram"] for m, s in bs.items() if s.get("widths_histogram")}
-    ax = axes[1][1]
-    widths = sorted({int(w) for h in wid.values() for w in h})
-    bar = 0.8 / max(1, len(wid))
-    for j, (m, h) in enumerate(wid.items()):
-        total = sum(h.values())
-        ax.bar([w + (j - (len(wid) - 1) / 2) * bar for w in widths], [h.get(str(w), 0) / total for w in widths],
-               width=bar, label=m, color=colours.get(m))
-    ax.set_xticks(widths or [1])
-    ax.set_xlabel("layer width W_L chosen")
-    ax.set_ylabel("share of layers")
-    if wid:
-        ax.legend(fontsize=8)
+    acceptance_panel(axes[1][0], bs, colours)
+    widths_panel(axes[1][1], bs, colours)
 
     ax = axes[1][2]  # how much evidence stands behind each point
     ax.barh(modes, [ms[m]["answers"] for m in modes], color=[colours[m] for m in modes], alpha=0.4, label="answers")
@@ -106,6 +82,35 @@ def figure(records: list[dict], title: str = "") -> Figure:
     fig.suptitle(title or "dsbd-chat quality report")
     fig.tight_layout()
     return fig
+
+
+def grouped_bars(ax, series: dict[str, dict[int, float]], colours: dict | None = None) -> None:
+    """One group of bars per x, one bar per series (label -> {x: height}; a missing x is 0), with a legend."""
+    xs = sorted({x for heights in series.values() for x in heights})
+    bar = 0.8 / max(1, len(series))
+    for j, (label, heights) in enumerate(series.items()):
+        ax.bar([x + (j - (len(series) - 1) / 2) * bar for x in xs], [heights.get(x, 0) for x in xs], width=bar,
+               label=label, color=(colours or {}).get(label))
+    ax.set_xticks(xs or [1])
+    if series:
+        ax.legend(fontsize=8)
+
+
+def acceptance_panel(ax, summary: dict, colours: dict | None = None) -> None:
+    """Acceptance per draft depth, one bar per drafted mode (bench.summarize's acceptance_by_depth)."""
+    grouped_bars(ax, {m: {int(d): a or 0 for d, a in s["acceptance_by_depth"].items()}
+                      for m, s in summary.items() if s.get("acceptance_by_depth")}, colours)
+    ax.set_xlabel("draft depth")
+    ax.set_ylabel("acceptance (accepted / tested)")
+    ax.set_ylim(0, 1)
+
+
+def widths_panel(ax, summary: dict, colours: dict | None = None) -> None:
+    """The share of layers run at each width W_L, one bar per DSBD mode (bench.summarize's widths_histogram)."""
+    grouped_bars(ax, {m: {int(w): c / sum(h.values()) for w, c in h.items()}
+                      for m, s in summary.items() if (h := s.get("widths_histogram"))}, colours)
+    ax.set_xlabel("layer width W_L chosen")
+    ax.set_ylabel("share of layers")
 
 
 def png_bytes(fig: Figure) -> bytes:
@@ -209,3 +214,65 @@ def write_report(records: list[dict], out_dir: str | Path, *, stem: str = "repor
         html_path.chmod(0o644)  # a page to share: not the private 0600 of a temp file
         written += [png_path, html_path]
     return written
+
+
+# ---------------------------------------------------------------- bench plots
+
+
+def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The non-dominated (speed, quality) points, fastest first: none is both faster and better."""
+    front: list[tuple[float, float]] = []
+    for x, y in sorted(points, key=lambda p: (-p[0], -p[1])):
+        if not front or y > front[-1][1]:
+            front.append((x, y))
+    return front
+
+
+def _quality(summary: dict) -> tuple[str, str]:
+    """Pass rate when every mode was graded (a code suite), else the mean target log-prob."""
+    if summary and all(s.get("pass_rate") is not None for s in summary.values()):
+        return "pass_rate", "pass rate of the hidden tests"
+    return "mean_target_logprob", "mean target log-prob per token (higher = better)"
+
+
+def plot_bench(result: dict, path: Path) -> list[Path]:
+    """A bench result (app.compare.bench.run_bench) as three PNGs: speed vs quality with its Pareto front at
+    `path`, acceptance per depth at <stem>-acceptance.png, chosen widths of the DSBD modes at <stem>-widths.png.
+    Returns the paths written."""
+    path = Path(path)
+    summary = result["summary"]
+    title = f"dsbd-chat bench: {result['config']['models'].get('target', '')}"
+    key, label = _quality(summary)
+
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
+    pts = {}
+    for mode, s in summary.items():
+        if s.get(key) is None:
+            continue
+        pts[mode] = (s["tokens_per_s_median"], s[key])
+        ax.scatter(*pts[mode], s=40)
+    for i, mode in enumerate(sorted(pts, key=pts.get)):  # labels alternate above / below along x
+        ax.annotate(mode, pts[mode], fontsize=8, xytext=(4, 5 if i % 2 == 0 else -12), textcoords="offset points")
+    front = pareto(list(pts.values()))
+    if len(front) > 1:
+        ax.plot(*zip(*front), "--", color="gray", lw=1, label="Pareto front")
+        ax.legend(fontsize=8)
+    ax.set_xlabel("tokens/s (median)")
+    ax.set_ylabel(label)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    written = [_save(fig, path)]
+    for name, panel in (("acceptance", acceptance_panel), ("widths", widths_panel)):
+        fig = Figure(figsize=(7, 4.5))
+        ax = fig.subplots()
+        panel(ax, summary)
+        ax.set_title(title)
+        written.append(_save(fig, path.with_name(f"{path.stem}-{name}{path.suffix}")))
+    return written
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path

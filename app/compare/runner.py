@@ -10,6 +10,7 @@ import threading
 from dataclasses import replace
 from typing import Callable, Iterator
 
+from app.compare.grading import grade
 from app.compare.records import ResultsError, load_prompt_source, needs_vote, new_comparison, new_run, params_of_run
 from app.compare.stats import mode_summary
 from app.compare.store import ResultStore
@@ -59,8 +60,6 @@ def iter_answers(engine, rec: dict, params: dict[str, DecodeParams], *,
         if cancel is not None and cancel.is_set() and a["stats"].get("finish_reason") == "cancelled":
             return
         if rec.get("task") and not a["error"]:
-            from app.compare.bench import grade
-
             a["passed"] = grade(a["text"], rec["task"])
         yield i, True
 

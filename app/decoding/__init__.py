@@ -1,17 +1,26 @@
 """Decoders: generators of `Step` events over the backend protocol (backends.base).
 
-Every decoder takes the same keyword arguments and is picked from `DECODERS` by mode name.
+`decoder(mode)` picks a mode's decoder; `start` runs it with exactly the keyword arguments it declares: every
+decoder takes target, prompt, params, stopper and metrics; a drafted mode's also draft and vocab (the target's
+vocabulary size); a forest mode's (DSBD) also costs, policy and nodes (the model-free lookup-node builder).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 
-from .beams import Beam
+from app.config import MODE_FACTS, DecodeParams
+from backends.base import Context
+
+from .beams import Beam, Stopper
 from .metrics import Metrics
+
+if TYPE_CHECKING:
+    from .forest_policy import ForestPolicy
+    from .lookups import Builder
 
 
 @dataclass(frozen=True)
@@ -57,4 +66,22 @@ def decoder(mode: str) -> Callable[..., Iterator[Step]]:
     return _decoders()[mode]
 
 
-__all__ = ["Step", "Metrics", "Beam", "rng_streams", "derive_seed", "decoder"]
+def start(params: DecodeParams, *, target: Context, draft: Context | None, prompt: Sequence[int], stopper: Stopper,
+          metrics: Metrics, vocab: int, costs: tuple | None = None, policy: "ForestPolicy | None" = None,
+          nodes: "Builder | None" = None) -> Iterator[Step]:
+    """The decoder of params.mode (validated) over these contexts, given what it declares (module docstring).
+    `costs` / `policy`: an adaptive forest's (target, draft) pass-cost curves, or its policy; `nodes`: the
+    model-free lookup-node builder (DSBD only). `draft` None: no draft model (DSBD then drafts nothing)."""
+    facts = MODE_FACTS[params.mode]
+    extra: dict = {}
+    if facts.uses_draft:
+        extra |= {"draft": draft, "vocab": vocab}
+    if facts.forest:
+        extra |= {"costs": costs, "policy": policy, "nodes": nodes}
+    elif costs is not None or policy is not None or nodes is not None:
+        raise ValueError(f"mode {params.mode!r} sizes no forest: it takes no pass costs, forest policy or nodes")
+    return decoder(params.mode)(target=target, prompt=prompt, params=params, stopper=stopper, metrics=metrics,
+                                **extra)
+
+
+__all__ = ["Step", "Metrics", "Beam", "rng_streams", "derive_seed", "decoder", "start"]

@@ -10,7 +10,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from app.config import MODE_FACTS
+from app.config import MODE_FACTS, DecodeParams
 from backends.base import ROOT, Context, Forest, Path
 
 from . import Step, rng_streams
@@ -19,7 +19,7 @@ from .metrics import Metrics
 from .sampling import Rand, SeededRand, Warp, draw_without_replacement, log_softmax, residual_chain, sample_iid, warp_joint
 
 
-def warp_of(params) -> Warp:
+def warp_of(params: DecodeParams) -> Warp:
     return Warp(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
 
 
@@ -34,7 +34,7 @@ def pad_vocab(logits: np.ndarray, vocab: int) -> np.ndarray:
     return np.concatenate([logits, pad], axis=-1)
 
 
-def _beam_loop(*, target: Context, prompt: Sequence[int], params, stopper: Stopper, metrics: Metrics,
+def _beam_loop(*, target: Context, prompt: Sequence[int], params: DecodeParams, stopper: Stopper, metrics: Metrics,
                choose) -> Iterator[Step]:
     """Shared loop of the target-only decoders: `choose(z, finishes) -> [(row, token)]` picks the next
     pairs; `finishes(row, token)` tells whether that pair would end its beam."""
@@ -73,13 +73,15 @@ def _beam_loop(*, target: Context, prompt: Sequence[int], params, stopper: Stopp
         yield Step(final=common_prefix([b.tokens for b in live + pool.beams]), live=len(live))
 
 
-def greedy(*, target, prompt, params, stopper, metrics, **_) -> Iterator[Step]:
+def greedy(*, target: Context, prompt: Sequence[int], params: DecodeParams, stopper: Stopper,
+           metrics: Metrics) -> Iterator[Step]:
     """Argmax decoding (ties: lower token id)."""
     return _beam_loop(target=target, prompt=prompt, params=params, stopper=stopper, metrics=metrics,
                       choose=lambda z, _: [(0, int(np.argmax(z[0])))])
 
 
-def beam_search(*, target, prompt, params, stopper, metrics, **_) -> Iterator[Step]:
+def beam_search(*, target: Context, prompt: Sequence[int], params: DecodeParams, stopper: Stopper,
+                metrics: Metrics) -> Iterator[Step]:
     """Baseline C: deterministic beam search over the 2W highest raw joint scores."""
     w = params.beams
 
@@ -103,7 +105,8 @@ def beam_search(*, target, prompt, params, stopper, metrics, **_) -> Iterator[St
                       choose=choose)
 
 
-def beam_sampling(*, target, prompt, params, stopper, metrics, rand: Rand | None = None, **_) -> Iterator[Step]:
+def beam_sampling(*, target: Context, prompt: Sequence[int], params: DecodeParams, stopper: Stopper,
+                  metrics: Metrics, rand: Rand | None = None) -> Iterator[Step]:
     """Baselines A (with replacement) and B (without replacement); W = 1 is multinomial sampling.
     `rand` replaces the seeded stream (tests enumerate every outcome; B then draws sequentially)."""
     _, rng = rng_streams(params.seed)
@@ -128,7 +131,8 @@ def beam_sampling(*, target, prompt, params, stopper, metrics, rand: Rand | None
                       choose=choose)
 
 
-def speculative_sampling(*, target, draft, prompt, params, stopper, metrics, vocab, **_) -> Iterator[Step]:
+def speculative_sampling(*, target: Context, draft: Context, prompt: Sequence[int], params: DecodeParams,
+                         stopper: Stopper, metrics: Metrics, vocab: int) -> Iterator[Step]:
     """Standard speculative sampling (Leviathan et al.; Chen et al.): a chain of gamma drafts, min(1, p/q)
     tests, a residual draw at the first rejection, a bonus token after a full pass."""
     rng_draft, rng_verify = rng_streams(params.seed)

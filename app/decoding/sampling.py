@@ -1,4 +1,4 @@
-"""Pure sampling math for DSBD and the baselines (spec §2.1, §5): warp, residual chain, layer verification.
+"""Pure sampling math for DSBD and the baselines (spec §2, §5): warp, residual chain, layer verification.
 
 Letters follow the paper: p = target, q = draft. Every distribution of a layer lives in the flat key space
 `key = parent * V + token` and is stored sparse as a `Joint` (sorted keys, positive float64 probs).
@@ -57,7 +57,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Warp:
-    """Temperature / top-k / top-p applied to the joint (beam, token) distribution (spec §2.1)."""
+    """Temperature / top-k / top-p applied to the joint (beam, token) distribution (spec §2)."""
 
     temperature: float = 1.0
     top_k: int = 0  # 0 = off; counts (parent, token) pairs, not tokens per beam
@@ -98,14 +98,6 @@ class Joint:
             raise ValueError(f"keys {self.keys.shape} and probs {self.probs.shape} must be equal 1-D shapes")
         if self.keys.dtype != np.int64 or self.probs.dtype != np.float64:
             raise ValueError("Joint needs int64 keys and float64 probs")
-
-    @classmethod
-    def from_dense(cls, table: np.ndarray) -> "Joint":
-        """Build from a dense [n_parents, V] probability table (zeros are dropped, no renormalisation)."""
-        table = np.asarray(table, dtype=np.float64)
-        flat = table.reshape(-1)  # [n V]
-        keys = np.flatnonzero(flat > 0)
-        return cls(keys.astype(np.int64), flat[keys].copy(), int(table.shape[-1]))
 
     def __len__(self) -> int:
         return int(self.keys.size)
@@ -194,7 +186,7 @@ def _finite_entries(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def warp_joint(z: np.ndarray, warp: Warp) -> Joint:
-    """Warp joint log-scores z [n_parents, V] (parent score + log p(token | parent)) into a `Joint` (spec §2.1).
+    """Warp joint log-scores z [n_parents, V] (parent score + log p(token | parent)) into a `Joint` (spec §2).
 
     -inf entries (invalid parent rows, masked ids) are excluded before top_k. Order of operations: z / T,
     top_k over all flattened pairs, top_p on the softmax of the kept entries (shortest prefix in descending
@@ -419,14 +411,6 @@ class Draft:
     key: int
     qval: float
     valid: bool
-
-
-def make_drafts(keys: np.ndarray, q: Joint, valid_parent: np.ndarray) -> list[Draft]:
-    """Drafts (in draw order) for keys drawn from q; valid_parent [n_parents] bool marks the valid parents."""
-    keys = np.asarray(keys, dtype=np.int64)  # [W_S]
-    qval = q.lookup(keys)  # [W_S]
-    valid = np.asarray(valid_parent, dtype=bool)[q.parent(keys)]  # [W_S]
-    return [Draft(int(k), float(v), bool(ok)) for k, v, ok in zip(keys, qval, valid)]
 
 
 def verify_layer(

@@ -25,8 +25,8 @@ Quality levels (config.QUALITY_LEVELS; every candidate of a level keeps the user
              iterations (spec §9) and measured at sampling quality (log-prob -1.07 vs sample's -0.98 in the
              bench, docs/measurements).
     dynamic  dsbd with W_min = W (gamma 0..6, W_S): W beams at every step, so the output law is beam sampling
-             with replacement (spec Theorem 2) whatever the draft does; the draft only buys speed, and gamma = 0
-             (no draft) is a candidate where drafting does not pay. The bench found no narrower setting
+             with replacement (spec §11, fixed width) whatever the draft does; the draft only buys speed, and
+             gamma = 0 (no draft) is a candidate where drafting does not pay. The bench found no narrower setting
              (smaller t or W_min) at beam sampling's log-prob.
     Without a draft model every level falls back to its draft-free mode (sample, beam-sample).
 No exploration: a setting never run keeps its prior until observed (the engine observes every finished
@@ -91,7 +91,7 @@ class AutoPolicy:
     def iteration_s(self, p: DecodeParams) -> float:
         n_t, drafts = MODE_FACTS[p.mode].target_tokens(p.beams, p.draft_beams, p.gamma)
         if drafts and self.draft_cost is None:
-            raise ConfigError(f"mode {p.mode!r} needs a draft model")
+            raise ConfigError(f"mode {p.mode!r} needs a draft model", field="mode")
         return self.target_cost(n_t) + sum(self.draft_cost(n) for n in drafts)
 
     def projected_tps(self, p: DecodeParams) -> float:
@@ -127,7 +127,7 @@ class AutoPolicy:
     def candidates(self, base: DecodeParams, level: str) -> list[DecodeParams]:
         """Every setting of a level, validated; drafted modes only with a draft model."""
         if level not in LEVELS:
-            raise ConfigError(f"unknown auto level {level!r}; choose one of: {', '.join(LEVELS)}")
+            raise ConfigError(f"unknown auto level {level!r}; choose one of: {', '.join(LEVELS)}", field="quality")
         w = base.beams
         drafted = self.draft_cost is not None
 

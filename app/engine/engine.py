@@ -21,7 +21,7 @@ from offload.runtimes import RUNTIMES
 from app.chat import encode_chat
 from app.config import MODE_FACTS, ConfigError, DecodeParams
 from backends.registry import ModelSpec
-from app.decoding import decoder, derive_seed
+from app.decoding import derive_seed, start
 from app.decoding.beams import Stopper
 from app.decoding.metrics import Metrics
 from app.engine.interface import Event, ModelEngine, PromptTooLong
@@ -58,9 +58,10 @@ class Engine(ModelEngine):
             check_compatible(draft.tokenizer, target.tokenizer)
 
     @classmethod
-    def load(cls, target: ModelSpec, draft: ModelSpec | None = None, *, budget=None) -> "Engine":
+    def load(cls, target: ModelSpec, draft: ModelSpec | None = None, *, budget=None, profile: str = TIMED) -> "Engine":
         """Plan memory (offload.plan), then load both models as planned. A plan that cannot fit raises
-        PlanError, saying what would, before any weights are read."""
+        PlanError, saying what would, before any weights are read. `profile`: the cost profile adaptive forests
+        are priced with (app.engine.timing)."""
         target = target.validated()
         draft = draft.validated() if draft is not None else None
         plan = memory_plan(target, draft, budget=budget)
@@ -75,6 +76,8 @@ class Engine(ModelEngine):
                     m.close()
             raise
         engine.specs, engine.plan = (target, draft), plan
+        if profile != TIMED:
+            engine.use_cost_profile(profile)
         return engine
 
     def swap(self, target: ModelSpec, draft: ModelSpec | None = None, *, progress=None) -> dict:
@@ -143,7 +146,7 @@ class Engine(ModelEngine):
             d["cost_profile"] = self.cost_profile.name
         repack = {m.info.extra.get("weight_repack") for m in (self.target, self.draft) if m is not None} - {None}
         if repack:  # llama.cpp: whether the weight repack runs (off where it crashes, e.g. AMX)
-            from backends.registry import cpu_summary
+            from backends.host import cpu_summary
 
             d["cpu"] = f"{cpu_summary()}; " + "; ".join(sorted(repack))
         if where := self.target.info.extra.get("placement"):  # an RPC target: which machine holds what
@@ -169,19 +172,23 @@ class Engine(ModelEngine):
         return ctx
 
     # -- generation ----------------------------------------------------------------------------
+    # The public calls validate the request once; the private ones take validated DecodeParams.
     def check_params(self, params: DecodeParams) -> DecodeParams:
         """Validated params as they would run; auto stays auto (it picks when its generation starts)."""
         params = params.validated()
-        return params if params.mode == "auto" else self.resolve(params)[0]
+        return params if params.mode == "auto" else self._resolve(params)[0]
 
     def resolve(self, params: DecodeParams) -> tuple[DecodeParams, str | None]:
         """Validated params, switched to memory-reduced DSBD when full mode does not fit the memory plan."""
-        params = params.validated()
+        return self._resolve(params.validated())
+
+    def _resolve(self, params: DecodeParams) -> tuple[DecodeParams, str | None]:
         if params.mode == "auto":
             raise ConfigError("auto picks a concrete mode first: call Engine.pick")
         if params.needs_draft and self.draft is None:
             alone = " / ".join(m for m, f in MODE_FACTS.items() if f.concrete and not f.needs_draft)
-            raise ConfigError(f"mode {params.mode!r} needs a draft model: load one (--draft) or pick {alone}")
+            raise ConfigError(f"mode {params.mode!r} needs a draft model: load one (--draft) or pick {alone}",
+                              field="mode")
         plan = self.plan
         twin = MODE_FACTS[params.mode].memory_twin
         if twin and plan is not None and plan.dsbd_full_fits is not None and params.beams > plan.max_beams:
@@ -194,9 +201,11 @@ class Engine(ModelEngine):
     def pick(self, params: DecodeParams) -> tuple[DecodeParams, dict]:
         """Auto mode: the setting of params.quality with the best projected tok/s, and what it was based on.
         The first call after a load times the models' passes (seconds; waits for a running answer)."""
+        return self._pick(params.validated())
+
+    def _pick(self, params: DecodeParams) -> tuple[DecodeParams, dict]:
         from app.engine.auto import describe
 
-        params = params.validated()
         info = {"quality": params.quality}
         with self.lock:  # timing evaluates the models: never beside a running generation
             info |= self._calibrated()
@@ -262,10 +271,10 @@ class Engine(ModelEngine):
         prompt = list(prompt)
         if not prompt:
             raise ConfigError("the prompt is empty")
-        auto = None
-        if params.validated().mode == "auto":
-            params, auto = self.pick(params)
-        params, notice = self.resolve(params)
+        params, auto = params.validated(), None
+        if params.mode == "auto":
+            params, auto = self._pick(params)
+        params, notice = self._resolve(params)
         tree = MODE_FACTS[params.mode].tree_tokens(params.draft_beams, params.gamma, params.lookup_nodes)
         if len(prompt) + params.max_new_tokens + tree > self.n_ctx:
             raise PromptTooLong(prompt=len(prompt), max_new=params.max_new_tokens, tree=tree, n_ctx=self.n_ctx)
@@ -333,10 +342,9 @@ class Engine(ModelEngine):
             metrics = Metrics(mode=params.mode, prompt_tokens=len(prompt))
             policy = self._forest_policy(params, costs) if drafts else None
             nodes = self._node_builder(params, prompt, stopper, costs)
-            extra = {"costs": costs, "policy": policy, "nodes": nodes} if MODE_FACTS[params.mode].forest else {}
-            steps = decoder(params.mode)(target=target, draft=draft, prompt=prompt, params=params,
-                                         stopper=stopper, metrics=metrics, vocab=self.target.info.vocab_size,
-                                         **extra)
+            steps = start(params, target=target, draft=draft, prompt=prompt, stopper=stopper, metrics=metrics,
+                          vocab=self.target.info.vocab_size, costs=costs if policy is None else None,
+                          policy=policy, nodes=nodes)
             try:
                 for step in steps:
                     if cancel is not None and cancel.is_set() and not step.done:
@@ -371,7 +379,8 @@ class Engine(ModelEngine):
 
     def _forest_policy(self, params: DecodeParams, costs):
         """Adaptive DSBD with a draft model: a forest policy starting from what this model pair learnt at this
-        setting and cost profile (in memory, else from the cache folder); None for fixed forests."""
+        setting and cost profile (in memory, else from the cache folder); None for fixed forests (generate()
+        timed the `costs` of an adaptive one)."""
         if costs is None or costs[1] is None:
             return None
         from app.decoding.forest_policy import Acceptance, ForestPolicy, decoder_costs, setting_key
@@ -476,7 +485,7 @@ def memory_plan(target: ModelSpec, draft: ModelSpec | None, *, budget=None):
     Files the planner cannot read (an unknown architecture, say) load unplanned."""
     from app.engine.planning import PlanError, plan_for
 
-    if getattr(target, "rpc", ()):  # the target's layers live on RPC workers: this host's plan would overcount
+    if target.rpc:  # the target's layers live on RPC workers: this host's plan would overcount
         log.info("no memory plan for %s: its layers go to the RPC workers %s", target.source, ", ".join(target.rpc))
         return None
     try:

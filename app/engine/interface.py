@@ -59,8 +59,10 @@ class ModelEngine(ABC):
 
     @classmethod
     @abstractmethod
-    def load(cls, target: ModelSpec, draft: ModelSpec | None = None, *, budget=None) -> "ModelEngine":
-        """Plan memory, then load both models as planned (PlanError before any weights are read)."""
+    def load(cls, target: ModelSpec, draft: ModelSpec | None = None, *, budget=None,
+             profile: str = "timed") -> "ModelEngine":
+        """Plan memory, then load both models as planned (PlanError before any weights are read); price adaptive
+        forests with cost profile `profile`."""
 
     @abstractmethod
     def swap(self, target: ModelSpec, draft: ModelSpec | None = None, *, progress=None) -> dict:
@@ -84,7 +86,12 @@ class ModelEngine(ABC):
 
     @abstractmethod
     def costs(self) -> tuple:
-        """(target, draft) pass-cost curves, timed on first use."""
+        """(target, draft) pass-cost curves, timed on first use (or the cost profile's)."""
+
+    @abstractmethod
+    def use_cost_profile(self, name: str) -> dict:
+        """Price adaptive forests and auto with a named cost profile ("timed": this machine's); returns
+        describe()."""
 
     @abstractmethod
     def observe(self, params: DecodeParams, stats: dict) -> None:

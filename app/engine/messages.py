@@ -1,9 +1,15 @@
 """What the supervisor (app.engine.worker.WorkerEngine) and its model process say over the pipe: one frozen
-dataclass per message, matched by type. `rid` ties a reply to its request (0: the process itself)."""
+dataclass per message, matched by type. `rid` ties a reply to its request (0: the process itself). Exceptions
+cross the pipe packed (`pack_exc`) and are rebuilt with their type on the other side (`unpack_exc`)."""
 
 from __future__ import annotations
 
+import importlib
+import pickle
+import traceback
 from dataclasses import dataclass, field
+
+from backends.base import BackendError
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,7 @@ class Ready(Message):
 
 @dataclass(frozen=True)
 class LoadFailed(Message):
-    """Loading the models failed; `error` is a packed exception (worker._pack_exc)."""
+    """Loading the models failed; `error` is a packed exception (pack_exc)."""
 
     error: tuple
 
@@ -105,3 +111,38 @@ class End(Message):
 @dataclass(frozen=True)
 class Lost(Message):
     why: str
+
+
+# -- exceptions across the pipe -----------------------------------------------------------------------------
+def pack_exc(e: BaseException) -> tuple:
+    """(module, qualname, args, attributes, traceback text): rebuilt in the parent without calling __init__
+    (PromptTooLong's takes keyword-only numbers, so plain unpickling would fail)."""
+    def ok(v) -> bool:
+        try:
+            pickle.dumps(v)
+            return True
+        except Exception:
+            return False
+
+    args = tuple(a if ok(a) else repr(a) for a in e.args)
+    attrs = {k: v for k, v in vars(e).items() if ok(v)} if hasattr(e, "__dict__") else {}
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    return type(e).__module__, type(e).__qualname__, args, attrs, tb
+
+
+def unpack_exc(packed: tuple) -> BaseException:
+    module, qualname, args, attrs, tb = packed
+    try:
+        cls = importlib.import_module(module)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+        if not (isinstance(cls, type) and issubclass(cls, Exception)):
+            raise TypeError(qualname)
+        e = cls.__new__(cls)
+        Exception.__init__(e, *args)
+        e.__dict__.update(attrs)
+    except Exception:  # a type the parent cannot import: keep its name in the message
+        e = BackendError(f"{qualname}: {args[0] if args else ''}")
+    e.add_note(f"raised in the model process:\n{tb}")
+    return e
+

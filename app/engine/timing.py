@@ -5,7 +5,7 @@ and thread count, and cached on disk so a load or a `generate` call does not tim
     measure_costs    time a flat n-node forest after a fixed context, through the backend protocol
     cached_costs     measure_costs behind the cache: $DSBD_CHAT_CACHE (else ~/.cache/dsbd-chat)/pass-costs.json
 
-The cache key is backends.registry.timing_identity(model) (file path, size and mtime; llama-cpp-python version
+The cache key is backends.host.timing_identity(model) (file path, size and mtime; llama-cpp-python version
 and library files or the torch version; CPU model and flags; threads; weight placement) plus the timing method
 (the token counts, context and repeats). A model without a file is timed every time. An unreadable or corrupt
 cache file is ignored (and logged), then replaced by the next write. Timings taken while other processes ran
@@ -107,7 +107,7 @@ def retiming() -> bool:
 
 def cost_key(model, ns: Sequence[int], context: int, repeats: int) -> str | None:
     """The cache key of these timings of this model, None when the model cannot be identified."""
-    from backends.registry import timing_identity
+    from backends.host import timing_identity
 
     ident = timing_identity(model)
     if ident is None:

@@ -21,26 +21,23 @@ The child ignores Ctrl+C (the parent closes it) and exits when the pipe closes (
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import logging
 import multiprocessing
-import os
-import pickle
 import queue
 import signal
-import sys
 import threading
 import time
-import traceback
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 from backends.base import BackendError
 
 from app.config import DecodeParams
+from app.engine.timing import TIMED
 from app.engine.interface import ModelEngine, ModelProcessLost
-from app.engine.messages import (Call, Cancel, Close, Drop, End, Failed, Go, LoadFailed, Lost, Open, Opened, Progress,
-                                 Ready, Result, Streamed)
+from app.engine.messages import Call, Close, LoadFailed, Lost, Open, Opened, Progress, Ready, unpack_exc
+from app.engine.proxies import RemoteTokenizer, Stream, reply
+from app.engine.worker_child import child_main
 from backends.registry import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -50,11 +47,6 @@ MAX_ANSWER_CRASHES = 3  # answers in a row that killed the model process before 
 HUNG_FACTOR = 50.0  # an event this many times later than the timed passes predict: stuck, not slow
 HUNG_MIN_S = 180.0  # never sooner: on an overloaded machine a first event can take a minute
 HUNG_UNTIMED_S = 600.0  # per event, before the passes are timed
-_POLL_S = 0.05  # how often a stream waiting for its next event looks at its cancel Event
-_TOKENIZER_ATTRS = ("name", "n_vocab", "bos_id", "eos_id", "eos_ids", "vocab_type", "add_bos", "chat_template")
-# What the parent may call on the child's Engine (streams: "generate" / "chat", opened separately).
-_CALLS = frozenset({"describe", "check_params", "resolve", "pick", "costs", "observe", "encode", "complete", "swap",
-                    "use_cost_profile", "tokenizer.encode", "tokenizer.decode", "tokenizer.piece"})
 _WHY = {"SIGILL": "illegal instruction",
         "SIGSEGV": "segmentation fault", "SIGABRT": "aborted", "SIGBUS": "bus error",
         "SIGFPE": "arithmetic fault", "SIGKILL": "killed, e.g. out of memory",
@@ -73,165 +65,6 @@ def death_cause(exitcode: int | None) -> str:
         return f"{name}: {_WHY.get(name) or (signal.strsignal(-exitcode) or name).lower()}"
     return f"exit code {exitcode}"
 
-
-# -- exceptions across the pipe ----------------------------------------------------------------------
-def _pack_exc(e: BaseException) -> tuple:
-    """(module, qualname, args, attributes, traceback text): rebuilt in the parent without calling __init__
-    (PromptTooLong's takes keyword-only numbers, so plain unpickling would fail)."""
-    def ok(v) -> bool:
-        try:
-            pickle.dumps(v)
-            return True
-        except Exception:
-            return False
-
-    args = tuple(a if ok(a) else repr(a) for a in e.args)
-    attrs = {k: v for k, v in vars(e).items() if ok(v)} if hasattr(e, "__dict__") else {}
-    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-    return type(e).__module__, type(e).__qualname__, args, attrs, tb
-
-
-def _unpack_exc(packed: tuple) -> BaseException:
-    module, qualname, args, attrs, tb = packed
-    try:
-        cls = importlib.import_module(module)
-        for part in qualname.split("."):
-            cls = getattr(cls, part)
-        if not (isinstance(cls, type) and issubclass(cls, Exception)):
-            raise TypeError(qualname)
-        e = cls.__new__(cls)
-        Exception.__init__(e, *args)
-        e.__dict__.update(attrs)
-    except Exception:  # a type the parent cannot import: keep its name in the message
-        e = BackendError(f"{qualname}: {args[0] if args else ''}")
-    e.add_note(f"raised in the model process:\n{tb}")
-    return e
-
-
-# -- the child ---------------------------------------------------------------------------------------
-class _Served:
-    """One request inside the child: its cancel Event, whether the parent started or dropped the stream."""
-
-    def __init__(self) -> None:
-        self.cancel, self.go, self.dropped = threading.Event(), threading.Event(), False
-
-
-def _child_main(conn, target: ModelSpec, draft: ModelSpec | None, budget, on_start) -> None:
-    """Entry point of the model process: load, report, then serve requests until the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the parent's: it closes this process
-    try:  # a crash must not leave a core file of the size of the models behind
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
-    except (ImportError, ValueError, OSError):
-        pass
-    send_lock = threading.Lock()
-
-    def send(msg) -> None:
-        try:
-            with send_lock:
-                conn.send(msg)
-        except (OSError, EOFError):  # the parent is gone
-            os._exit(0)
-
-    engine = None
-    served: dict[int, _Served] = {}
-
-    def load() -> None:
-        nonlocal engine
-        try:
-            if on_start is not None:
-                on_start()
-            from app.engine.engine import Engine
-
-            engine = Engine.load(target, draft, budget=budget)
-        except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
-            send(LoadFailed(0, _pack_exc(e)))
-            return
-        send(Ready(0, _state(engine)))
-
-    threading.Thread(target=load, name="dsbd-load", daemon=True).start()
-    while True:  # the main thread only reads the pipe: EOF (the parent died) ends the process at once
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            os._exit(0)
-        rid = msg.rid
-        if isinstance(msg, Close):
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
-        if isinstance(msg, Call):
-            name, args, kwargs = msg.name, msg.args, dict(msg.kwargs)
-            if name.startswith("tokenizer."):  # fast and read-only: answered inline
-                _serve_call(engine, rid, name, args, kwargs, send)
-            else:
-                threading.Thread(target=_serve_call, args=(engine, rid, name, args, kwargs, send),
-                                 name=f"dsbd-call-{rid}", daemon=True).start()
-        elif isinstance(msg, Open):
-            s = served[rid] = _Served()
-            threading.Thread(target=_serve_stream, args=(engine, rid, msg.name, msg.args, s, send, served),
-                             name=f"dsbd-stream-{rid}", daemon=True).start()
-        elif isinstance(msg, (Go, Cancel, Drop)):
-            s = served.get(rid)
-            if s is not None:
-                if isinstance(msg, Cancel):
-                    s.cancel.set()
-                elif isinstance(msg, Drop):  # the parent closed the stream: stop at the next step, or never start
-                    s.dropped = True
-                    s.cancel.set()
-                s.go.set()
-
-
-def _state(engine) -> dict:
-    """What the parent mirrors: specs, plan, n_ctx, describe() and the tokenizer's plain attributes."""
-    plan = engine.plan
-    try:
-        pickle.dumps(plan)
-    except Exception:
-        plan = None
-    tok = engine.tokenizer
-    return {"specs": engine.specs, "plan": plan, "n_ctx": engine.n_ctx, "describe": engine.describe(),
-            "tokenizer": {k: getattr(tok, k, None) for k in _TOKENIZER_ATTRS}, "pid": os.getpid()}
-
-
-def _serve_call(engine, rid: int, name: str, args, kwargs, send) -> None:
-    try:
-        if name not in _CALLS:
-            raise BackendError(f"the model process has no call {name!r}")
-        fn = engine
-        for part in name.split("."):
-            fn = getattr(fn, part)
-        if name == "swap" and kwargs.pop("progress", None):
-            kwargs["progress"] = lambda *a, **k: send(Progress(rid, a, k))
-        result = fn(*args, **kwargs)
-        if name == "swap":
-            result = (result, _state(engine))
-        send(Result(rid, result))
-    except BaseException as e:  # noqa: BLE001 - re-raised in the parent
-        send(Failed(rid, _pack_exc(e)))
-
-
-def _serve_stream(engine, rid: int, name: str, args, s: _Served, send, served: dict) -> None:
-    gen = None
-    try:
-        gen = getattr(engine, name)(*args, cancel=s.cancel)  # ConfigError / PromptTooLong: raised here
-        send(Opened(rid))
-        s.go.wait()
-        if s.dropped:
-            return
-        for ev in gen:
-            if s.dropped:
-                break
-            send(Streamed(rid, ev))
-        else:
-            send(End(rid))
-    except BaseException as e:  # noqa: BLE001 - re-raised in the parent
-        send(Failed(rid, _pack_exc(e)))
-    finally:
-        if gen is not None:
-            gen.close()  # releases the engine lock
-        served.pop(rid, None)
 
 
 # -- the parent --------------------------------------------------------------------------------------
@@ -298,9 +131,12 @@ class WorkerEngine(ModelEngine):
 
     def __init__(self, target: ModelSpec, draft: ModelSpec | None = None, *, budget=None,
                  max_load_failures: int = MAX_LOAD_FAILURES, max_answer_crashes: int = MAX_ANSWER_CRASHES,
-                 hung_after: float | None = None, on_start: Callable[[], None] | None = None) -> None:
-        """hung_after: a fixed per-event deadline in seconds (None: from the timed pass costs)."""
+                 hung_after: float | None = None, on_start: Callable[[], None] | None = None,
+                 profile: str = TIMED) -> None:
+        """hung_after: a fixed per-event deadline in seconds (None: from the timed pass costs); profile: the cost
+        profile adaptive forests are priced with (app.engine.timing), kept across restarts of the process."""
         self._budget, self._on_start, self.max_load_failures = budget, on_start, max_load_failures
+        self._profile = profile
         self.max_answer_crashes, self.hung_after = max_answer_crashes, hung_after
         self._costs = None  # (target, draft) CostCurves once timed: the deadlines follow them
         self._crashes = 0  # answers in a row that ended with the model process dying
@@ -316,8 +152,9 @@ class WorkerEngine(ModelEngine):
         self._phase = "ready"
 
     @classmethod
-    def load(cls, target: ModelSpec, draft: ModelSpec | None = None, *, budget=None, **kw) -> "WorkerEngine":
-        return cls(target, draft, budget=budget, **kw)
+    def load(cls, target: ModelSpec, draft: ModelSpec | None = None, *, budget=None, profile: str = TIMED,
+             **kw) -> "WorkerEngine":
+        return cls(target, draft, budget=budget, profile=profile, **kw)
 
     # -- the mirrored state ------------------------------------------------------------------------
     @property
@@ -360,6 +197,12 @@ class WorkerEngine(ModelEngine):
         self._costs = self._call("costs", kind="answer")  # times the passes on first use: not asked twice
         return self._costs
 
+    def use_cost_profile(self, name: str) -> dict:
+        described = self._call("use_cost_profile", name)
+        self._profile, self._costs = name, None  # a restarted model process prices with it too
+        self._state["describe"] = described
+        return dict(described)
+
     def observe(self, params: DecodeParams, stats: dict) -> None:
         return self._call("observe", params, stats)
 
@@ -395,19 +238,19 @@ class WorkerEngine(ModelEngine):
                 if isinstance(msg, Progress):
                     progress(*msg.args, **msg.kwargs)
                     continue
-                info, state = self._result(msg)
+                info, state = reply(msg)
                 self._adopt(state)
                 return info
         finally:
             child.forget(rid)
 
     def generate(self, prompt: Sequence[int], params: DecodeParams, *,
-                 cancel: threading.Event | None = None) -> "_Stream":
+                 cancel: threading.Event | None = None) -> "Stream":
         """Stream one completion, as Engine.generate: ConfigError / PromptTooLong are raised here."""
         return self._open("generate", (list(prompt), params), cancel)
 
     def chat(self, messages: list[dict], params: DecodeParams, *,
-             cancel: threading.Event | None = None) -> "_Stream":
+             cancel: threading.Event | None = None) -> "Stream":
         return self._open("chat", (messages, params), cancel)
 
     def close(self) -> None:
@@ -483,19 +326,9 @@ class WorkerEngine(ModelEngine):
                 child.forget(rid)
             # A quick call that met a process already dying (killed a moment ago) is asked again of the new one.
             if not isinstance(msg, Lost) or kind != "call" or attempt == 2:
-                return self._result(msg)
+                return reply(msg)
 
-    @staticmethod
-    def _result(msg):
-        if isinstance(msg, Result):
-            return msg.value
-        if isinstance(msg, Failed):
-            raise _unpack_exc(msg.error)
-        if isinstance(msg, Lost):
-            raise ModelProcessLost(msg.why)
-        raise BackendError(f"unexpected reply from the model process: {type(msg).__name__}")
-
-    def _open(self, name: str, args: tuple, cancel: threading.Event | None) -> "_Stream":
+    def _open(self, name: str, args: tuple, cancel: threading.Event | None) -> "Stream":
         for attempt in (1, 2):
             child = self._ready()
             rid = next(self._ids)
@@ -505,10 +338,10 @@ class WorkerEngine(ModelEngine):
                 child.send(Open(rid, name, args))
                 msg = q.get()
                 if isinstance(msg, Opened):
-                    return _Stream(child, rid, q, cancel, engine=self, params=args[1])
+                    return Stream(child, rid, q, cancel, engine=self, params=args[1])
                 # Opening only validates: if the process was already dying, open it again on the new one.
                 if not isinstance(msg, Lost) or attempt == 2:
-                    self._result(msg)  # raises
+                    reply(msg)  # raises
             finally:
                 if not isinstance(msg, Opened):
                     child.forget(rid)
@@ -521,7 +354,8 @@ class WorkerEngine(ModelEngine):
         """Spawn a model process, wait for its load; raise the load's error (or its death) if it fails."""
         ctx = multiprocessing.get_context("spawn")
         mine, theirs = ctx.Pipe()
-        proc = ctx.Process(target=_child_main, args=(theirs, target, draft, self._budget, self._on_start),
+        proc = ctx.Process(target=child_main, args=(theirs, target, draft, self._budget, self._on_start,
+                                                    self._profile),
                            name="dsbd-model", daemon=True)
         proc.start()
         theirs.close()  # only the child holds its end now: its death is our EOF
@@ -533,7 +367,7 @@ class WorkerEngine(ModelEngine):
         if not isinstance(msg, Ready):
             self._kill(child)
             if isinstance(msg, LoadFailed):
-                raise _unpack_exc(msg.error)
+                raise unpack_exc(msg.error)
             raise ModelProcessLost(msg.why)
         self._adopt(msg.state)
         return child
@@ -595,7 +429,7 @@ class WorkerEngine(ModelEngine):
         """(endpoint, why) of an RPC worker of the target that no longer answers; with every worker answering,
         an abort (the native client's reaction to a broken connection) still names them: one restarted."""
         target = self.specs[0]
-        if target is None or not getattr(target, "rpc", ()):
+        if target is None or not target.rpc:
             return None
         from backends.remote import first_unreachable
 
@@ -686,88 +520,3 @@ class WorkerEngine(ModelEngine):
         if child.proc.is_alive():
             child.proc.kill()
             child.proc.join(5)
-
-
-class _Stream:
-    """The parent's side of one answer: iterates Events; `close()` stops it (as closing Engine's generator
-    does); its cancel Event is forwarded to the child when set. An event later than the engine's deadline
-    kills the (hung) child."""
-
-    def __init__(self, child: _Child, rid: int, q: queue.SimpleQueue, cancel: threading.Event | None, *,
-                 engine: "WorkerEngine | None" = None, params=None) -> None:
-        self.child, self.rid, self.q, self.cancel = child, rid, q, cancel
-        self.engine, self.params = engine, params
-        self.started = self.finished = self.cancel_sent = False
-        self.events = 0
-
-    def __iter__(self) -> Iterator:
-        return self
-
-    def __next__(self):
-        if self.finished:
-            raise StopIteration
-        if not self.started:
-            self.started = True
-            self.child.send(Go(self.rid))
-        limit = self.engine.deadline(self.params, first=self.events == 0) if self.engine is not None else None
-        due = None if limit is None else time.monotonic() + limit
-        while True:
-            if self.cancel is not None and not self.cancel_sent and self.cancel.is_set():
-                self.cancel_sent = True
-                self.child.send(Cancel(self.rid))
-            poll = self.cancel is not None and not self.cancel_sent
-            wait = _POLL_S if poll else None
-            if due is not None:
-                wait = max(0.0, min(wait if wait is not None else 1.0, due - time.monotonic()))
-            try:
-                msg = self.q.get(timeout=wait) if wait is not None else self.q.get()
-            except queue.Empty:
-                if due is not None and time.monotonic() >= due and self.child.hung is None:
-                    what = "its first event" if self.events == 0 else "the next event"
-                    self.engine._hung(self.child, f"no progress for {limit:.0f} s waiting for {what} of an answer")
-                continue
-            if isinstance(msg, Streamed):
-                self.events += 1
-                return msg.event
-            self._finish()
-            if isinstance(msg, End):
-                if self.engine is not None:
-                    self.engine.answered()
-                raise StopIteration
-            WorkerEngine._result(msg)  # raises the child's error or its death
-
-    def _finish(self) -> None:
-        self.finished = True
-        self.child.forget(self.rid)
-
-    def close(self) -> None:
-        if not self.finished:
-            self.child.send(Drop(self.rid))
-            self._finish()
-
-
-class RemoteTokenizer:
-    """The serving model's tokenizer: plain attributes copied at load; encode / decode / piece asked of
-    the model process (single-token decodes, the forest view's labels, are cached)."""
-
-    def __init__(self, engine: WorkerEngine, attrs: dict) -> None:
-        self.__dict__.update(attrs)
-        self._engine, self._pieces = engine, {}
-
-    def encode(self, text: str, *, add_bos: bool = False, special: bool = False) -> list[int]:
-        return self._engine._call("tokenizer.encode", text, add_bos=add_bos, special=special)
-
-    def decode(self, ids) -> bytes:
-        ids = list(ids)
-        if len(ids) == 1:
-            got = self._pieces.get(ids[0])
-            if got is None:
-                got = self._pieces[ids[0]] = self._engine._call("tokenizer.decode", ids)
-            return got
-        return self._engine._call("tokenizer.decode", ids)
-
-    def piece(self, token: int) -> bytes:
-        return self._engine._call("tokenizer.piece", token)
-
-    def is_eog(self, token: int) -> bool:
-        return token in (self.eos_ids or ())

@@ -19,7 +19,7 @@ import re
 import secrets
 import threading
 import time
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any, AsyncIterator, Callable, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -114,16 +114,13 @@ class ApiError(Exception):
 
 
 _DSBD_FIELDS = set(DsbdOptions.model_fields)
-_PARAM_NAMES = {f.name for f in fields(DecodeParams)}
 
 
-def _param_of(message: str) -> str | None:
-    # ConfigError messages start with the field they are about ("threshold must be ...", "unknown mode ...").
-    m = re.match(r"(?:unknown )?(\w+)", message)
-    name = m.group(1) if m else None
-    if name not in _PARAM_NAMES:
+def _param_of(field: str | None) -> str | None:
+    """The request parameter a DecodeParams field comes from (max_tokens, an OpenAI field, or dsbd.<name>)."""
+    if field is None:
         return None
-    return "max_tokens" if name == "max_new_tokens" else f"dsbd.{name}" if name in _DSBD_FIELDS else name
+    return "max_tokens" if field == "max_new_tokens" else f"dsbd.{field}" if field in _DSBD_FIELDS else field
 
 
 def as_api_error(e: BaseException, prompt_param: str) -> ApiError:
@@ -133,7 +130,7 @@ def as_api_error(e: BaseException, prompt_param: str) -> ApiError:
     if isinstance(e, PromptTooLong):
         return ApiError(400, str(e), param=prompt_param, code="context_length_exceeded")
     if isinstance(e, ConfigError):
-        return ApiError(400, str(e), param=_param_of(str(e)))
+        return ApiError(400, str(e), param=_param_of(e.field))
     if isinstance(e, ChatError):
         return ApiError(400, str(e), param=prompt_param)
     if isinstance(e, BackendError):

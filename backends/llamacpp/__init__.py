@@ -17,7 +17,7 @@ def load(path: Path, spec, *, kv_type: str = "f32") -> LlamaModel:
     kv_type "f32" (default) keeps logits independent of batching; "f16" halves KV memory (see runtime).
     """
     spec = spec.validated()
-    rpc = tuple(getattr(spec, "rpc", ()) or ())
+    rpc = spec.rpc
     layers = spec.n_gpu_layers if spec.n_gpu_layers is not None else (-1 if rpc else 0)  # RPC: all on the workers
     return LlamaModel(Path(path), n_threads=spec.n_threads, n_gpu_layers=layers, kv_type=kv_type,
                       extra_bufts=spec.llama_extra_bufts, rpc=rpc)

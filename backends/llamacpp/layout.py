@@ -96,10 +96,6 @@ class LayoutU:
         """Occupied KV cells: shared committed prefixes once, plus every pending suffix token and node."""
         return self.committed_cells + sum(len(r.suffix) for r in self._rows) + len(self._nodes)
 
-    @property
-    def seqs_in_use(self) -> int:
-        return len(self._tip)
-
     # -- evaluate --------------------------------------------------------------------------------------
     def plan(self, forest: Forest) -> Batch:
         """The batch for `forest` (validated); nothing changes until `apply`."""

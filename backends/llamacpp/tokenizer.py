@@ -12,7 +12,6 @@ from backends.llamacpp._native import ModelHandle
 from backends.base import Tokenizer
 
 VOCAB_TYPES = {0: "none", 1: "spm", 2: "bpe", 3: "wpm", 4: "ugm", 5: "rwkv", 6: "plamo2"}
-_CONTROL = ll.LLAMA_TOKEN_ATTR_CONTROL
 _UNUSED = ll.LLAMA_TOKEN_ATTR_UNUSED
 
 

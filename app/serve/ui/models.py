@@ -14,7 +14,7 @@ from typing import NamedTuple
 import gradio as gr
 
 from backends.base import BackendError
-from backends.registry import PRESETS
+from backends.presets import PRESETS
 from backends.tokenizer import VocabMismatch
 
 from app.config import ConfigError
@@ -83,8 +83,8 @@ def plan_markdown(engine) -> str:
 
 
 def preset_rows() -> list[list]:
-    """backends.registry.list_models() as table rows (markers only: never hashes a file)."""
-    from backends.registry import list_models
+    """backends.presets.list_models() as table rows (markers only: never hashes a file)."""
+    from backends.presets import list_models
 
     try:
         rows = list_models()

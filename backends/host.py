@@ -1,0 +1,75 @@
+"""This machine as the runtimes see it: CPU facts (llama.cpp's probe, imported without loading llama_cpp), what
+a loaded model's pass costs depend on, and the RPC front door (support check, workers' devices, serving as a
+worker). The native sides load on use; the rest of the app reaches them only through here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def cpu_report() -> dict[str, str]:
+    """What the CPU runtime uses here ("cpu": e.g. 'AVX2, AVX-512, AMX') and the llama.cpp weight-repack
+    verdicts for this CPU ("llama_weight_repack"), for `dsbd-chat models` and the engine's description."""
+    from backends.llamacpp.probe import cpu_summary, probe_summary  # reads /proc/cpuinfo; imports no llama_cpp
+
+    return {"cpu": cpu_summary(), "llama_weight_repack": probe_summary()}
+
+
+def cpu_summary() -> str:
+    """The instruction sets llama.cpp's CPU backend uses here, e.g. 'AVX2, AVX-512, AMX'."""
+    from backends.llamacpp.probe import cpu_summary as summary
+
+    return summary()
+
+
+def timing_identity(model) -> dict | None:
+    """What a loaded model's pass costs depend on, for caching them: its file (path, size, mtime), runtime and
+    build, CPU (model + flags), threads and weight placement. None when it has no file to key on."""
+    from backends.llamacpp.probe import build_id, cpu_id  # build_id imports llama_cpp only when asked
+
+    info = model.info
+    path = info.extra.get("path")
+    try:
+        st = Path(path).stat() if path else None
+    except OSError:
+        st = None
+    if st is None:
+        return None
+    if info.backend == "llamacpp":
+        build = build_id()
+    else:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            build = f"torch {version('torch')}"
+        except PackageNotFoundError:
+            build = "unknown"
+    return {"file": str(Path(path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "runtime": info.backend, "build": build, "cpu": cpu_id(), "threads": getattr(model, "n_threads", None),
+            "placement": [info.extra.get(k) for k in ("weight_repack", "dtype", "device", "n_gpu_layers")]}
+
+
+# ---------------------------------------------------------------- RPC workers (llama.cpp), native side on use
+
+
+def require_rpc() -> None:
+    """Raise backends.remote.NoRPCSupport, with the exact rebuild command, when the install lacks RPC."""
+    from backends.llamacpp import rpc
+
+    rpc.require_support()
+
+
+def rpc_devices(endpoints) -> list[dict]:
+    """Each RPC worker's devices: {endpoint, device, description, free, total} (bytes), each worker checked first."""
+    from backends.llamacpp import rpc
+
+    return [{"endpoint": d.endpoint, "device": d.name, "description": d.description, "free": d.free,
+             "total": d.total} for d in rpc.worker_memory(endpoints)]
+
+
+def serve_rpc(host: str, port: int, *, threads: int | None = None, cache: str | None = None) -> None:
+    """Serve this machine's devices to one client at a time as an RPC worker (blocks; Ctrl+C ends it)."""
+    from backends.llamacpp import rpc
+
+    rpc.serve(host, port, threads=threads, cache=cache)

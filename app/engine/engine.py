@@ -397,6 +397,8 @@ class Engine(ModelEngine):
         target saw; None when params name no model-free source."""
         from app.decoding.dsbd import model_free_builder
 
+        if not (MODE_FACTS[params.mode].forest and set(params.lookup_sources) - {"draft"} and params.lookup_nodes):
+            return None
         key = self._learn_key("calibration", (self.target,))
         known = self._calibration.get(key) or self.learned.calibration(key)
         builder = model_free_builder(params, prompt, stopper, self.target.info.vocab_size,

@@ -34,7 +34,7 @@ WHAT = "forest knowledge cache"
 
 def model_key(model) -> str | None:
     """A model's identity for what is learnt about it (None: it cannot be identified, nothing persists)."""
-    from backends.registry import timing_identity
+    from backends.host import timing_identity
 
     if model is None:
         return "none"

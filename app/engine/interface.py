@@ -34,6 +34,14 @@ class ModelProcessLost(BackendError):
     """The supervised model process died or hung during the request; it restarts with the same models."""
 
 
+class NoModelLoaded(BackendError):
+    """The models were unloaded (Models tab): nothing answers until models are loaded again."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or "no model is loaded: load a target (and a draft for sps, dsbd and dsbd-mem) in "
+                                    "the Models tab, or start dsbd-chat with --preset / --target")
+
+
 class ModelEngine(ABC):
     """Loaded target (+ draft): one generation at a time, streamed as `Event`s."""
 
@@ -48,8 +56,14 @@ class ModelEngine(ABC):
         """Plan memory, then load both models as planned (PlanError before any weights are read)."""
 
     @abstractmethod
-    def swap(self, target: ModelSpec, draft: ModelSpec | None = None, *, progress=None) -> dict:
-        """Replace the models; returns describe(). On failure the old models keep serving."""
+    def swap(self, target: ModelSpec, draft: ModelSpec | None = None, *, progress=None,
+             cancel: threading.Event | None = None) -> dict:
+        """Replace the models; returns describe(). On failure (LoadCancelled when `cancel` was set) the old
+        models keep serving. `progress(backends.progress.LoadStep)` hears each stage of the load."""
+
+    @abstractmethod
+    def unload(self, role: str = "all") -> dict | None:
+        """Free the draft ("draft"; returns describe()) or both models ("all"; then NoModelLoaded until a swap)."""
 
     @abstractmethod
     def describe(self) -> dict:

@@ -36,9 +36,10 @@ import traceback
 from typing import Callable, Iterator, Sequence
 
 from backends.base import BackendError
+from backends.progress import LoadCancelled
 
-from app.config import DecodeParams
-from app.engine.interface import ModelEngine, ModelProcessLost
+from app.config import ConfigError, DecodeParams
+from app.engine.interface import ModelEngine, ModelProcessLost, NoModelLoaded
 from app.engine.messages import (Call, Cancel, Close, Drop, End, Failed, Go, LoadFailed, Lost, Open, Opened, Progress,
                                  Ready, Result, Streamed)
 from backends.registry import ModelSpec
@@ -144,7 +145,7 @@ def _child_main(conn, target: ModelSpec, draft: ModelSpec | None, budget, on_sta
                 on_start()
             from app.engine.engine import Engine
 
-            engine = Engine.load(target, draft, budget=budget)
+            engine = Engine.load(target, draft, budget=budget, progress=lambda step: send(Progress(0, (step,))))
         except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
             send(LoadFailed(0, _pack_exc(e)))
             return
@@ -163,10 +164,12 @@ def _child_main(conn, target: ModelSpec, draft: ModelSpec | None, budget, on_sta
             os._exit(0)
         if isinstance(msg, Call):
             name, args, kwargs = msg.name, msg.args, dict(msg.kwargs)
+            if kwargs.pop("cancel", None):  # a load the user may cancel: Cancel(rid) sets this Event
+                kwargs["cancel"] = served.setdefault(rid, _Served()).cancel
             if name.startswith("tokenizer."):  # fast and read-only: answered inline
                 _serve_call(engine, rid, name, args, kwargs, send)
             else:
-                threading.Thread(target=_serve_call, args=(engine, rid, name, args, kwargs, send),
+                threading.Thread(target=_serve_call, args=(engine, rid, name, args, kwargs, send, served),
                                  name=f"dsbd-call-{rid}", daemon=True).start()
         elif isinstance(msg, Open):
             s = served[rid] = _Served()
@@ -195,7 +198,7 @@ def _state(engine) -> dict:
             "tokenizer": {k: getattr(tok, k, None) for k in _TOKENIZER_ATTRS}, "pid": os.getpid()}
 
 
-def _serve_call(engine, rid: int, name: str, args, kwargs, send) -> None:
+def _serve_call(engine, rid: int, name: str, args, kwargs, send, served: dict | None = None) -> None:
     try:
         if name not in _CALLS:
             raise BackendError(f"the model process has no call {name!r}")
@@ -210,6 +213,9 @@ def _serve_call(engine, rid: int, name: str, args, kwargs, send) -> None:
         send(Result(rid, result))
     except BaseException as e:  # noqa: BLE001 - re-raised in the parent
         send(Failed(rid, _pack_exc(e)))
+    finally:
+        if served is not None:
+            served.pop(rid, None)
 
 
 def _serve_stream(engine, rid: int, name: str, args, s: _Served, send, served: dict) -> None:
@@ -307,7 +313,8 @@ class WorkerEngine(ModelEngine):
         self._retry_lock = threading.Lock()  # one reload at a time while an RPC worker is down
         self._ids = itertools.count(1)
         self._cv = threading.Condition()
-        self._phase = "starting"  # starting | ready | waiting (an RPC worker is down) | broken | closed
+        # starting | ready | waiting (an RPC worker is down) | broken | empty (unloaded) | closed
+        self._phase = "starting"
         self._broken: str | None = None
         self._state: dict = {}
         self._child: _Child | None = None
@@ -330,7 +337,7 @@ class WorkerEngine(ModelEngine):
 
     @property
     def n_ctx(self) -> int:
-        return self._state["n_ctx"]
+        return self._state.get("n_ctx", 0)
 
     @property
     def pid(self) -> int | None:
@@ -339,8 +346,8 @@ class WorkerEngine(ModelEngine):
         return child.proc.pid if child is not None else None
 
     @property
-    def tokenizer(self) -> "RemoteTokenizer":
-        return self._tokenizer
+    def tokenizer(self) -> "RemoteTokenizer | None":
+        return self._tokenizer  # None once unloaded
 
     def describe(self) -> dict:
         self._ready()  # a broken worker says why
@@ -369,15 +376,15 @@ class WorkerEngine(ModelEngine):
     def complete(self, prompt: Sequence[int], params: DecodeParams, *, n: int = 1) -> list[dict]:
         return self._call("complete", list(prompt), params, n=n, kind="answer")
 
-    def swap(self, target: ModelSpec, draft: ModelSpec | None = None, *, progress=None) -> dict:
-        """Engine.swap in the model process (the old models keep serving if it fails). A broken worker
-        (crash loop) starts a fresh process with these models instead."""
+    def swap(self, target: ModelSpec, draft: ModelSpec | None = None, *, progress=None,
+             cancel: threading.Event | None = None) -> dict:
+        """Engine.swap in the model process (the old models keep serving if it fails or is cancelled). With
+        no models (unloaded) or a broken worker (crash loop), a fresh process loads these models instead;
+        cancelling that load ends the process."""
         with self._cv:
-            broken = self._phase in ("broken", "waiting")
-        if broken:
-            if progress is not None:
-                progress(0.0, desc=f"starting a model process for {target.source}")
-            child = self._start(target, draft)
+            fresh = self._phase in ("broken", "waiting", "empty")
+        if fresh:
+            child = self._start(target, draft, progress=progress, cancel=cancel)
             with self._cv:
                 if self._phase == "closed":
                     self._kill(child)
@@ -389,17 +396,44 @@ class WorkerEngine(ModelEngine):
         rid = next(self._ids)
         q = child.register(rid, "swap")
         try:
-            child.send(Call(rid, "swap", (target, draft), {"progress": progress is not None}))
+            child.send(Call(rid, "swap", (target, draft), {"progress": progress is not None,
+                                                          "cancel": cancel is not None}))
+            asked = False  # Cancel sent
             while True:
-                msg = q.get()
+                try:
+                    msg = q.get(timeout=_POLL_S if cancel is not None and not asked else None)
+                except queue.Empty:
+                    if cancel.is_set():
+                        child.send(Cancel(rid))
+                        asked = True
+                    continue
                 if isinstance(msg, Progress):
-                    progress(*msg.args, **msg.kwargs)
+                    if progress is not None:
+                        progress(*msg.args, **msg.kwargs)
                     continue
                 info, state = self._result(msg)
                 self._adopt(state)
                 return info
         finally:
             child.forget(rid)
+
+    def unload(self, role: str = "all") -> dict | None:
+        """As Engine.unload; unloading both models ends the model process (its memory is freed at once)."""
+        if role == "draft":
+            target, _ = self.specs
+            if target is None:
+                raise NoModelLoaded()
+            return self.swap(target, None)
+        if role != "all":
+            raise ConfigError(f"unload takes 'draft' or 'all', got {role!r}")
+        self._ready()  # a running restart finishes first; a broken or empty engine says so
+        with self._cv:
+            child, self._child = self._child, None
+            self._phase, self._state, self._tokenizer, self._costs = "empty", {}, None, None
+            self._cv.notify_all()
+        if child is not None:
+            self._kill(child)
+        return None
 
     def generate(self, prompt: Sequence[int], params: DecodeParams, *,
                  cancel: threading.Event | None = None) -> "_Stream":
@@ -434,6 +468,8 @@ class WorkerEngine(ModelEngine):
                     self._cv.wait()
                 if self._phase == "broken":
                     raise BackendError(self._broken)
+                if self._phase == "empty":
+                    raise NoModelLoaded()
                 if self._phase == "closed":
                     raise BackendError("the engine is closed")
                 if self._phase == "ready":
@@ -517,8 +553,10 @@ class WorkerEngine(ModelEngine):
         self._state = state
         self._tokenizer = RemoteTokenizer(self, state["tokenizer"])
 
-    def _start(self, target: ModelSpec, draft: ModelSpec | None) -> _Child:
-        """Spawn a model process, wait for its load; raise the load's error (or its death) if it fails."""
+    def _start(self, target: ModelSpec, draft: ModelSpec | None, *, progress=None,
+               cancel: threading.Event | None = None) -> _Child:
+        """Spawn a model process, wait for its load; raise the load's error (or its death) if it fails.
+        `progress(LoadStep)` hears the load's stages; setting `cancel` ends the process (LoadCancelled)."""
         ctx = multiprocessing.get_context("spawn")
         mine, theirs = ctx.Pipe()
         proc = ctx.Process(target=_child_main, args=(theirs, target, draft, self._budget, self._on_start),
@@ -528,7 +566,22 @@ class WorkerEngine(ModelEngine):
         child = _Child(mine, proc)
         q = child.register(0, "load")
         threading.Thread(target=self._read, args=(child,), name=f"dsbd-worker-{proc.pid}", daemon=True).start()
-        msg = q.get()
+        last = None
+        while True:
+            try:
+                msg = q.get(timeout=_POLL_S if cancel is not None else None)
+            except queue.Empty:
+                if cancel.is_set():
+                    child.forget(0)
+                    self._kill(child)
+                    raise LoadCancelled(f"cancelled while {last or 'starting the model process'}; the model process "
+                                        "that was loading ended") from None
+                continue
+            if not isinstance(msg, Progress):
+                break
+            last = msg.args[0] if msg.args else last
+            if progress is not None:
+                progress(*msg.args, **msg.kwargs)
         child.forget(0)
         if not isinstance(msg, Ready):
             self._kill(child)

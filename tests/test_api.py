@@ -304,3 +304,14 @@ def test_backend_error_is_500_with_its_message(held):
     with pytest.raises(openai.InternalServerError) as e:
         fake.chat.completions.create(model="any", messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
     assert e.value.status_code == 500 and "fell off the bus" in e.value.message
+
+
+def test_no_model_loaded_is_503_saying_what_to_do(held):
+    url, engine, _ = held
+    engine.unload("all")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
+    assert e.value.status_code == 503 and e.value.code == "model_not_loaded"
+    assert "no model is loaded" in e.value.message and "Models tab" in e.value.message
+    assert model_id(engine) == "dsbd-chat"

@@ -34,7 +34,7 @@ from backends.base import BackendError
 from app.chat import ChatError
 from app.config import API_MODES, MODE_FACTS, ConfigError, DecodeParams
 from app.decoding import derive_seed
-from app.engine.interface import PromptTooLong
+from app.engine.interface import NoModelLoaded, PromptTooLong
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"  # loopback by default, like the UI
@@ -135,6 +135,8 @@ def as_api_error(e: BaseException, prompt_param: str) -> ApiError:
         return ApiError(400, str(e), param=_param_of(str(e)))
     if isinstance(e, ChatError):
         return ApiError(400, str(e), param=prompt_param)
+    if isinstance(e, NoModelLoaded):
+        return ApiError(503, str(e), type="server_error", code="model_not_loaded")
     if isinstance(e, BackendError):
         return ApiError(500, str(e), type="server_error")
     log.error("API request failed", exc_info=e)
@@ -291,8 +293,12 @@ class _ClientGone(Exception):
 
 # -- the app --------------------------------------------------------------------------------------
 def model_id(engine) -> str:
-    """The served model's id: the target's name as a URL-safe slug."""
-    return re.sub(r"[^a-z0-9.]+", "-", engine.describe()["target"].lower()).strip("-") or "dsbd-chat"
+    """The served model's id: the target's name as a URL-safe slug ("dsbd-chat" while none is loaded)."""
+    try:
+        name = engine.describe()["target"]
+    except NoModelLoaded:
+        return "dsbd-chat"
+    return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-") or "dsbd-chat"
 
 
 def _basic(header: str) -> tuple[bytes, bytes] | None:

@@ -11,6 +11,7 @@ Public API (plain data, no printing):
 - `GGUFHeader`: `metadata` (key -> value), `types` (key -> GGUF value type name), `tensors` (`TensorInfo`),
   `data_offset`, `file_size`, and derived facts: `arch`, `n_params`, `quant`, `expected_size`,
   `missing_bytes`, `split` ((index, count) of a split file, or None), `context_length`.
+- `shard_of(file_name) -> (stem, i, n) | None`: the parts of a split GGUF's name (`m-00002-of-00003.gguf`).
 - `metadata_card(header, *, max_items=8, max_chars=400) -> dict`: every key with a JSON-friendly value, long
   strings and arrays truncated (what a metadata card shows).
 
@@ -22,6 +23,7 @@ Errors are `offload.errors.BadModelFile` (a file that is not GGUF, or whose head
 from __future__ import annotations
 
 import mmap
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +42,15 @@ _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 
 _STRING, _ARRAY = 8, 9
 _TYPE_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32", 7: "bool",
                8: "string", 9: "array", 10: "uint64", 11: "int64", 12: "float64"}
+
+
+_SHARD = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$", re.IGNORECASE)
+
+
+def shard_of(file_name: str) -> tuple[str, int, int] | None:
+    """(stem, 1-based shard number, shard count) of a split GGUF's name ("m-00002-of-00003.gguf"), else None."""
+    m = _SHARD.match(file_name)
+    return (m.group("stem"), int(m.group("i")), int(m.group("n"))) if m else None
 
 
 class HeaderTruncated(BadModelFile):
@@ -128,7 +139,7 @@ class GGUFHeader:
         from gguf import LlamaFileType
 
         try:
-            return LlamaFileType(int(self.metadata["general.file_type"])).name.removeprefix("MOSTLY_")
+            return LlamaFileType(int(self.metadata["general.file_type"])).name.removeprefix("MOSTLY_").removeprefix("ALL_")
         except (KeyError, TypeError, ValueError):
             pass
         weights: dict[str, int] = {}

@@ -17,6 +17,8 @@ Public API (plain data, no printing; every error is a `LibraryError` with an act
 - `folders(dirs=()) -> list[Folder]`; `user_folders() -> list[Path]`; `add_folder(path) -> list[Path]`;
   `remove_folder(path) -> list[Path]` (the remembered folders afterwards).
 - `find(path, entries=None) -> ModelEntry`: the entry holding `path` (any shard of a split model).
+- `match_source(source, role, entries) -> ModelEntry | None`: the entry a `--target` / `--draft` source names
+  (a path, a preset and role, a downloaded `org/name:file.gguf`), without resolving or fetching anything.
 - `card(path) -> ModelCard`: the entry plus every header key (long strings and arrays truncated) and the chat
   template's text.
 - `plan_delete(path, entries=None) -> DeletePlan` (the files and the bytes a delete would free, or why it is
@@ -97,6 +99,7 @@ class ModelEntry:
     family: str | None = None  # general.basename, for finding drafts of the same family
     repo: str | None = None  # Hugging Face repo (HF cache, or a download into the model cache)
     preset: str | None = None  # preset name when this is a preset's file
+    preset_role: str | None = None  # "target", "draft" or "target+draft"
     fingerprint: VocabFingerprint | None = field(default=None, repr=False)
 
     @property
@@ -544,7 +547,7 @@ def _entry(items, shards: int | None, presets) -> ModelEntry:
         arch=meta.get("arch"), params=params, params_label=meta.get("size_label") or format_params(params),
         quant=meta.get("quant"), context_length=meta.get("context_length"), n_layers=meta.get("n_layers"),
         chat_template=bool(meta.get("chat_template")), family=meta.get("family"), repo=repo,
-        preset=preset[0] if preset else None, fingerprint=VocabFingerprint.from_dict(fp) if fp else None,
+        preset=preset[0] if preset else None, preset_role=preset[1] if preset else None, fingerprint=VocabFingerprint.from_dict(fp) if fp else None,
     )
 
 
@@ -581,6 +584,22 @@ def _entry_for_file(path: Path) -> ModelEntry:
     st = path.stat()
     (entry,) = _group([(path, Folder(str(path.parent), "file", True), None, st, _record(path))], _preset_paths())
     return replace(entry, id=path.stem.lower(), source="file")
+
+
+def match_source(source: str, role: str, entries: list[ModelEntry]) -> ModelEntry | None:
+    """The entry a model source (as --target / --draft take it) names, found without resolving or fetching
+    anything: a path, a preset (name and role), or a downloaded `org/name:file.gguf`; None when none does."""
+    p = Path(source).expanduser()
+    real = os.path.realpath(p) if p.exists() else None
+    repo, _, filename = source.partition(":")
+    for e in entries:
+        if real is not None and real in {os.path.realpath(f) for f in e.files}:
+            return e
+        if e.preset == source and e.preset_role and role in e.preset_role.split("+"):
+            return e
+        if filename and e.repo == repo and Path(e.path).as_posix().endswith("/" + filename):
+            return e
+    return None
 
 
 # ---------------------------------------------------------------- card

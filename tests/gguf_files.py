@@ -2,8 +2,8 @@
 
 `write_gguf(path, ...)` writes a llama-architecture model with f32 weights and a small byte-level
 SentencePiece-style vocabulary (or any `tokens` given, e.g. a real model's vocabulary with one token changed);
-`split=N` writes it as N shards `<stem>-0000i-of-0000N.gguf`. `vocabulary(path)` reads a file's token texts
-and types (to craft a file that differs from a real one in one token).
+`split=N` writes it as N shards `<stem>-0000i-of-0000N.gguf`. `vocabulary(path)` reads a file's tokenizer as
+write_gguf's arguments (to craft a file that differs from a real one in one token).
 """
 
 from __future__ import annotations
@@ -18,21 +18,28 @@ SPM_TYPES = [2, 3, 3] + [6] * 256 + [1] * 10
 TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}</s>{% endfor %}<|assistant|>"
 
 
-def vocabulary(path: str | Path) -> tuple[list[str], list[int]]:
-    """(token texts, token types) of a GGUF file, from its header."""
+def vocabulary(path: str | Path) -> dict:
+    """A GGUF file's tokenizer as write_gguf's keyword arguments: tokens, types, merges, model, pre, bos, eos,
+    add_bos (to write a file that differs from a real one in chosen ways)."""
     from backends.gguf_header import read_header
 
-    h = read_header(path)
-    return list(h.metadata["tokenizer.ggml.tokens"]), h.metadata["tokenizer.ggml.token_type"].tolist()
+    keys = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
+    m = read_header(path, keep=keys).metadata
+    return {"tokens": list(m["tokenizer.ggml.tokens"]), "types": m["tokenizer.ggml.token_type"].tolist(),
+            "merges": list(m.get("tokenizer.ggml.merges") or []) or None, "model": m["tokenizer.ggml.model"],
+            "pre": m.get("tokenizer.ggml.pre"), "bos": m.get("tokenizer.ggml.bos_token_id"),
+            "eos": m.get("tokenizer.ggml.eos_token_id"), "add_bos": m.get("tokenizer.ggml.add_bos_token")}
 
 
 def write_gguf(path: str | Path, *, name: str = "test-model", basename: str | None = None, size_label: str | None = None,
                tokens: list[str] | None = None, types: list[int] | None = None, model: str = "llama",
+               merges: list[str] | None = None, pre: str | None = None,
                n_layer: int = 2, n_embd: int = 16, n_ff: int = 32, n_head: int = 2, n_head_kv: int = 1,
                context: int = 2048, bos: int | None = 1, eos: int | None = 2, add_bos: bool | None = True,
                chat_template: str | None = TEMPLATE, split: int = 0, seed: int = 0) -> list[Path]:
     """Write the model; returns the files written (one, or `split` shards in order)."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tokens = SPM_TOKENS if tokens is None else tokens
     types = (SPM_TYPES if tokens is SPM_TOKENS else [1] * len(tokens)) if types is None else types
     rng = np.random.default_rng(seed)
@@ -53,6 +60,10 @@ def write_gguf(path: str | Path, *, name: str = "test-model", basename: str | No
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     w.add_tokenizer_model(model)
+    if pre:
+        w.add_tokenizer_pre(pre)
+    if merges:
+        w.add_token_merges(merges)
     w.add_token_list(tokens)
     w.add_token_types(types)
     if bos is not None:

@@ -16,6 +16,9 @@ Use it as a context manager; `env()` gives the environment (HF_ENDPOINT) that po
         hub.add_repo("org/model-GGUF", {"model-Q4_K_M.gguf": data}, downloads=10)
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
 
+`isolate(monkeypatch, root)` points the model cache, the Hugging Face cache and the home folder (LM Studio,
+Jan) at empty folders under `root`, so a test sees only the files it writes.
+
 Faults for tests: `drop_after[file] = n` closes the connection after n body bytes (once), `throttle_s` sleeps
 per 64 KiB sent, `corrupt[file] = bytes` serves other bytes than the tree's sha256 says, `private` repos need
 `Authorization: Bearer <token>` (401 otherwise), `gated` repos answer 403 GatedRepo. `requests` records
@@ -33,6 +36,21 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
 SEND_CHUNK = 64 << 10
+
+
+def isolate(monkeypatch, root) -> dict:
+    """Empty model cache, HF cache and home under `root` (a pathlib.Path); returns them by name."""
+    from pathlib import Path
+
+    root = Path(root)
+    paths = {"cache": root / "cache", "hf": root / "hf" / "hub", "home": root / "home"}
+    for p in paths.values():
+        p.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setenv("DSBD_CHAT_CACHE", str(paths["cache"]))
+    monkeypatch.setenv("HF_HUB_CACHE", str(paths["hf"]))
+    monkeypatch.setenv("HOME", str(paths["home"]))
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    return paths
 
 
 @dataclass

@@ -435,7 +435,7 @@ def fetch_header(repo: str, filename: str, *, revision: str = "main") -> Path:
             raise _status_error(r.status_code, what, repo=repo, filename=filename, code=r.headers.get("X-Error-Code"))
         data = r.content
         try:
-            parse_header(data, name=filename, keep=())
+            data = data[:parse_header(data, name=filename, keep=()).data_offset]  # keep the header, not weights
             break
         except HeaderTruncated as e:
             if r.status_code == 200 or len(data) < n or n >= HEADER_MAX:
@@ -729,6 +729,9 @@ class DownloadManager:
             part, side = _part(Path(j.p.path))
             lost = part.stat().st_size if part.is_file() else 0
             files = tuple(str(f) for f in (part, side) if f.exists())
+            if j.p.state in ("done", "cancelled"):
+                raise HubError(f"{job_id} is {j.p.state}: nothing to cancel (delete a downloaded model from the "
+                               "library)")
             if not confirm:
                 return CancelPlan(j.p, lost, files, cancelled=False)
             if j.p.state == "running":

@@ -304,3 +304,25 @@ def test_backend_error_is_500_with_its_message(held):
     with pytest.raises(openai.InternalServerError) as e:
         fake.chat.completions.create(model="any", messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
     assert e.value.status_code == 500 and "fell off the bus" in e.value.message
+
+
+def test_models_lists_the_library_with_a_loaded_flag(tmp_path, monkeypatch, tiny_gguf_path):
+    from gguf_files import write_gguf
+    from hub_server import isolate
+
+    paths = isolate(monkeypatch, tmp_path)
+    other = write_gguf(paths["cache"] / "other.gguf", name="Other")[0]
+    engine = FakeEngine()
+    engine.specs = (ModelSpec(source=str(tiny_gguf_path)), ModelSpec(source="tiny"))
+    with running(build_api(engine)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        models = {m.id: m for m in client.models.list()}
+        served = models[model_id(engine)]
+        assert served.loaded is True and list(models)[0] == model_id(engine)  # the served model stays first
+        tiny = next(m for m in models.values() if m.id.startswith("library/") and m.dsbd["preset"] == "tiny")
+        assert tiny.loaded is True and tiny.dsbd["loaded_as"] == "target" and tiny.owned_by == "local"
+        mine = next(m for m in models.values() if m.id.startswith("library/") and m.dsbd["path"] == str(other))
+        assert mine.loaded is False and mine.dsbd["quant"] == "F32" and mine.dsbd["complete"] is True
+        assert client.models.retrieve(mine.id).dsbd["path"] == str(other)
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("library/nothing-here")

@@ -15,6 +15,8 @@ Public API (plain data and callbacks, no printing; errors are `HubError` subclas
 
 - `search(query, *, sort="downloads", limit=20) -> list[HubModel]`: GGUF repos; sort "downloads", "recent",
   "likes" or "trending".
+- `family_drafts(family, *, below_params=None, limit=10) -> list[HubModel]`: repos of the same family (a local
+  entry's `family`) smaller than the target, for draft suggestions from the Hub.
 - `repo_files(repo, *, revision="main") -> RepoFiles`: its .gguf files (`HubFile`: size, sha256, quantization,
   shard) and the same grouped per quantization (`QuantGroup`, split shards together, `complete` when every
   shard is listed).
@@ -320,6 +322,15 @@ def search(query: str, *, sort: str = "downloads", limit: int = 20) -> list[HubM
                             last_modified=lm.isoformat() if lm else None, gated=bool(getattr(m, "gated", False)),
                             params=g.get("total"), arch=g.get("architecture"), context_length=g.get("context_length")))
     return out
+
+
+def family_drafts(family: str, *, below_params: int | None = None, limit: int = 10) -> list[HubModel]:
+    """GGUF repos of a model family (general.basename, e.g. "Qwen2.5-Coder"), most downloaded first, smaller
+    than `below_params` where the Hub states a size: draft candidates to download. Whether one can draft for a
+    target is a header question: `fetch_header` then `backends.library.check_pair`."""
+    found = search(family, sort="downloads", limit=max(limit * 3, limit))
+    keep = [m for m in found if below_params is None or m.params is None or m.params < below_params]
+    return keep[:limit]
 
 
 def quant_of(path: str) -> str:

@@ -61,6 +61,16 @@ def test_search_gguf_only_sorted(fake):
         hub.search("x", sort="best")
 
 
+def test_family_drafts_are_smaller_repos_and_checkable_from_their_header(fake, files, tmp_path):
+    fake.add_repo("org/tiny-big-GGUF", {"big.gguf": files["tiny-Q8_0.gguf"]}, downloads=50, gguf={"total": 10**10})
+    found = hub.family_drafts("tiny", below_params=10**9)
+    assert [m.id for m in found] == [REPO]  # the 10B one is not smaller than a 1B target
+    header = hub.fetch_header(REPO, "tiny-Q4_K_M.gguf")
+    target = tmp_path / "target.gguf"
+    target.write_bytes(files["tiny-Q8_0.gguf"])
+    assert library.check_pair(header, target).compatible  # same vocabulary, judged from the fetched header
+
+
 def test_repo_files_grouped_by_quantization_and_shard(fake, files):
     listing = hub.repo_files(REPO)
     groups = {g.name: g for g in listing.groups}

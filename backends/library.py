@@ -556,7 +556,7 @@ def _with_ids(entries: list[ModelEntry]) -> list[ModelEntry]:
     for e in entries:
         sh = shard_of(Path(e.path).name)
         stem = sh[0] if sh else Path(e.path).stem
-        base = re.sub(r"[^a-z0-9.]+", "-", stem.lower()).strip("-") or "model"
+        base = re.sub(r"[^a-z0-9._]+", "-", stem.lower()).strip("-") or "model"
         ident, k = base, 2
         while ident in used:
             ident, k = f"{base}-{k}", k + 1
@@ -566,13 +566,16 @@ def _with_ids(entries: list[ModelEntry]) -> list[ModelEntry]:
 
 
 def find(path: str | Path, entries: list[ModelEntry] | None = None) -> ModelEntry:
-    """The library entry holding `path` (a file of it, any shard), or LibraryError."""
+    """The library entry holding `path` (a file of it, any shard), named by its id, or by a source as --target
+    takes it (a preset, a downloaded org/name:file.gguf); LibraryError when there is none."""
     p = Path(path).expanduser()
     real = os.path.realpath(p)
     entries = scan().entries if entries is None else entries
     for e in entries:
         if any(real == os.path.realpath(f) or str(p) == f for f in e.files) or str(path) == e.id:
             return e
+    if hit := match_source(str(path), "target", entries) or match_source(str(path), "draft", entries):
+        return hit
     if p.is_file() and p.suffix.lower() == ".gguf":
         return _entry_for_file(p)
     raise LibraryError(f"{path} is not a model in the library (dsbd-chat models list shows them; add its folder "
@@ -634,13 +637,13 @@ def plan_delete(path: str | Path, entries: list[ModelEntry] | None = None) -> De
     files: list[Path] = []
     freed = 0
     for f in map(Path, entry.files):
-        if f.is_symlink():  # Hugging Face cache: snapshot links -> one blob
+        if f.is_symlink() and entry.source == "Hugging Face cache":  # snapshot links -> one blob
             blob = Path(os.path.realpath(f))
             files += _links_to(blob, f) + [blob]
             freed += blob.stat().st_size if blob.exists() else 0
         else:
-            files.append(f)
-            freed += f.stat().st_size
+            files.append(f)  # a link elsewhere goes alone: the file it points to is not the library's
+            freed += 0 if f.is_symlink() else f.stat().st_size
     if entry.preset:  # the registry's checksum marker of an assembled preset file
         files += [m for m in (cache_dir() / f"{Path(entry.path).name}.sha256",) if m.is_file()]
     unique = tuple(dict.fromkeys(str(f) for f in files))

@@ -275,3 +275,13 @@ def test_match_source_finds_paths_presets_and_downloads(env, tmp_path, tiny_gguf
     assert library.match_source("tiny", "draft", entries).preset == "tiny"
     assert library.match_source(str(tiny_gguf_path), "target", entries).preset == "tiny"
     assert library.match_source("org/other:x.gguf", "target", entries) is None
+
+
+def test_a_link_into_a_library_folder_is_removed_alone(env, tmp_path):
+    real = write_gguf(tmp_path / "elsewhere" / "real.gguf")[0]
+    link = env["cache"] / "linked.gguf"
+    link.symlink_to(real)
+    plan = library.plan_delete(link)
+    assert plan.files == (str(link),) and plan.bytes == 0
+    library.delete(plan)
+    assert real.exists() and not link.is_symlink()

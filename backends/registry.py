@@ -168,6 +168,11 @@ def cache_dir() -> Path:
         return Path(base).absolute() / "dsbd-chat" / "models"
 
 
+def downloaded_file(repo: str, filename: str) -> Path:
+    """Where `backends.hub` downloads `org/name:file.gguf`: inside the models cache, so resolve() finds it offline."""
+    return cache_dir() / "hub" / repo / filename
+
+
 def _package_dir(dist: str) -> Path | None:
     """Folder of a distribution's top-level package, found without importing (running) it."""
     try:
@@ -420,6 +425,8 @@ def _resolve_hub(source: str) -> ResolvedModel:
     repo, _, filename = source.partition(":")
     if filename and not filename.endswith(".gguf"):
         raise RegistryError(f"{source}: only .gguf files can be picked with ':'; use {repo} for safetensors")
+    if filename and ".." not in Path(filename).parts and (local := downloaded_file(repo, filename)).is_file():
+        return ResolvedModel(Path(filename).stem, local, "gguf")  # `dsbd-chat models download` put it there
     try:
         if filename:
             # hf_hub_download shows a tqdm bar, resumes partial downloads and reads the cache offline.

@@ -248,14 +248,14 @@ def _models_search(a) -> int:
         print(f"no GGUF models match {a.query!r} on Hugging Face")
         return 0
     rows = [(m.id, f"{m.downloads:,}" if m.downloads is not None else "-", m.likes if m.likes is not None else "-",
-             (m.last_modified or "-")[:10], _params(m.params), m.arch or "-", "gated" if m.gated else "")
+             (m.last_modified or "-")[:10], _fmt_params(m.params), m.arch or "-", "gated" if m.gated else "")
             for m in found]
     print(_table(("repo", "downloads", "likes", "updated", "params", "arch", ""), rows))
     print("\nits files and whether they fit: dsbd-chat models download REPO")
     return 0
 
 
-def _params(n: int | None) -> str:
+def _fmt_params(n: int | None) -> str:
     from backends.library import format_params
 
     return format_params(n) or "-"

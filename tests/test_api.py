@@ -112,7 +112,8 @@ def direct(engine, **kw) -> str:
 
 def test_models_and_ui_on_one_server(served, client, tiny):
     models = client.models.list().data
-    assert [m.id for m in models] == [model_id(tiny)] == ["smollm2-135m-instruct-q4-1"]  # the preset's name
+    assert models[0].id == model_id(tiny) == "smollm2-135m-instruct-q4-1"  # the preset's name
+    assert all(m.id.startswith("library/") for m in models[1:])  # then the model library
     assert models[0].model_extra["dsbd"]["target_backend"] == "llamacpp"
     assert client.models.retrieve(model_id(tiny)).id == model_id(tiny)
     page = httpx.get(served[0] + "/", timeout=30)  # the Gradio UI, mounted at "/", needs no key

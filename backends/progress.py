@@ -22,6 +22,7 @@ from backends.base import BackendError
 STAGES = {
     "assemble": "assembling the preset's chunks",
     "hash": "checking the file's sha256",
+    "probe": "testing llama.cpp's weight repack on this CPU (once per CPU and weight types)",
     "load": "loading the weights",
     "check": "checking the vocabularies",
     "switch": "switching (waits for the running answer)",

@@ -67,9 +67,11 @@ class FakeEngine:
                                         "serving still serve")
                 if i < self.load_steps:
                     time.sleep(self.step_s)
-            if self.swap_fails_with is not None:
-                err, self.swap_fails_with = self.swap_fails_with, None
-                raise err
+        if progress is not None:
+            progress(LoadStep("check", None, 0.0))
+        if self.swap_fails_with is not None:  # as a vocabulary check would fail, after both loaded
+            err, self.swap_fails_with = self.swap_fails_with, None
+            raise err
         with self.lock:
             self.specs, self.has_draft = (target, draft), draft is not None
             self.names = (target.source, draft.source if draft else None)

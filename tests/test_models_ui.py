@@ -50,13 +50,13 @@ def test_load_form_sets_context_gpu_layers_threads_and_shows_stages(store):
     drawn, (html, status, info, plan, _mem) = run_load(
         ui, *form(" org/big:model.gguf ", target_backend="pytorch", draft="small.gguf", n_ctx=1024, gpu_auto=False,
                   gpu_layers=12, threads=3))
-    assert status.startswith("✅ Loaded target org/big:model.gguf (pytorch) + draft small.gguf (llamacpp), context")
+    assert status.startswith("✓ Loaded target org/big:model.gguf (pytorch) + draft small.gguf (llamacpp), context")
     assert eng.specs == (ModelSpec("org/big:model.gguf", backend="pytorch", n_ctx=1024, n_gpu_layers=12, n_threads=3),
                          ModelSpec("small.gguf", n_ctx=1024, n_gpu_layers=12, n_threads=3))
     # the stages as they went: the target's bar while it loaded, then both done
     assert any('data-role="target"' in h and 'data-role="draft"' not in h for h in drawn)
-    assert 'data-stage="load" data-role="draft"' in html and "✅ draft: loading the weights" in html
-    assert "⏳" not in html and "`small.gguf`" in info and "| Draft source |" in info
+    assert '"dsbd-stage dsbd-stage-done" data-stage="load" data-role="draft"' in html
+    assert "dsbd-stage-now" not in html and "`small.gguf`" in info and "| Draft source |" in info
     # the next load keeps what the form leaves empty; auto GPU layers and 0 threads go back to the defaults
     _, (_, status, info, _, _) = run_load(ui, *form("tiny", threads=0))
     assert eng.specs == (ModelSpec("tiny", n_ctx=1024), None) and "No draft model" in info
@@ -75,7 +75,7 @@ def test_a_failed_load_names_its_cause_and_keeps_the_old_models(store, err):
     _, (html, status, info, _, _) = run_load(ui, *form("other", draft="other-draft"))
     assert status.startswith("⚠️ Could not load: ") and str(err) in status and "Still serving the previous" in status
     assert ("draft of the target's model family" in status) == isinstance(err, VocabMismatch)
-    assert info == before and "⚠️" in html
+    assert info == before and "dsbd-stage-failed" in html
     assert say(ChatUI(eng, store), Session(), "still there?")[-1].status.startswith("Done")
 
 
@@ -91,9 +91,9 @@ def test_cancel_stops_a_running_load_and_the_old_models_keep_answering(store):
     assert again[-1][1].startswith("⚠️ Already loading slow-target")
     assert ui.cancel_load().startswith("Cancelling…")
     *_, (html, status, info, _, _) = gen
-    assert status.startswith("⏹️ Load cancelled (stopped ") and "s after Cancel" in status
+    assert status.startswith("■ Load cancelled (stopped ") and "s after Cancel" in status
     assert "cancelled while target: loading the weights" in status and "Still serving the previous models" in status
-    assert "⏹️ target: loading the weights" in html
+    assert 'dsbd-stage-cancelled" data-stage="load" data-role="target"' in html
     assert eng.names == ("fake-target", "fake-draft") and "fake-target" in info
     assert say(ChatUI(eng, store), Session(), "still there?")[-1].status.startswith("Done")
 
@@ -142,7 +142,7 @@ def test_unload_draft_then_all_and_the_chat_says_what_to_do(store):
     assert "no model is loaded" in views[-1].status and "Models tab" in views[-1].status
     assert ui.unload("all").status == "Nothing to unload: no model is loaded."
     _, (_, status, info, _, _) = run_load(ui, *form("back"))  # loading again serves
-    assert status.startswith("✅ Loaded target back") and say(chat, Session(), "hi")[-1].status.startswith("Done")
+    assert status.startswith("✓ Loaded target back") and say(chat, Session(), "hi")[-1].status.startswith("Done")
 
 
 # -- library, card, delete, drafts ---------------------------------------------------------------------------
@@ -161,7 +161,7 @@ def test_library_table_card_and_delete_with_confirmation(lib, tiny_gguf_path):
     ui = ModelsUI(eng)
     rows, summary, choices = ui.library(n_ctx=1024)
     row = next(r for r in rows if r[-1] == str(mine))
-    assert row[1:5] == ["Mine", "llama", row[3], "F32"] and row[7].split()[0] in ("🟢", "🟡", "🔵")
+    assert row[1:5] == ["Mine", "llama", row[3], "F32"] and row[7].startswith('<span class="dsbd-fit dsbd-fit-')
     assert "model file(s)" in summary and (f"Mine · F32 · {row[6]}", str(mine)) in choices
     assert ("preset tiny", "tiny") in choices
     md, path = ui.card(row[0])
@@ -187,13 +187,17 @@ def test_draft_picker_lists_compatible_files_first_and_says_why_others_are_refus
     voc = vocabulary(tiny_gguf_path)
     voc["tokens"][100] = "<|different|>"
     write_gguf(lib["cache"] / "odd.gguf", name="Odd", **voc)
+    odd = str(lib["cache"] / "odd.gguf")
     ui = ModelsUI(FakeEngine())
-    choices, notes = ui.drafts(str(tiny_gguf_path))
+    choices, keep, notes = ui.drafts(str(tiny_gguf_path), "tiny")
     assert choices[0] == ("none (the target alone)", "")
     assert any(value == str(small) and label.startswith("✓ ") for label, value in choices[1:])
-    assert all(value != str(lib["cache"] / "odd.gguf") for _, value in choices)
+    assert all(value != odd for _, value in choices) and keep == str(tiny_gguf_path)  # the preset, by its file
     assert "**Odd**" in notes and "token 100 differs" in notes
-    assert "appears once `org/x:y.gguf` is on this machine" in ui.drafts("org/x:y.gguf")[1]
+    choices, keep, notes = ui.drafts(str(tiny_gguf_path), odd)  # a refused draft picked earlier is cleared
+    assert keep == "" and "`Odd` was cleared: it cannot draft for this target (token 100 differs" in notes
+    assert ui.drafts(str(tiny_gguf_path), "org/x:y.gguf")[1] == "org/x:y.gguf"  # a typed source stays
+    assert "appears once `org/x:y.gguf` is on this machine" in ui.drafts("org/x:y.gguf")[2]
 
 
 # -- Hugging Face --------------------------------------------------------------------------------------------

@@ -83,6 +83,7 @@ class Engine(ModelEngine):
                 tracker.role = None
                 tracker.report("check", 0.0)
                 engine = cls(*loaded, n_ctx=target.n_ctx)
+                tracker.tell("check", 1.0)
             except BaseException:
                 for m in reversed(loaded):
                     m.close()
@@ -116,6 +117,7 @@ class Engine(ModelEngine):
                 tracker.role = None
                 tracker.report("check", 0.0)
                 staged = type(self)(*models, n_ctx=target.n_ctx)  # the same checks and n_ctx as at startup
+                tracker.tell("check", 1.0)
                 tracker.report("switch", 0.0)
                 while not self.lock.acquire(timeout=_POLL_S):  # waits for the running answer; cancel still works
                     tracker.check()

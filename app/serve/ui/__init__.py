@@ -29,8 +29,10 @@ def build_app(engine, *, data_dir: str | os.PathLike | None = None) -> gr.Blocks
         with gr.Tab("Compare", id="compare"):
             compare.build(engine, session, system, panel, ResultStore(store.root))  # beside the chats
         with gr.Tab("Models", id="models"):
-            models.build(engine)
+            models_ui = models.build(engine)
         app.load(chat_ui.on_load, [session], outputs, concurrency_limit=None, show_progress="hidden")
+        fn, inputs, outs = models_ui.page_load
+        app.load(fn, inputs, outs, concurrency_limit=None, show_progress="hidden")
     app.dsbd_store = store  # for launch_kwargs and tests
     return app
 

@@ -19,7 +19,7 @@ from backends.base import BackendError
 SEARCH_HEADERS = ["repo", "params", "downloads", "likes", "updated", "as a draft"]
 FILE_HEADERS = ["quantization", "file", "size", "shards", "fits", "plan"]
 _ACTIVE = ("queued", "running")
-_STATE_ICONS = {"queued": "⏳", "running": "⬇️", "paused": "⏸️", "done": "✅", "failed": "⚠️", "cancelled": "✖️"}
+FILE_TYPES = ["str", "str", "str", "str", "html", "str"]
 
 
 def _size(n: int | float) -> str:
@@ -45,7 +45,7 @@ def queue_html(jobs) -> str:
         speed = f"{_size(p.speed)}/s" if p.state == "running" and p.speed else ""
         eta = _eta(p.eta) if p.state == "running" else ""
         err = f'<div class="dsbd-card-error">{escape(p.error)}</div>' if p.error else ""
-        rows.append(f'<tr data-job="{escape(p.id)}" data-state="{p.state}"><td>{_STATE_ICONS.get(p.state, "")} '
+        rows.append(f'<tr data-job="{escape(p.id)}" data-state="{p.state}"><td class="dsbd-dl-{p.state}">'
                     f"{p.state}</td><td><code>{escape(p.filename)}</code><br><small>{escape(p.repo)}</small>{err}</td>"
                     f'<td><progress value="{p.fraction:.3f}" max="1"></progress> {p.fraction:.0%}</td>'
                     f"<td>{_size(p.done)} / {total}</td><td>{speed}</td><td>{eta}</td></tr>")
@@ -140,7 +140,7 @@ class HubUI:
     def files(self, repo: str, n_ctx=None, draft: str = "") -> tuple[list[list], str]:
         """(one row per downloadable model of `repo`: quantization, file, size, shards, fit badge, plan; status)."""
         from app.engine.planning import hub_fits
-        from app.serve.ui.models import _int, fit_text, on_disk
+        from app.serve.ui.models import _int, fit_html, on_disk
 
         from backends import hub
 
@@ -162,7 +162,7 @@ class HubUI:
         for g in listing.groups:
             fit = fits.get(g.name)
             shards = f"{g.shards}" + ("" if g.complete else " (incomplete on the Hub)")
-            rows.append([g.quant, g.name, _size(g.size), shards, fit_text(fit) if fit else "",
+            rows.append([g.quant, g.name, _size(g.size), shards, fit_html(fit) if fit else "",
                          fit.detail if fit else ("a vision projector, not a language model" if g.kind != "model"
                                                  else "")])
         if not rows:
@@ -233,6 +233,17 @@ class HubUI:
         return plan.describe()[0].upper() + plan.describe()[1:] + "."
 
     # -- widgets
+    def queue_view(self, status=gr.skip(), pick: str | None = None) -> tuple:  # noqa: B008 (a skip, not a default)
+        """(queue html, the download picker, status, the timer: ticking while a download is queued or running)."""
+        ids = self.job_ids()
+        picker = gr.update(choices=ids, value=pick) if pick in ids else gr.update(choices=ids)
+        return queue_html(self.jobs()), picker, status, gr.Timer(active=self.active())
+
+    @property
+    def queue_outputs(self) -> list:
+        w = self.widgets
+        return [w["queue"], w["job"], w["status"], w["timer"]]
+
     def wire(self, *, family, target, n_ctx, draft, library) -> None:
         """Connect the widgets made by build() to the load form (set by models.build once both exist)."""
         w = self.widgets
@@ -253,14 +264,11 @@ class HubUI:
             return (evt.row_value or ["", ""])[1]
         w["files"].select(pick_file, None, w["file"], **fast)
 
-        def queue_view(status=gr.skip()):
-            return queue_html(self.jobs()), gr.update(choices=self.job_ids()), status, \
-                gr.Timer(active=self.active())
-        queue_out = [w["queue"], w["job"], w["status"], w["timer"]]
+        queue_view, queue_out = self.queue_view, self.queue_outputs
 
         def start(repo, name):
             html, status = self.download(repo, name)
-            return queue_view(status)
+            return queue_view(status, pick=f"{(repo or '').strip()}:{(name or '').strip()}")
         w["download"].click(start, [w["repo"], w["file"]], queue_out, **fast)
 
         def tick(seen, *lib_args):
@@ -303,7 +311,7 @@ def build(models_ui) -> HubUI:
     with gr.Row():
         repo = gr.Textbox(label="Repo", placeholder="org/name", scale=3, elem_id="hub-repo")
         list_btn = gr.Button("List files", size="sm", elem_id="hub-list")
-    files = gr.Dataframe(headers=FILE_HEADERS, interactive=False, elem_id="hub-files", wrap=True)
+    files = gr.Dataframe(headers=FILE_HEADERS, datatype=FILE_TYPES, interactive=False, elem_id="hub-files", wrap=True)
     with gr.Row():
         file = gr.Textbox(label="File", scale=3, elem_id="hub-file")
         download = gr.Button("Download", variant="primary", size="sm", elem_id="hub-download")

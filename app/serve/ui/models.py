@@ -43,8 +43,9 @@ SWITCH_NOTE = ("The same settings as `--target` / `--draft`, `--target-backend` 
                "models keep answering while the new ones load, and stay if the load fails or is cancelled.")
 NO_MODEL = ("**No model is loaded.** Pick a target (and a draft) below and press Load; the chat and the API "
             "answer again once it is loaded.")
-FIT_ICONS = {"gpu": "🟢", "offload": "🟡", "cpu": "🔵", "no": "🔴"}
+_MARKS = {"done": "✓", "now": "▸", "cancelled": "■", "failed": "✗"}  # stage marks (style.css colours them)
 LIBRARY_HEADERS = ["id", "model", "arch", "params", "quant", "context", "size", "fits", "source", "location"]
+LIBRARY_TYPES = ["str", "str", "str", "str", "str", "number", "str", "html", "str", "str"]
 _STEP_EVERY_S = 0.25  # how often the page's progress is redrawn while a load runs
 
 
@@ -123,9 +124,14 @@ def on_disk(source: str, role: str) -> bool:
     return False
 
 
-def fit_text(fit) -> str:
-    """A planning.Fit as a short badge: icon and label."""
-    return f"{FIT_ICONS.get(fit.badge, '⚪')} {fit.label}"
+def _short(source: str) -> str:
+    """A source as the page names it: a path by its file name, anything else as typed."""
+    return Path(source).name if "/" in source and Path(source).expanduser().exists() else source
+
+
+def fit_html(fit) -> str:
+    """A planning.Fit as a coloured badge (style.css: green in VRAM, amber offloaded, blue CPU, red no)."""
+    return f'<span class="dsbd-fit dsbd-fit-{escape(fit.badge)}" title="{escape(fit.detail)}">{escape(fit.label)}</span>'
 
 
 def _int(value, name: str, *, low: int) -> int | None:
@@ -213,16 +219,17 @@ class LoadJob:
             done = self.done
         now = time.monotonic()
         lines = []
-        for i, ((role, stage), (step, t_first, t_last)) in enumerate(rows):
-            finished = step.fraction >= 1.0 or i < len(rows) - 1 or done
-            icon = "✅" if finished and (i < len(rows) - 1 or self.error is None) else \
-                "⏹️" if isinstance(self.error, LoadCancelled) else "⚠️" if finished else "⏳"
-            took = (t_last if finished else now) - t_first
+        for (role, stage), (step, t_first, t_last) in rows:
+            finished = step.fraction >= 1.0 or (done and self.error is None)
+            state = "done" if finished else "now" if not done else \
+                "cancelled" if isinstance(self.error, LoadCancelled) else "failed"
+            took = (t_last if finished or done else now) - t_first
             what = f"{role + ': ' if role else ''}{STAGES.get(stage, stage)}"
             detail = f" <code>{escape(step.detail)}</code>" if step.detail and stage != "load" else \
                 f" <code>{escape(Path(step.detail).name)}</code>" if step.detail else ""
-            frac = 1.0 if finished and self.error is None else step.fraction
-            lines.append(f'<div class="dsbd-stage" data-stage="{stage}" data-role="{role or ""}">{icon} '
+            frac = 1.0 if finished else step.fraction
+            lines.append(f'<div class="dsbd-stage dsbd-stage-{state}" data-stage="{stage}" data-role="{role or ""}">'
+                         f'<b class="dsbd-mark">{_MARKS[state]}</b> '
                          f'{escape(what)}{detail} <progress value="{frac:.3f}" max="1"></progress> '
                          f"{frac:.0%} · {took:.1f} s</div>")
         head = f"Loading {escape(self.what())}… {now - self.t0:.1f} s" if not done else \
@@ -231,7 +238,7 @@ class LoadJob:
 
     def what(self) -> str:
         t, d = self.specs
-        return f"{t.source} ({t.backend})" + (f" + draft {d.source} ({d.backend})" if d is not None else "")
+        return f"{_short(t.source)} ({t.backend})" + (f" + draft {_short(d.source)} ({d.backend})" if d else "")
 
 
 # -- the tab's handlers ---------------------------------------------------------------------------------------
@@ -345,11 +352,11 @@ class ModelsUI:
         if e is None:
             warm = f" Timing the passes failed ({job.warm_error}); the first answer times them." \
                 if job.warm_error else ""
-            return f"✅ Loaded {loaded_summary(job.info)} in {job.t_end - job.t0:.1f} s.{warm}"
+            return f"✓ Loaded {loaded_summary(job.info)} in {job.t_end - job.t0:.1f} s.{warm}"
         still = "Still serving the previous models." if self._serving() else "No model is loaded."
         if isinstance(e, LoadCancelled):
             took = f" (stopped {job.t_end - job.cancel_at:.2f} s after Cancel)" if job.cancel_at else ""
-            return f"⏹️ Load cancelled{took}: {e}.\n\n{still}"
+            return f"■ Load cancelled{took}: {e}.\n\n{still}"
         if not isinstance(e, (BackendError, ConfigError)):
             log.error("loading models failed", exc_info=e)
         hint = " Pick a draft of the target's model family (the draft list shows which fit)." \
@@ -385,8 +392,8 @@ class ModelsUI:
         rows = []
         for e in scan.entries:
             fit = fits.get(e.path)
-            fits_text = fit_text(fit) if fit is not None else ("⚠️ " + (e.problem or "not a model") if not e.usable
-                                                                else "")
+            fits_text = fit_html(fit) if fit is not None else (escape(e.problem or "not a language model")
+                                                                if not e.usable else "")
             rows.append([e.id, e.name, e.arch or "", e.params_label or "", e.quant or "", e.context_length or "",
                          library.format_bytes(e.size), fits_text, e.source, e.path])
         looked = ", ".join(f.path for f in scan.folders if f.exists)
@@ -479,24 +486,25 @@ class ModelsUI:
         return (f"Added. Folders of yours: {', '.join(str(p) for p in kept)}", *self.library(n_ctx, draft))
 
     # -- the draft picker
-    def drafts(self, target: str) -> tuple[list[tuple[str, str]], str]:
-        """(draft choices: none first, then the compatible local files, best size first; notes: why each other
-        file is refused, and what the app does without a draft)."""
+    def drafts(self, target: str, current: str = "") -> tuple[list[tuple[str, str]], str, str]:
+        """(draft choices: none, then the compatible local files, best size first; the draft to keep: `current`
+        unless it is a library file this target refuses; notes: why each other file is refused, and what the
+        app does without a draft)."""
         from backends import library
 
         none = [("none (the target alone)", "")]
-        target = (target or "").strip()
+        target, current = (target or "").strip(), (current or "").strip()
         if not target:
-            return none, ""
+            return none, current, ""
         try:
             entries = library.scan().entries
             entry = library.match_source(target, "target", entries)
             if entry is None and not on_disk(target, "target"):
-                return none, (f"The draft list appears once `{escape(target)}` is on this machine (download it "
-                              "below, or load it once).")
+                return none, current, (f"The draft list appears once `{escape(target)}` is on this machine "
+                                       "(download it below, or load it once).")
             advice = library.suggest_drafts(entry if entry is not None else target, entries)
         except Exception as e:  # noqa: BLE001 - the picker is advice: typing a draft still works
-            return none, f"⚠️ Could not check drafts: {e}"
+            return none, current, f"⚠️ Could not check drafts: {e}"
         good = [(f"✓ {c.entry.name} · {c.entry.quant or '?'} · {library.format_bytes(c.entry.size)} · {c.note}",
                  c.entry.path) for c in advice.candidates if c.compatible]
         refused = [c for c in advice.candidates if not c.compatible]
@@ -505,11 +513,26 @@ class ModelsUI:
             notes.append(f"{len(good)} compatible file(s) on this machine, best size first.")
         else:
             notes.append(f"No file on this machine can draft for this target. {advice.without_draft}.")
+        chosen = library.match_source(current, "draft", entries) if current else None
+        if chosen is not None:
+            if chosen.path in {path for _, path in good}:
+                current = chosen.path  # shown by its label
+            else:
+                why = next((c.reasons for c in refused if c.entry.path == chosen.path), ())
+                notes.append(f"The draft `{escape(chosen.name)}` was cleared: it cannot draft for this target"
+                             + (f" ({escape(why[0])})." if why else "."))
+                current = ""
         if refused:
             notes.append("Refused:\n" + "\n".join(
                 f"- **{escape(c.entry.name)}**: {escape('; '.join(c.reasons[:2]))}"
                 + (f" (+{len(c.reasons) - 2} more)" if len(c.reasons) > 2 else "") for c in refused))
-        return none + good, "\n\n".join(notes)
+        return none + good, current, "\n\n".join(notes)
+
+
+def _form_values(target: ModelSpec, draft: ModelSpec | None, n_ctx) -> tuple:
+    """The load form's values for the loaded specs (the form opens on what is loaded)."""
+    return (target.source, target.backend, draft.source if draft else "", draft.backend if draft else BACKENDS[0],
+            n_ctx, target.n_gpu_layers is None, target.n_gpu_layers, target.n_threads or 0)
 
 
 def build(engine):
@@ -540,8 +563,8 @@ def build(engine):
             target_backend = gr.Radio(list(BACKENDS), value=target0.backend if target0 else BACKENDS[0],
                                       label="Target backend", elem_id="models-target-backend")
         with gr.Column():
-            choices, notes0 = ui.drafts(target0.source if target0 else "")
-            draft = gr.Dropdown(choices, value=draft0.source if draft0 else "", allow_custom_value=True,
+            choices, draft_value, notes0 = ui.drafts(target0.source if target0 else "", draft0.source if draft0 else "")
+            draft = gr.Dropdown(choices, value=draft_value, allow_custom_value=True,
                                 label="Draft (compatible files first)", elem_id="models-draft")
             draft_backend = gr.Radio(list(BACKENDS), value=draft0.backend if draft0 else BACKENDS[0],
                                      label="Draft backend", elem_id="models-draft-backend")
@@ -553,12 +576,14 @@ def build(engine):
         gpu_auto = gr.Checkbox(value=target0 is None or target0.n_gpu_layers is None,
                                label="GPU layers from the memory plan", elem_id="models-gpu-auto")
         gpu_layers = gr.Number(value=(target0.n_gpu_layers if target0 and target0.n_gpu_layers is not None else 0),
-                               precision=0, label="GPU layers (-1 = all)", elem_id="models-gpu-layers")
+                               precision=0, label="GPU layers (-1 = all)", elem_id="models-gpu-layers",
+                               interactive=target0 is not None and target0.n_gpu_layers is not None)
         threads = gr.Number(value=(target0.n_threads or 0) if target0 else 0, precision=0,
                             label="Threads (0 = physical cores)", elem_id="models-threads")
     gr.Markdown(SWITCH_NOTE)
     with gr.Accordion("Memory plan of this load", open=True):
-        form_plan = gr.Markdown(elem_id="models-form-plan")
+        form_plan = gr.Markdown(ui.form_plan(*_form_values(target0, draft0, n_ctx.value)) if target0 else "",
+                                elem_id="models-form-plan")
     with gr.Row():
         load_btn = gr.Button("Load", variant="primary", elem_id="models-load")
         cancel_btn = gr.Button("Cancel load", variant="stop", elem_id="models-cancel")
@@ -567,8 +592,8 @@ def build(engine):
 
     gr.Markdown("### Library: the models on this machine")
     lib_summary = gr.Markdown(summary0, elem_id="models-library-summary")
-    lib_table = gr.Dataframe(rows0, headers=LIBRARY_HEADERS, interactive=False, elem_id="models-library",
-                             wrap=True)
+    lib_table = gr.Dataframe(rows0, headers=LIBRARY_HEADERS, datatype=LIBRARY_TYPES, interactive=False,
+                             elem_id="models-library", wrap=True)
     with gr.Row():
         selected = gr.Textbox(label="Selected file", interactive=False, elem_id="models-selected", scale=3)
         use_target = gr.Button("Use as target", size="sm", elem_id="models-use-target")
@@ -597,18 +622,18 @@ def build(engine):
         rows, summary, choices = ui.library(*args)
         return rows, summary, gr.update(choices=choices)
 
-    def drafts_update(t):
-        choices, notes = ui.drafts(t)
-        return gr.update(choices=choices), notes
+    def drafts_update(t, d):
+        choices, keep, notes = ui.drafts(t, d)
+        return gr.update(choices=choices, value=keep), notes
 
     load_btn.click(ui.load, form, [progress, *loaded_out], concurrency_id=LOAD_QUEUE, concurrency_limit=1,
                    show_progress="hidden").then(lib_update, [n_ctx, draft], lib_out, **fast)
     cancel_btn.click(ui.cancel_load, None, status, **fast)
     for c in form:
         c.change(ui.form_plan, form, form_plan, **fast)
-    target.change(drafts_update, target, [draft, draft_notes], **fast)
+    target.input(drafts_update, [target, draft], [draft, draft_notes], **fast)
     gpu_auto.change(lambda auto: gr.update(interactive=not auto), gpu_auto, gpu_layers, **fast)
-    n_ctx.blur(lib_update, [n_ctx, draft], lib_out, **fast)
+    n_ctx.blur(lambda *a: ui.library(*a)[:2], [n_ctx, draft], [lib_table, lib_summary], **fast)
     refresh.click(lambda: ui.view()._replace(status=gr.skip()), None, loaded_out, **fast)
     unload_draft.click(lambda: ui.unload("draft"), None, loaded_out, concurrency_id=LOAD_QUEUE, concurrency_limit=1)
     unload_all.click(lambda: ui.unload("all"), None, loaded_out, concurrency_id=LOAD_QUEUE, concurrency_limit=1)
@@ -617,7 +642,8 @@ def build(engine):
         row = evt.row_value or []
         return ui.card(row[0]) if row else ("", "")
     lib_table.select(on_row, None, [card, selected], **fast)
-    use_target.click(lambda p: p or gr.skip(), selected, target, **fast)
+    use_target.click(lambda p: p or gr.skip(), selected, target, **fast).then(
+        drafts_update, [target, draft], [draft, draft_notes], **fast)
     use_draft.click(lambda p: p or gr.skip(), selected, draft, **fast)
 
     def ask_delete(path):
@@ -639,4 +665,13 @@ def build(engine):
     rescan.click(lib_update, [n_ctx, draft], lib_out, **fast)
     hub_ui.wire(family=family_btn, target=target, n_ctx=n_ctx, draft=draft, library=(lib_update, [n_ctx, draft],
                                                                                      lib_out))
+
+    def page_load(ctx, t, d):
+        """A page opens on what is on disk and loaded now, not on what was there when the app started."""
+        rows, summary, choices = ui.library(ctx, d)
+        drafts, keep, notes = ui.drafts(t, d)
+        return (rows, summary, gr.update(choices=choices), gr.update(choices=drafts, value=keep), notes, *ui.view()[1:],
+                *hub_ui.queue_view())
+    ui.page_load = (page_load, [n_ctx, target, draft], [*lib_out, draft, draft_notes, info, plan, mem,
+                                                        *hub_ui.queue_outputs])
     return ui

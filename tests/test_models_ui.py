@@ -11,14 +11,16 @@ import pytest
 
 gr = pytest.importorskip("gradio")
 
+from app.compare.store import ResultStore  # noqa: E402
 from app.serve.ui.chat import ChatUI, Session  # noqa: E402
+from app.serve.ui.compare import CompareUI  # noqa: E402
 from app.serve.ui.models import NO_MODEL, SWITCH_NOTE, ModelsUI, describe_markdown  # noqa: E402
 from app.storage import HistoryStore  # noqa: E402
 from backends.base import BackendError  # noqa: E402
 from backends.registry import ModelSpec  # noqa: E402
 from backends.tokenizer import VocabMismatch  # noqa: E402
 from fake_engine import FakeEngine  # noqa: E402
-from test_ui_handlers import say  # noqa: E402
+from test_ui_handlers import say, values as default_values  # noqa: E402
 
 FORM = dict(target_backend="llamacpp", draft="", draft_backend="llamacpp", n_ctx=None, gpu_auto=True,
             gpu_layers=None, threads=None)
@@ -141,6 +143,10 @@ def test_unload_draft_then_all_and_the_chat_says_what_to_do(store):
     views = say(chat, Session(), "hello?")
     assert "no model is loaded" in views[-1].status and "Models tab" in views[-1].status
     assert ui.unload("all").status == "Nothing to unload: no model is loaded."
+    compare = CompareUI(eng, ResultStore(store.root))
+    said = list(compare.run(Session(), "hi", ["greedy", "sample"], True, "", *default_values(),
+                            progress=lambda *a, **k: None))[-1][2]
+    assert said.startswith("no model is loaded") and "Models tab" in said
     _, (_, status, info, _, _) = run_load(ui, *form("back"))  # loading again serves
     assert status.startswith("✓ Loaded target back") and say(chat, Session(), "hi")[-1].status.startswith("Done")
 
@@ -197,6 +203,10 @@ def test_draft_picker_lists_compatible_files_first_and_says_why_others_are_refus
     choices, keep, notes = ui.drafts(str(tiny_gguf_path), odd)  # a refused draft picked earlier is cleared
     assert keep == "" and "`Odd` was cleared: it cannot draft for this target (token 100 differs" in notes
     assert ui.drafts(str(tiny_gguf_path), "org/x:y.gguf")[1] == "org/x:y.gguf"  # a typed source stays
+    choices, _, notes = ui.drafts(odd)  # only itself shares its vocabulary: what the app does without a draft
+    assert [value for _, value in choices] == ["", odd] and "the target itself" in choices[1][0]
+    assert "none speeds it up: without a compatible draft the target runs alone" in notes
+    assert "need no draft model" in notes and "Hugging Face" in notes
     assert "appears once `org/x:y.gguf` is on this machine" in ui.drafts("org/x:y.gguf")[2]
 
 
@@ -231,6 +241,17 @@ def test_hub_search_files_download_and_cancel_with_confirmation(lib, monkeypatch
             assert ui.cancel(job).startswith("Cancelled m-F32.gguf") and job not in ui.job_ids()
             assert ui.cancel_plan("")[0] == "Pick a download first."
             assert ui.search("nothing-like-it")[1] == "No GGUF repo matches 'nothing-like-it'."
+            # drafts of the target's family on the Hub, checked against it from a fetched header
+            hub.add_repo("org/M-tiny-GGUF", {"m-tiny-Q8_0.gguf": small})
+            odd = write_gguf(lib["cache"].parent / "src" / "odd-Q8_0.gguf", name="Odd", basename="M",
+                             tokens=["<unk>", "<s>", "</s>", "x", "y"])[0].read_bytes()
+            hub.add_repo("org/M-odd-GGUF", {"odd-Q8_0.gguf": odd})
+            target = str(lib["cache"] / "hub" / "org" / "M-GGUF" / "m-Q8_0.gguf")
+            rows, status = ui.family(target)
+            verdicts = {r[0]: r[5] for r in rows}
+            assert verdicts["org/M-tiny-GGUF"] == "✓ compatible" and verdicts["org/M-odd-GGUF"].startswith("✗ ")
+            assert "of the M family" in status
+            assert ui.family("")[1].startswith("Pick a target that is on this machine first")
         finally:
             ui.close()
     import socket

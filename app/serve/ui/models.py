@@ -508,11 +508,12 @@ class ModelsUI:
         good = [(f"✓ {c.entry.name} · {c.entry.quant or '?'} · {library.format_bytes(c.entry.size)} · {c.note}",
                  c.entry.path) for c in advice.candidates if c.compatible]
         refused = [c for c in advice.candidates if not c.compatible]
-        notes = []
-        if good:
-            notes.append(f"{len(good)} compatible file(s) on this machine, best size first.")
-        else:
-            notes.append(f"No file on this machine can draft for this target. {advice.without_draft}.")
+        smaller = [c for c in advice.candidates if c.compatible and c.ratio is not None and c.ratio < 1]
+        notes = [f"{len(good)} compatible file(s) on this machine, best size first." if good else
+                 "No file on this machine can draft for this target."]
+        if not smaller:
+            notes.append(f"None of them is smaller than the target, so none speeds it up: {advice.without_draft}. "
+                         "Drafts of the same family on Hugging Face: the button below.")
         chosen = library.match_source(current, "draft", entries) if current else None
         if chosen is not None:
             if chosen.path in {path for _, path in good}:

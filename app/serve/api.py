@@ -447,9 +447,14 @@ def _library_cards(engine) -> list[dict]:
         if spec is not None and (hit := library.match_source(spec.source, role, entries)) is not None:
             loaded.setdefault(hit.id, role)
     return [{"id": LIBRARY_PREFIX + e.id, "object": "model", "created": int(e.mtime), "owned_by": "local",
-             "loaded": e.id in loaded, "dsbd": {k: v for k, v in e.as_dict().items() if k != "fingerprint"} |
+             "loaded": e.id in loaded, "dsbd": {k: v for k, v in e.as_dict().items() if k in _PUBLIC} |
              ({"loaded_as": loaded[e.id]} if e.id in loaded else {})}
             for e in entries]
+
+
+# What an API client learns about a library model: no file paths or folder names of this machine.
+_PUBLIC = ("name", "source", "size", "complete", "problem", "kind", "arch", "params", "params_label", "quant",
+           "context_length", "n_layers", "chat_template", "family", "repo", "preset")
 
 
 def _usage(done: dict[int, Any], per_prompt: int) -> dict:

@@ -75,7 +75,7 @@ def test_search_download_pick_a_draft_load_with_stages_and_chat(tmp_path, monkey
             # 2. the download as the target; the draft list: compatible files first
             pick(page, "#models-target", "Smollm2 135M")
             notes = wait_text(page, "#models-draft-notes", r"2 compatible file")
-            pick(page, "#models-draft", "✓ SmolLM2-135M-Instruct-Q4_1 ·")  # the preset's copy of the file
+            pick(page, "#models-draft", "✓ SmolLM2-135M-Instruct-Q4_1 · Q4_1 · 98 MB · 1.0x")  # the preset's file
             page.fill("#models-ctx input", "1024")
             page.press("#models-ctx input", "Tab")
             wait_text(page, "#models-form-plan", "context 1024")

@@ -132,17 +132,17 @@ def build_id() -> str:
 
 
 def weight_types(path: Path) -> list[str]:
-    """The tensor types in a GGUF file, from its header (no weights read). Cached per file (path, size, mtime):
-    gguf's reader parses the whole header, tokenizer arrays included, which takes ~13 s on a qwen file here."""
+    """The tensor types in a GGUF file, from its header (no weights read, the tokenizer arrays skipped). Cached per
+    file (path, size, mtime)."""
     st = Path(path).stat()
     key = f"{Path(path).resolve()}|{st.st_size}|{st.st_mtime_ns}"
     f = _cache_file().with_name("gguf-types.json")
     known = _read(f)
     if isinstance(known.get(key), list):
         return known[key]
-    from gguf import GGUFReader
+    from backends.gguf_header import read_header
 
-    types = sorted({t.tensor_type.name for t in GGUFReader(path, "r").tensors})
+    types = sorted({t.type_name for t in read_header(path, keep=()).tensors})
     _write(f, {k: v for k, v in known.items() if Path(k.split("|")[0]).exists()} | {key: types})
     return types
 

@@ -71,8 +71,8 @@ def describe_markdown(engine) -> str:
     except Exception as e:  # a half-loaded engine must still let the page open
         return f"⚠️ could not describe the engine: {e}"
     target, draft = _specs(engine)
-    info |= {"target_source": target.source} if target else {}
-    info |= {"draft_source": draft.source} if draft and "draft" in info else {}
+    info |= {"target_source": tilde(target.source)} if target else {}
+    info |= {"draft_source": tilde(draft.source)} if draft and "draft" in info else {}
     rows = "\n".join(f"| {_LABELS.get(k, k)} | `{v}` |" for k, v in info.items())
     md = "| | loaded |\n|---|---|\n" + rows
     if "draft" not in info:
@@ -122,6 +122,12 @@ def on_disk(source: str, role: str) -> bool:
 
         return downloaded_file(repo, filename).is_file()
     return False
+
+
+def tilde(path: str) -> str:
+    """A path as the page shows it: the home folder as ~."""
+    home = str(Path.home())
+    return "~" + path[len(home):] if home not in ("", "/") and path.startswith(home + "/") else path
 
 
 def _short(source: str) -> str:
@@ -395,8 +401,8 @@ class ModelsUI:
             fits_text = fit_html(fit) if fit is not None else (escape(e.problem or "not a language model")
                                                                 if not e.usable else "")
             rows.append([e.id, e.name, e.arch or "", e.params_label or "", e.quant or "", e.context_length or "",
-                         library.format_bytes(e.size), fits_text, e.source, e.path])
-        looked = ", ".join(f.path for f in scan.folders if f.exists)
+                         library.format_bytes(e.size), fits_text, e.source, tilde(e.path)])
+        looked = ", ".join(tilde(f.path) for f in scan.folders if f.exists)
         summary = (f"{len(scan.entries)} model file(s) in {looked or 'no folder yet'} "
                    f"({scan.read} header(s) read, {scan.cached} from the cache, {scan.seconds:.2f} s). "
                    "Click a row for its card.")
@@ -433,12 +439,12 @@ class ModelsUI:
         except BackendError as e:
             return f"⚠️ {e}", ""
         e = c.entry
-        facts = [("file", e.path if len(e.files) == 1 else f"{e.path} (+{len(e.files) - 1} shards)"),
+        facts = [("file", tilde(e.path) if len(e.files) == 1 else f"{tilde(e.path)} (+{len(e.files) - 1} shards)"),
                  ("architecture", e.arch), ("parameters", e.params_label), ("quantization", e.quant),
                  ("context length", e.context_length), ("layers", e.n_layers), ("size", library.format_bytes(e.size)),
                  ("complete", "yes" if e.complete else f"no: {e.problem}"), ("family", e.family),
                  ("chat template", "yes" if c.chat_template else "no (the chat falls back to a plain format)"),
-                 ("tensors", c.tensors), ("found in", f"{e.folder} ({e.source})")]
+                 ("tensors", c.tensors), ("found in", f"{tilde(e.folder)} ({e.source})")]
         md = f"#### {escape(e.name)}\n\n| | |\n|---|---|\n" + "\n".join(
             f"| {k} | `{v}` |" for k, v in facts if v not in (None, ""))
         keys = "\n".join(f"{k}: {v}" for k, v in c.metadata.items())

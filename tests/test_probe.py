@@ -63,8 +63,8 @@ def test_real_probe_child_reports_a_verdict_and_the_model_loads_with_it(tiny_ggu
 
 
 def test_weight_types_are_read_once_per_file_version(tmp_path, monkeypatch, tiny_gguf_path):
-    """gguf's reader parses the whole header (~13 s on a qwen file): a file's types are cached by path, size, mtime."""
-    import gguf
+    """A file's weight types are read from its header once, then cached by path, size and mtime."""
+    import backends.gguf_header
 
     monkeypatch.setenv("DSBD_CHAT_CACHE", str(tmp_path / "cache"))
     f = tmp_path / "m.gguf"
@@ -75,7 +75,7 @@ def test_weight_types_are_read_once_per_file_version(tmp_path, monkeypatch, tiny
     def no_reader(*a, **k):
         raise AssertionError("the header was read again")
 
-    monkeypatch.setattr(gguf, "GGUFReader", no_reader)
+    monkeypatch.setattr(backends.gguf_header, "read_header", no_reader)
     assert probe.weight_types(f) == first  # cached
     with open(f, "ab") as out:  # a changed file (size, mtime) is read again
         out.write(b"\0" * 32)

@@ -6,7 +6,7 @@ default engine), as the Models tab sees them.
    with when it first and last reported and how many reports the page got.
 2. Cancel latency: the seconds from setting the cancel Event to LoadCancelled in the caller, while assembling
    the target (at 30 %), inside llama.cpp's load of the target (its progress callback, past 60 %), between the
-   PyTorch loader's tensors (tensor 50) and while the switch waits for a running answer.
+   PyTorch loader's tensors (past 15 %) and while the switch waits for a running answer.
 
     python scripts/measure_load.py --json docs/measurements/load-progress.json
 """
@@ -81,9 +81,9 @@ def main() -> None:
         w.swap(tiny, tiny)
         out["cancel"]["llama.cpp loading the target (60 %)"] = _cancel(
             w, qt, qd, lambda s: s.stage == "load" and s.role == "target" and s.fraction >= 0.6)
-        out["cancel"]["PyTorch loader (tensor 50)"] = _cancel(
+        out["cancel"]["PyTorch loader (past 15 % of the tensors)"] = _cancel(
             w, ModelSpec("tiny", backend="pytorch", n_ctx=1024), tiny,
-            lambda s: s.detail.startswith("tensor 50 "))
+            lambda s: s.stage == "load" and s.detail.startswith("tensor ") and s.fraction >= 0.15)
         stream = w.chat([{"role": "user", "content": "Write a long story."}],
                         DecodeParams(mode="greedy", max_new_tokens=200))
         next(stream)  # an answer holds the engine

@@ -211,8 +211,8 @@ class LoadJob:
         if self.done:
             return "Nothing to cancel: the load has finished."
         if ("time" in {stage for _, stage in self.stages}) or self.info is not None:
-            return ("The models are loaded; timing their passes finishes by itself in a few seconds (the first "
-                    "answer would otherwise do it).")
+            return ("The new models already serve; timing their passes cannot be stopped and ends by itself "
+                    "(otherwise the first answer would time them).")
         if self.cancel_at is None:
             self.cancel_at = time.monotonic()
         self.cancel.set()

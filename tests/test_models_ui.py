@@ -205,8 +205,8 @@ def test_draft_picker_lists_compatible_files_first_and_says_why_others_are_refus
     assert ui.drafts(str(tiny_gguf_path), "org/x:y.gguf")[1] == "org/x:y.gguf"  # a typed source stays
     choices, _, notes = ui.drafts(odd)  # only itself shares its vocabulary: what the app does without a draft
     assert [value for _, value in choices] == ["", odd] and "the target itself" in choices[1][0]
-    assert "none speeds it up: without a compatible draft the target runs alone" in notes
-    assert "need no draft model" in notes and "Hugging Face" in notes
+    assert "none speeds it up. Without a draft the target runs greedy, sample" in notes
+    assert "sps" in notes.split("; ")[1] and "Hugging Face" in notes
     assert "appears once `org/x:y.gguf` is on this machine" in ui.drafts("org/x:y.gguf")[2]
 
 

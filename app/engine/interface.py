@@ -38,8 +38,11 @@ class NoModelLoaded(BackendError):
     """The models were unloaded (Models tab): nothing answers until models are loaded again."""
 
     def __init__(self, message: str | None = None) -> None:
-        super().__init__(message or "no model is loaded: load a target (and a draft for sps, dsbd and dsbd-mem) in "
-                                    "the Models tab, or start dsbd-chat with --preset / --target")
+        from app.config import MODE_FACTS
+
+        drafted = ", ".join(m for m, f in MODE_FACTS.items() if f.concrete and f.needs_draft)
+        super().__init__(message or f"no model is loaded: load a target (and a draft for {drafted}) in the Models "
+                                    "tab, or start dsbd-chat with --preset / --target")
 
 
 class ModelEngine(ABC):

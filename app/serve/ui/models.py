@@ -21,7 +21,7 @@ from typing import Iterator, NamedTuple
 
 import gradio as gr
 
-from app.config import ConfigError
+from app.config import MODE_FACTS, ConfigError
 from app.engine.interface import NoModelLoaded
 from app.serve.ui.settings import default_settings, params_from
 from app.serve.ui.stats import memory_line
@@ -76,7 +76,7 @@ def describe_markdown(engine) -> str:
     rows = "\n".join(f"| {_LABELS.get(k, k)} | `{v}` |" for k, v in info.items())
     md = "| | loaded |\n|---|---|\n" + rows
     if "draft" not in info:
-        md += "\n\nNo draft model: modes sps, dsbd and dsbd-mem need one (pick one below, or `--draft`)."
+        md += f"\n\nNo draft model: {modes(needs_draft=True)} need one (pick one below, or `--draft`)."
     return md
 
 
@@ -101,6 +101,11 @@ def loaded_summary(info: dict) -> str:
     if "draft" in info:
         text += f" + draft {info['draft']} ({info['draft_backend']})"
     return text + f", context {info['n_ctx']}"
+
+
+def modes(*, needs_draft: bool) -> str:
+    """The decoding modes that need a draft model (or run without one), from config.MODE_FACTS."""
+    return ", ".join(m for m, f in MODE_FACTS.items() if f.concrete and f.needs_draft == needs_draft)
 
 
 def on_disk(source: str, role: str) -> bool:
@@ -273,7 +278,7 @@ class ModelsUI:
                 log.exception("unloading failed")
             return self.view(f"⚠️ Could not unload: {e}")
         if role == "draft":
-            return self.view("Unloaded the draft: the target answers alone (greedy, sampling and beam modes).")
+            return self.view(f"Unloaded the draft: the target answers alone ({modes(needs_draft=False)}).")
         return self.view("Unloaded the models; their memory is free. " + NO_MODEL)
 
     # -- the load form
@@ -518,8 +523,9 @@ class ModelsUI:
         notes = [f"{len(good)} compatible file(s) on this machine, best size first." if good else
                  "No file on this machine can draft for this target."]
         if not smaller:
-            notes.append(f"None of them is smaller than the target, so none speeds it up: {advice.without_draft}. "
-                         "Drafts of the same family on Hugging Face: the button below.")
+            notes.append(f"None of them is smaller than the target, so none speeds it up. Without a draft the "
+                         f"target runs {modes(needs_draft=False)}; {modes(needs_draft=True)} need a draft. Drafts "
+                         "of the same family on Hugging Face: the button below.")
         chosen = library.match_source(current, "draft", entries) if current else None
         if chosen is not None:
             if chosen.path in {path for _, path in good}:

@@ -8,7 +8,9 @@ import os
 import sys
 import threading
 
-from app.config import ACCEPTANCE_PRIOR, FOREST_POLICIES, MODES, QUALITY_LEVELS, REPLACEMENTS, ConfigError, DecodeParams
+from app.config import (ACCEPTANCE_PRIOR, FOREST_POLICIES, LOOKUP_SOURCES, MODES, QUALITY_LEVELS, REPLACEMENTS,
+                        ConfigError, DecodeParams)
+from app.engine.timing import TIMED, cost_profile, profile_names
 from backends.registry import BACKENDS, DTYPES, ModelSpec
 
 PRESET_DEFAULT = "tiny"
@@ -35,6 +37,10 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
                    help="spread the target's layers over llama.cpp RPC workers (started there with `dsbd-chat "
                         "rpc-worker`); the output head and the draft stay on this machine; --n-gpu-layers then "
                         "counts the layers on the workers (default: all)")
+    g.add_argument("--cost-profile", default=TIMED, metavar="NAME",
+                   help=f"price adaptive DSBD forests (and auto mode) with a named pass-cost curve instead of this "
+                        f"machine's timed passes: {', '.join(profile_names())} (GPU curves from published llama.cpp "
+                        f"figures; bench then also reports each run's projected time there)")
     g.add_argument("--llama-extra-bufts", choices=("auto", "on", "off"), default="auto",
                    help="llama.cpp weight repack (AMX and others); auto: $DSBD_CHAT_LLAMA_EXTRA_BUFTS, else a "
                         "cached one-time probe that turns it off where it crashes (AMX CPUs)")
@@ -64,8 +70,13 @@ def _decode_args(ap: argparse.ArgumentParser) -> None:
                    help="dsbd / dsbd-mem: drafts drawn with replacement reproduce beam-sample-repl; without "
                         "replacement reproduce beam-sample (conventional beam sampling)")
     g.add_argument("--lookup-nodes", type=int, default=d.lookup_nodes,
-                   help="dsbd / dsbd-mem: extra forest nodes per layer (the draft's likeliest undrawn pairs): a layer "
-                        "whose every output is already a forest node passes")
+                   help="dsbd / dsbd-mem: the most lookup nodes per layer: a layer whose every output is already a "
+                        "forest node passes")
+    g.add_argument("--lookup-sources", default=",".join(d.lookup_sources), metavar="SOURCE[,SOURCE...]",
+                   help=f"dsbd / dsbd-mem: where lookup nodes come from: {', '.join(LOOKUP_SOURCES)} (draft: the draft "
+                        "model's likeliest undrawn pairs; match: continuations of the text in the prompt and the "
+                        "beams; recycled: the target's own successors from earlier passes); dsbd without a draft "
+                        "model uses match and recycled nodes alone")
     g.add_argument("--length-penalty", type=float, default=d.length_penalty)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--seed", type=int, default=d.seed)
@@ -79,7 +90,8 @@ def _params(a, *, validate: bool = True) -> DecodeParams:
                      threshold=a.threshold, min_beams=a.min_beams, select=a.select,
                      length_penalty=a.length_penalty, seed=a.seed, stop=tuple(a.stop), quality=a.quality,
                      forest=a.forest, unique_paths=getattr(a, "unique_paths", True), replacement=a.replacement,
-                     lookup_nodes=a.lookup_nodes)
+                     lookup_nodes=a.lookup_nodes,
+                     lookup_sources=tuple(x.strip() for x in a.lookup_sources.split(",") if x.strip()))
     return p.validated() if validate else p
 
 
@@ -109,6 +121,21 @@ def _rpc_endpoints(a) -> tuple[str, ...]:
     return endpoints
 
 
+def _profile(a):
+    """--cost-profile as a CostProfile; a name it does not know fails before any model loads."""
+    try:
+        return cost_profile(getattr(a, "cost_profile", TIMED))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def _priced(engine, a):
+    """The engine, pricing forests with --cost-profile when one is named."""
+    if _profile(a).name != TIMED:
+        engine.use_cost_profile(a.cost_profile)
+    return engine
+
+
 def _load(target: ModelSpec, draft: ModelSpec | None):
     """The engine for generate / bench / compare: in this process, or, with RPC workers, in a supervised model
     process (the native RPC client aborts its process when a worker goes away)."""
@@ -126,7 +153,8 @@ def cmd_generate(a) -> int:
     if a.n < 1:
         raise ConfigError(f"--n must be >= 1, got {a.n}")
     target, draft = _specs(a, need_draft=params.needs_draft)
-    engine = _load(target, draft if params.needs_draft or params.mode == "auto" else None)
+    _profile(a)
+    engine = _priced(_load(target, draft if params.uses_draft or params.mode == "auto" else None), a)
     try:
         tok = engine.tokenizer
         if a.raw:
@@ -463,6 +491,7 @@ def parse_auth(text: str | None) -> tuple[str, str] | None:
 def cmd_chat(a) -> int:
     host, auth = bind_address(a), parse_auth(a.auth)  # before the (slow) model load
     target, draft = _specs(a, need_draft=False)
+    _profile(a)
     from app.serve.ui import QUEUE_KWARGS, build_app, launch_kwargs
 
     if a.no_worker and target.rpc:
@@ -476,6 +505,7 @@ def cmd_chat(a) -> int:
         from app.engine.worker import WorkerEngine
 
         engine = WorkerEngine.load(target, draft)
+    _priced(engine, a)
     if draft is not None:  # the default preset sizes DSBD forests from timed passes: time them now, while the
         threading.Thread(target=_time_passes, args=(engine,), daemon=True).start()  # page opens, not at message 1
     try:
@@ -512,10 +542,12 @@ def cmd_bench(a) -> int:
     for m in modes:
         bench.parse_mode(m, base)  # bad settings fail before any model loads
     target, draft = _specs(a, need_draft=any(bench.parse_mode(m, base)[1].needs_draft for m in modes))
-    engine = _load(target, draft)
+    profile = _profile(a)
+    engine = _priced(_load(target, draft), a)
     try:
         out = Path(a.json) if a.json else None
-        result = bench.run_bench(engine, modes=modes, prompts=prompts, base=base, repeats=a.repeats, out=out)
+        result = bench.run_bench(engine, modes=modes, prompts=prompts, base=base, repeats=a.repeats, out=out,
+                                 profile=profile)
     finally:
         engine.close()
     if a.plot:
@@ -539,7 +571,7 @@ def cmd_compare(a) -> int:
     target, draft = _specs(a, need_draft=any(p.needs_draft for p in params.values()))
     from app.engine.engine import Engine
 
-    engine = Engine.load(target, draft)
+    engine = _priced(Engine.load(target, draft), a)
     try:
         run, params = runner.start(engine, store, run, params, items=items, source=a.suite,
                                    settings=base.as_dict(), seed=a.seed, system=a.system or "")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 
 
@@ -12,12 +14,13 @@ class Mode:
     """What one decoding mode is, as every layer needs to know it (read from MODE_FACTS, never restated)."""
 
     name: str
-    needs_draft: bool  # drafts with the small model (sps, dsbd, dsbd-mem)
+    needs_draft: bool  # cannot run without a draft model (sps)
     beams: bool  # uses W (beams) and the length penalty
     keeps_rows: bool  # keeps W target KV rows between steps (full mode); False: one row
     samples: bool  # draws from the warped distribution (T, top-k, top-p matter)
     verifier: str  # "none" | "sps" (one chain) | "dsbd" (forest, layer by layer)
     draft_width: str  # W_S when unset: "1" (one chain), "W+1" (DSBD's default), "W" (no draft)
+    uses_draft: bool = False  # drafts with the small model when one is loaded (sps, dsbd, dsbd-mem)
     concrete: bool = True  # False for auto, which picks a concrete mode per request
     memory_twin: str | None = None  # the same decoder carrying one row: what to run when W rows do not fit
 
@@ -33,14 +36,15 @@ class Mode:
         """Target KV rows for W beams."""
         return w if self.keeps_rows else 1
 
-    def tree_tokens(self, draft_beams: int, gamma: int) -> int:
-        """Context cells one iteration's draft tree needs beyond the committed tokens (1: the next token)."""
-        return draft_beams * gamma + 1 if self.needs_draft else 1
+    def tree_tokens(self, draft_beams: int, gamma: int, lookup_nodes: int = 0) -> int:
+        """Context cells one iteration's forest needs beyond the committed tokens (1: the next token): W_S drafts
+        and the lookup nodes of each of gamma layers."""
+        return (draft_beams + (lookup_nodes if self.forest else 0)) * gamma + 1 if self.uses_draft else 1
 
     def target_tokens(self, w: int, draft_beams: int, gamma: int) -> tuple[int, list[int]]:
         """(tokens one target pass scores, tokens scored by each draft pass) for one iteration."""
-        roots = w if self.keeps_rows or (self.beams and not self.needs_draft) else 1
-        if not self.needs_draft:
+        roots = w if self.keeps_rows or (self.beams and not self.uses_draft) else 1
+        if not self.uses_draft:
             return roots, []
         ws = 1 if self.verifier == "sps" else draft_beams
         return roots + ws * gamma, ([roots] + [ws] * (gamma - 1)) if gamma else []
@@ -54,17 +58,19 @@ MODE_FACTS: dict[str, Mode] = {m.name: m for m in (
          draft_width="W"),
     Mode("beam-sample-repl", needs_draft=False, beams=True, keeps_rows=True, samples=True, verifier="none",
          draft_width="W"),
-    Mode("sps", needs_draft=True, beams=False, keeps_rows=False, samples=True, verifier="sps", draft_width="1"),
-    Mode("dsbd", needs_draft=True, beams=True, keeps_rows=True, samples=True, verifier="dsbd", draft_width="W+1",
-         memory_twin="dsbd-mem"),
-    Mode("dsbd-mem", needs_draft=True, beams=True, keeps_rows=False, samples=True, verifier="dsbd",
-         draft_width="W+1"),
+    Mode("sps", needs_draft=True, beams=False, keeps_rows=False, samples=True, verifier="sps", draft_width="1",
+         uses_draft=True),
+    # DSBD runs without a draft model too: its forest then holds model-free lookup nodes only
+    Mode("dsbd", needs_draft=False, beams=True, keeps_rows=True, samples=True, verifier="dsbd", draft_width="W+1",
+         uses_draft=True, memory_twin="dsbd-mem"),
+    Mode("dsbd-mem", needs_draft=False, beams=True, keeps_rows=False, samples=True, verifier="dsbd",
+         draft_width="W+1", uses_draft=True),
     # auto picks one of the above per request; its own facts only steer the settings panel
     Mode("auto", needs_draft=False, beams=True, keeps_rows=False, samples=True, verifier="none", draft_width="W",
          concrete=False),
 )}
 MODES = tuple(MODE_FACTS)
-DRAFT_MODES = tuple(m for m, f in MODE_FACTS.items() if f.needs_draft)
+DRAFT_MODES = tuple(m for m, f in MODE_FACTS.items() if f.uses_draft)
 BEAM_MODES = tuple(m for m, f in MODE_FACTS.items() if f.beams and f.concrete)
 # auto's quality levels (app/engine/auto.py): fast = sample | sps, beam = beam-sample | dsbd with W_min >= 2,
 # dynamic = dsbd with W_min = W (beam sampling's law), gamma 0..6 sized to the measured pass costs.
@@ -73,6 +79,9 @@ QUALITY_LEVELS = ("fast", "beam", "dynamic")
 # 0..gamma and W_S in W..draft_beams with the most expected beam steps per second (app/decoding/forest_policy.py)
 FOREST_POLICIES = ("fixed", "adaptive")
 REPLACEMENTS = ("with", "without")
+# Where DSBD's lookup nodes (spec §16.3) come from: the draft model's likeliest pairs no draft drew; matches of the
+# text in the prompt and the beams; the target's own successors recycled from earlier passes (spec §16.7)
+LOOKUP_SOURCES = ("draft", "match", "recycled")
 # Per-token acceptance sum(min(p, q)) assumed before any answer is measured: the qwen-coder pair on mixed
 # prose and code (llama.cpp, CPU). Auto mode, adaptive forests and `dsbd-chat plan` start from it.
 ACCEPTANCE_PRIOR = 0.66
@@ -89,6 +98,22 @@ MIN_TEMPERATURE = 1e-6  # below this sampling is argmax anyway
 
 class ConfigError(ValueError):
     """A parameter is out of range; the message says which and what is allowed."""
+
+
+PRESETS_FILE = Path(__file__).resolve().parents[1] / "assets" / "presets.json"
+MACHINES = ("cpu", "gpu")  # machine classes: the presets' forest caps differ (a GPU pass costs about the same
+#                            for 1 and 64 tokens, so its forests may be much larger)
+
+
+def load_presets(machine: str = "cpu", path: Path | None = None) -> dict[str, dict]:
+    """{name: {description, settings}} from assets/presets.json, each preset's settings with the forest caps of
+    that machine class (its "caps" entry for the class, if any); {} if the file is missing."""
+    try:
+        data = json.loads((path or PRESETS_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    return {name: {"description": p.get("description", ""),
+                   "settings": p["settings"] | p.get("caps", {}).get(machine, {})} for name, p in data.items()}
 
 
 def _finite(name: str, value: float) -> float:
@@ -129,7 +154,8 @@ class DecodeParams:
     # dsbd / dsbd-mem: "with" reproduces beam sampling with replacement (beam-sample-repl), "without" conventional
     # beam sampling (beam-sample): drafts drawn without replacement, verified by recursive rejection
     replacement: str = "with"
-    lookup_nodes: int = 0  # dsbd / dsbd-mem: extra forest nodes per layer (q's likeliest undrawn pairs)
+    lookup_nodes: int = 0  # dsbd / dsbd-mem: the most lookup nodes per layer, from lookup_sources
+    lookup_sources: tuple[str, ...] = ("draft",)  # dsbd / dsbd-mem: LOOKUP_SOURCES to take them from
 
     def validated(self) -> "DecodeParams":
         """Check every field; return a copy with defaults resolved. Raises ConfigError."""
@@ -161,6 +187,10 @@ class DecodeParams:
             raise ConfigError(f"replacement must be 'with' or 'without' (without: DSBD reproduces beam-sample, "
                               f"conventional beam sampling), got {self.replacement!r}")
         _int("lookup_nodes", self.lookup_nodes, 0, 4 * MAX_BEAMS)
+        sources = (self.lookup_sources,) if isinstance(self.lookup_sources, str) else self.lookup_sources
+        if not isinstance(sources, (list, tuple)) or any(s not in LOOKUP_SOURCES for s in sources):
+            raise ConfigError(f"lookup_sources must name some of: {', '.join(LOOKUP_SOURCES)}, got "
+                              f"{self.lookup_sources!r:.80}")
         if self.forest not in FOREST_POLICIES:
             raise ConfigError(f"forest must be one of: {', '.join(FOREST_POLICIES)} (adaptive: per iteration "
                               f"gamma <= {self.gamma} and W <= W_S <= draft_beams, sized to the timed pass costs), "
@@ -177,14 +207,28 @@ class DecodeParams:
         # A bare string would iterate as characters, and None or a number would not iterate at all.
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
             raise ConfigError(f"stop must be a list of non-empty strings, got {self.stop!r:.80}")
-        return replace(self, draft_beams=ws, temperature=t, top_p=p, threshold=th, stop=tuple(self.stop))
+        return replace(self, draft_beams=ws, temperature=t, top_p=p, threshold=th, stop=tuple(self.stop),
+                       lookup_sources=tuple(s for s in LOOKUP_SOURCES if s in sources))
 
     @property
     def needs_draft(self) -> bool:
         facts = MODE_FACTS.get(self.mode)  # unvalidated params may name no mode
         return facts is not None and facts.needs_draft
 
+    @property
+    def uses_draft(self) -> bool:
+        """Drafts with the draft model when one is loaded."""
+        facts = MODE_FACTS.get(self.mode)
+        return facts is not None and facts.uses_draft
+
+    @property
+    def adaptive(self) -> bool:
+        """A forest sized per iteration from pass costs (DSBD with forest='adaptive')."""
+        facts = MODE_FACTS.get(self.mode)
+        return facts is not None and facts.forest and self.forest == "adaptive"
+
     def as_dict(self) -> dict:
         d = asdict(self)
         d["stop"] = list(self.stop)
+        d["lookup_sources"] = list(self.lookup_sources)
         return d

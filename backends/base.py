@@ -19,14 +19,50 @@ import numpy as np
 
 from offload.errors import BackendError, BadModelFile, OutOfMemory
 
-__all__ = ["ROOT", "BackendError", "BadModelFile", "OutOfMemory", "Closing", "ContextFull", "Forest", "Logits", "Path",
-           "ModelInfo", "Context", "Model", "Tokenizer"]
+__all__ = ["ROOT", "BackendError", "BadModelFile", "OutOfMemory", "Closing", "ContextFull", "ContentKeys", "Forest",
+           "Logits", "Path", "ModelInfo", "Context", "Model", "Tokenizer"]
 
 ROOT = -1  # parent id of a node that hangs directly off its row's suffix
 
 
 class ContextFull(BackendError):
     """The request needs more KV cells or rows than the context was created with."""
+
+
+class ContentKeys:
+    """Interned content keys (spec §16.1): equal keys are equal token sequences. A sequence gets a key of its
+    own (`fresh`, or `root` by its tokens) and a sequence one token longer the key interned for (key, token)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[int, int], int] = {}  # (key, token) -> key of the sequence one token longer
+        self._roots: dict[tuple[int, ...], int] = {}
+        self._next = 0
+
+    def fresh(self) -> int:
+        self._next += 1
+        return self._next
+
+    def root(self, tokens: tuple[int, ...]) -> int:
+        """The key of a whole sequence given by its tokens."""
+        k = self._roots.get(tokens)
+        if k is None:
+            k = self._roots[tokens] = self.fresh()
+        return k
+
+    def child(self, key: int, token: int) -> int:
+        k = self._ids.get((key, token))
+        if k is None:
+            k = self._ids[(key, token)] = self.fresh()
+        return k
+
+    def find(self, key: int, token: int) -> int | None:
+        """The key of (key, token) if it was ever interned."""
+        return self._ids.get((key, token))
+
+    def forget(self) -> None:
+        """Drop every interned extension and root (keys handed out stay unique: numbering goes on)."""
+        self._ids.clear()
+        self._roots.clear()
 
 
 @dataclass(frozen=True)

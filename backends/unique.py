@@ -20,11 +20,12 @@ the inner context was fed) per `evaluate` (`last_query`, `last_distinct`) and in
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import numpy as np
 
-from backends.base import ROOT, Context, Forest, Logits, Path
+from backends.base import ROOT, ContentKeys, Context, Forest, Logits, Path
 
 
 class CountingContext:
@@ -35,19 +36,30 @@ class CountingContext:
         self.evaluations = 0
         self.query_tokens = self.distinct_tokens = 0  # totals over every evaluate
         self.last_query = self.last_distinct = 0  # the latest evaluate
+        self.passes: dict[int, int] = {}  # distinct tokens fed -> evaluate calls that fed that many
+        self.pass_s = 0.0  # seconds inside the inner context's evaluate (the passes themselves)
 
     def _count(self, query: int, distinct: int) -> None:
         self.evaluations += 1
         self.query_tokens += query
         self.distinct_tokens += distinct
         self.last_query, self.last_distinct = query, distinct
+        self.passes[distinct] = self.passes.get(distinct, 0) + 1
+
+    def _inner_evaluate(self, forest: Forest) -> Logits:
+        t0 = time.perf_counter()
+        try:
+            return self.inner.evaluate(forest)
+        finally:
+            self.pass_s += time.perf_counter() - t0
 
     def counters(self) -> dict[str, float | int]:
         """Per-evaluate means and totals, for the engine's stats."""
         n = max(1, self.evaluations)
         return {"evaluations": self.evaluations, "query_tokens": self.query_tokens,
                 "distinct_tokens": self.distinct_tokens, "query_tokens_per_pass": self.query_tokens / n,
-                "distinct_tokens_per_pass": self.distinct_tokens / n}
+                "distinct_tokens_per_pass": self.distinct_tokens / n,
+                "passes_by_tokens": dict(sorted(self.passes.items())), "pass_s": self.pass_s}
 
     @property
     def rows(self) -> int:
@@ -63,7 +75,7 @@ class CountingContext:
         self.inner.prefill(ids)
 
     def evaluate(self, forest: Forest) -> Logits:
-        out = self.inner.evaluate(forest)
+        out = self._inner_evaluate(forest)
         n = sum(map(len, forest.suffix)) + len(forest.tokens)
         self._count(n, n)
         return out
@@ -101,22 +113,10 @@ class UniquePaths(CountingContext):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        self._ids: dict[tuple[int, int], int] = {}  # (key, token) -> key of the sequence one token longer
-        self._next = 0
+        self._keys = ContentKeys()
         read = getattr(ctx, "tokens", None)  # rows of unknown content get keys of their own until a prefill
         rows = [list(read(r)) if read else None for r in range(ctx.rows)]
-        self._set_rows([r or [] for r in rows], None if read else [self._fresh() for _ in rows])
-
-    # -- keys ------------------------------------------------------------------------------------------
-    def _fresh(self) -> int:
-        self._next += 1
-        return self._next
-
-    def _child(self, key: int, token: int) -> int:
-        k = self._ids.get((key, token))
-        if k is None:
-            k = self._ids[(key, token)] = self._fresh()
-        return k
+        self._set_rows([r or [] for r in rows], None if read else [self._keys.fresh() for _ in rows])
 
     def _set_rows(self, tokens: list[list[int]], keys: list[int] | None = None) -> None:
         """Committed rows (inner rows hold the same tokens) and an empty pending forest."""
@@ -125,7 +125,7 @@ class UniquePaths(CountingContext):
             keys = []
             for t in tokens:
                 if tuple(t) not in seen:
-                    seen[tuple(t)] = self._fresh()
+                    seen[tuple(t)] = self._keys.fresh()
                 keys.append(seen[tuple(t)])
         self._tokens, self._ckey = tokens, keys
         n = len(tokens)
@@ -152,7 +152,7 @@ class UniquePaths(CountingContext):
 
     def prefill(self, ids: Sequence[int]) -> None:
         self.inner.prefill(ids)
-        self._ids.clear()
+        self._keys.forget()
         self._set_rows([[int(t) for t in ids]])
 
     def truncate(self, n: int) -> None:
@@ -202,7 +202,7 @@ class UniquePaths(CountingContext):
             if suf:
                 chains[r] = keys = [rkey[r]]
                 for t in suf:
-                    keys.append(self._child(keys[-1], int(t)))
+                    keys.append(self._keys.child(keys[-1], int(t)))
         # A suffix prefix two rows share must be addressable (an inner row end or node) to hang the other on.
         nexts: dict[int, set[int]] = {}
         for keys in chains.values():
@@ -231,7 +231,7 @@ class UniquePaths(CountingContext):
         new_nodes = []
         for t, par, r in zip(forest.tokens, forest.parents, forest.rows):
             pkey = rkey[r] if par == ROOT else (self._nodes[par][0] if par < base else new_nodes[par - base][0])
-            key = self._child(pkey, int(t))
+            key = self._keys.child(pkey, int(t))
             if key not in fresh and key not in self._at:
                 feed_node(key, t, where(pkey, r))
             new_nodes.append((key, r, par, int(t)))
@@ -240,7 +240,7 @@ class UniquePaths(CountingContext):
         query = sum(map(len, forest.suffix)) + len(forest.tokens)
         distinct = sum(map(len, isuffix)) + len(itok)
         if distinct or not asked:
-            out = self.inner.evaluate(Forest(suffix=tuple(isuffix) if any(isuffix) else (), tokens=tuple(itok),
+            out = self._inner_evaluate(Forest(suffix=tuple(isuffix) if any(isuffix) else (), tokens=tuple(itok),
                                              parents=tuple(ipar), rows=tuple(irow)))
         else:  # every entry was scored by an earlier call since the commit
             out = None

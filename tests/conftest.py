@@ -17,3 +17,12 @@ def tiny_gguf() -> Path:
 @pytest.fixture(scope="session")
 def tiny_gguf_path() -> Path:
     return tiny_gguf()
+
+
+@pytest.fixture(autouse=True)
+def _own_forest_knowledge(tmp_path, monkeypatch):
+    """What adaptive forests learn persists in the cache folder: each test starts from none of it (the pass
+    costs stay shared, they only save timing)."""
+    import app.engine.learned
+
+    monkeypatch.setattr(app.engine.learned, "cache_file", lambda name: tmp_path / name)

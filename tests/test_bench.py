@@ -45,6 +45,16 @@ def test_code_suite_loads_and_every_reference_passes_its_tests():
         assert t["entry_point"] in t["reference"]
 
 
+def test_edit_suite_references_pass_and_the_pasted_code_fails():
+    """The edit suite grades the edit, not the paste: each reference passes, the unedited code does not."""
+    tasks = bench.load_suite("edit")
+    assert len(tasks) >= 8
+    for t in tasks:
+        pasted = t["prompt"].split("```python\n")[1].split("```")[0]
+        assert bench.grade(f"```python\n{t['reference']}```", t), t["entry_point"]
+        assert not bench.grade(f"```python\n{pasted}```", t), t["entry_point"]
+
+
 def test_parse_mode_accepts_auto_with_a_quality_level():
     base = DecodeParams(max_new_tokens=8)
     label, p = bench.parse_mode("auto:quality=beam", base)

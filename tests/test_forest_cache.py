@@ -236,6 +236,9 @@ class LookupOnly:
     def observe(self, *a, **kw):
         pass
 
+    def settle(self, steps):
+        pass
+
 
 def every_token(l, parent_content, prev, q, drafts):
     """Lookup nodes: every token under every node of the previous layer (the root rows at depth 1)."""

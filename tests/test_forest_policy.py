@@ -330,34 +330,53 @@ def test_lookup_nodes_only_raise_the_pass_rate_and_are_priced():
     assert plain.choose(max_gamma=2, roots=1, draft_roots=1, with_lookups=True)[2] == 0
 
 
-def test_for_params_reads_the_optional_settings():
-    class P:  # a DecodeParams from a decoder that has the newer fields
-        gamma, beams, draft_beams, threshold, min_beams = 3, 2, 4, 0.9, 2
-        replacement, lookup_nodes, cache_rule = "without", 2, True
-
-    p = ForestPolicy.for_params(P, *STEEP)
-    assert (p.replacement, tuple(p.lookups), p.cache_rule) == (False, (0, 1, 2), True)
+def test_for_params_reads_the_settings():
+    p = ForestPolicy.for_params(DecodeParams(mode="dsbd", beams=2, draft_beams=4, gamma=3, min_beams=2,
+                                             replacement="without", lookup_nodes=2).validated(), *STEEP)
+    assert (p.replacement, tuple(p.lookups), p.cache_rule, tuple(p.widths)) == (False, (0, 1, 2), True, (2, 3, 4))
     q = ForestPolicy.for_params(DecodeParams(mode="dsbd").validated(), *STEEP)
     assert (q.replacement, tuple(q.lookups), q.cache_rule) == (True, (0,), True)  # the decoder applies it always
+    # model-free sources only: the draft model's lookup nodes are no candidates
+    r = ForestPolicy.for_params(DecodeParams(mode="dsbd", lookup_nodes=4, lookup_sources=("match",)).validated(),
+                                *STEEP)
+    assert tuple(r.lookups) == (0,)
+    # a GPU-sized range stays a short grid of candidates
+    wide = ForestPolicy.for_params(DecodeParams(mode="dsbd", beams=4, draft_beams=32, gamma=8,
+                                                lookup_nodes=16).validated(), *GPU)
+    assert tuple(wide.widths) == (4, 5, 6, 8, 16, 32) and tuple(wide.lookups) == (0, 1, 2, 4, 8, 16)
+    assert wide.choose(max_gamma=8, roots=4, draft_roots=4)[0] == 8  # flat costs: the deepest forest
 
 
 # --- exploration and learning across answers --------------------------------------------------------------
 
-def test_exploration_drafts_the_cheapest_forest_then_stops():
+def test_exploration_stays_within_its_budget_and_tries_only_forests_that_could_pay():
+    from app.decoding.forest_policy import EXPLORE_SHARE
+
     p = policy(CPU, explore=3)
-    assert policy(CPU).choose(max_gamma=6, roots=4, draft_roots=4) == (0, 4)  # the prior alone never drafts
+    assert p.choose(max_gamma=6, roots=4, draft_roots=4) == (0, 4)  # nothing advanced yet: no budget
+    plain = p._plain_step
+    p.settle(1)
     picks = []
-    for _ in range(5):
+    for _ in range(600):
         g, ws = p.choose(max_gamma=6, roots=4, draft_roots=4)
         picks.append((g, ws))
         if g:
+            # a forest that could not pay even if every layer passed is never tried
+            assert (g + 1) / p.seconds(g, ws, roots=4, draft_roots=4) > 1 / plain
             p.observe(1, ws, outcomes=[False] * ws, passed=False)
-    assert picks == [(1, 4)] * 3 + [(0, 4)] * 2
-    assert p.observed == 3
-    # layers seen before this policy count: a pair already observed does not explore again
-    assert policy(CPU, explore=3, seen=3).choose(max_gamma=6, roots=4, draft_roots=4) == (0, 4)
-    # a budget without room to draft is respected
+        p.settle(1)
+        assert p.known.explore_s <= EXPLORE_SHARE * p.known.plain_s + 1e-12  # never over budget
+    tried = [c for c in picks if c[0]]
+    assert len(tried) == 3 and len(set(tried)) == 1  # the cheapest such forest, until 3 layers were seen
+    assert picks.index(tried[0]) > 50  # the budget is earned by plain steps first
+    # the prior alone never drafts on these costs, and a budget of no gamma is respected
+    assert policy(CPU).choose(max_gamma=6, roots=4, draft_roots=4) == (0, 4)
     assert policy(CPU, explore=3).choose(max_gamma=0, roots=4, draft_roots=4) == (0, 4)
+    # where even the deepest forest cannot pay when every layer passes, nothing is ever tried
+    hopeless = policy((CostCurve.of({1: 0.08, 64: 5.0}), CostCurve.of({1: 0.5})), explore=3)
+    for _ in range(300):
+        assert hopeless.choose(max_gamma=6, roots=4, draft_roots=4)[0] == 0
+        hopeless.settle(1)
 
 
 def test_carried_counts_start_the_next_policy_and_are_capped():
@@ -369,7 +388,7 @@ def test_carried_counts_start_the_next_policy_and_are_capped():
     assert carried.depth_draws[1] == pytest.approx([20, 20, 0, 0])
     assert first.known.layer_runs[(1, 4)] == [100, 100]  # the original is untouched
     second = policy(CPU, known=carried)
-    assert second.pass_rate(1, 4) > 0.9 and second.observed == 0
+    assert second.pass_rate(1, 4) > 0.9 and second.observed == 100  # what the pair saw counts as seen
     assert second.expected_steps(3, 4) > 3.5 > policy(CPU).expected_steps(3, 4)
     mid = (CostCurve.of({1: 0.08, 8: 0.18, 64: 1.0}), CostCurve.of({1: 0.01, 8: 0.015}))
     second.target_cost, second.draft_cost = mid
@@ -377,37 +396,44 @@ def test_carried_counts_start_the_next_policy_and_are_capped():
     assert policy(mid).choose(max_gamma=6, roots=4, draft_roots=4) == (1, 4)
     assert second.choose(max_gamma=6, roots=4, draft_roots=4) == (3, 4)
     second.observe(1, 4, outcomes=[True], passed=True)
-    assert second.known.layers == 101 and second.observed == 1
+    assert second.known.layers == 101 and second.observed == 101
 
 
-def test_engine_carries_counts_across_answers_and_explores_once(monkeypatch):
-    """Two adaptive answers on bigram-table models: the first explores (the prior says do not draft on these
-    costs), the second starts from the first's counts (no exploration left) and adds its own."""
+def test_engine_carries_counts_across_answers_and_explores_within_budget(monkeypatch):
+    """Adaptive answers on bigram-table models: each starts from the counts the earlier ones left (the plain
+    steps' time and the explorations' cost included); exploration waits for its budget, which plain steps earn
+    across answers, and never exceeds it."""
     import backends.tokenizer
+    from app.decoding.forest_policy import EXPLORE_SHARE
     from app.engine.auto import AutoPolicy
-    from app.engine.engine import EXPLORE_LAYERS, Engine, final_event
+    from app.engine.engine import Engine, final_event
 
     monkeypatch.setattr(backends.tokenizer, "check_compatible", lambda draft, target: None)  # table tokenizers
     e = Engine(TARGET, DRAFT, n_ctx=256)
-    e.policy = AutoPolicy(*CPU)  # the pass costs, as if timed
+    # as if timed: the prior says drafting does not pay, though it could if every layer passed (a cheap draft)
+    e.policy = AutoPolicy(CostCurve.of({1: 0.08, 4: 0.13, 8: 0.16, 64: 1.0}), CostCurve.of({1: 0.04, 32: 0.06}))
     made = []
     build = e._forest_policy
     monkeypatch.setattr(e, "_forest_policy", lambda *a: made.append(build(*a)) or made[-1])
     params = DecodeParams(mode="dsbd", beams=2, draft_beams=3, gamma=3, max_new_tokens=30, min_beams=2, seed=1,
                           forest="adaptive")
-    one = final_event(e.generate([1, 2], params)).stats
+    assert made == [] and build(params.validated(), e.costs()).choose(max_gamma=3, roots=2, draft_roots=2)[0] == 0
+    first = final_event(e.generate([1, 2], params)).stats
     (key,) = e._acceptance
-    after_one = e._acceptance[key].layers
-    assert after_one == EXPLORE_LAYERS  # drafted (cheapest forest) exactly until the pair had enough layers
-    assert one["forest_sizes"].get("g1/ws2") == EXPLORE_LAYERS and "g0" in one["forest_sizes"]
-    assert made[0].observed == EXPLORE_LAYERS and made[0].known.depth_draws
-    two = final_event(e.generate([2, 1], replace(params, seed=2))).stats
-    assert made[1].seen == after_one and made[1].known is e._acceptance[key]
-    assert made[1].known.depth_draws[1][1] >= made[0].known.depth_draws[1][1]  # started from the first's counts
-    assert set(two["forest_sizes"]) == {"g0"}  # learnt from the first: drafting does not pay on these costs
+    assert e._acceptance[key].plain_s > 0 and first["forest_sizes"] == {"g0": first["iterations"]}  # no budget yet
+    explored = 0
+    for seed in range(2, 10):
+        plain_before = e._acceptance[key].plain_s
+        stats = final_event(e.generate([1, 2], replace(params, seed=seed))).stats
+        assert made[-1].known.plain_s >= plain_before  # started from the earlier answers' counts
+        explored += sum(n for k, n in stats["forest_sizes"].items() if k != "g0")
+        k = e._acceptance[key]
+        assert k.explore_s <= EXPLORE_SHARE * k.plain_s + 1e-12
+    assert explored > 0 and e._acceptance[key].layers > 0
     # a fixed forest neither reads nor writes the counts
+    before = e._acceptance[key].layers
     final_event(e.generate([1, 2], replace(params, forest="fixed")))
-    assert made[-1] is None and e._acceptance[key].layers == after_one
+    assert made[-1] is None and e._acceptance[key].layers == before
 
 
 # --- (d) stats, UI and the engine on the real tiny model ------------------------------------------------------
@@ -459,11 +485,14 @@ def test_engine_adaptive_forest_on_tiny(tiny_gguf_path):
         assert stats["forest_policy"] == "adaptive" and stats["new_tokens"] > 0
         assert sum(stats["forest_sizes"].values()) == stats["iterations"]
         assert all(ev.forest["adaptive"] for ev in events[:-1] if ev.forest)
-        # Same seed, same calibration, same carried counts: the same answer (the choice is deterministic given
-        # the past); the counts the first answer left are the engine's now.
+        # The counts the answer left (the plain steps' time: the exploration budget) are the engine's now and
+        # in the cache folder, for the next process.
         (key,) = e._acceptance
         learnt = e._acceptance.pop(key)
-        assert learnt.layers > 0 and stats["forest_sizes"] != {"g0": stats["iterations"]}  # explored: drafted
+        assert learnt.plain_s > 0 and e.learned.acceptance(key).plain_s == pytest.approx(learnt.plain_s)
+        # Same seed, same calibration, same counts (none): the same answer (the choice is deterministic given
+        # the past).
+        e.learned.path.unlink()
         assert list(e.chat(msgs, params))[-1].text == events[-1].text
         # GPU-like costs: it drafts, and deep (the tiny preset drafts for itself, so nearly every layer passes).
         e.policy.target_cost, e.policy.draft_cost = GPU

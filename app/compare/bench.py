@@ -22,7 +22,8 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
-from app.config import ConfigError, DecodeParams
+from app.compare.projection import projected_seconds
+from app.config import ConfigError, DecodeParams, load_presets
 from app.engine.engine import final_event
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets" / "bench"
@@ -100,16 +101,25 @@ def split_modes(text: str) -> list[str]:
     return out
 
 
-def parse_mode(spec: str, base: DecodeParams) -> tuple[str, DecodeParams]:
-    """'dsbd' or 'dsbd:beams=2,gamma=4' or 'auto:quality=beam' -> (label, params)."""
+def parse_mode(spec: str, base: DecodeParams, machine: str = "cpu") -> tuple[str, DecodeParams]:
+    """'dsbd' or 'dsbd:beams=2,gamma=4' or 'auto:quality=beam' or 'preset:Balanced[,gamma=2]' (a UI preset with
+    the forest caps of `machine`) -> (label, params)."""
     mode, _, opts = spec.partition(":")
     kw: dict = {"mode": mode}
+    if mode == "preset":
+        name, _, opts = opts.partition(",")
+        presets = load_presets(machine)
+        if name not in presets:
+            raise ConfigError(f"unknown preset {name!r} in bench mode {spec!r}; choose one of: {', '.join(presets)}")
+        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in presets[name]["settings"].items()}
     for item in filter(None, opts.split(",")):
         key, _, value = item.partition("=")
         field = {"level": "quality"}.get(key.strip(), key.strip().replace("-", "_"))  # auto:level= (older runs)
         if field not in DecodeParams.__dataclass_fields__:
             raise ConfigError(f"unknown setting {key!r} in bench mode {spec!r}")
-        if isinstance(getattr(base, field), bool):  # bool("false") is True
+        if field == "lookup_sources":
+            kw[field] = tuple(value.split("+"))  # lookup_sources=draft+match
+        elif isinstance(getattr(base, field), bool):  # bool("false") is True
             if value.strip().lower() not in ("true", "false", "1", "0", "on", "off"):
                 raise ConfigError(f"{key} takes true or false, got {value!r} in bench mode {spec!r}")
             kw[field] = value.strip().lower() in ("true", "1", "on")
@@ -119,16 +129,18 @@ def parse_mode(spec: str, base: DecodeParams) -> tuple[str, DecodeParams]:
 
 
 def run_bench(engine, *, modes: list[str], prompts: list, base: DecodeParams, repeats: int = 1,
-              out: Path | None = None, progress: bool = True) -> dict:
+              out: Path | None = None, progress: bool = True, profile=None) -> dict:
     """Run every (repeat, prompt, mode) once, modes innermost; returns {config, runs, summary}.
 
     `prompts`: strings or task dicts (graded: runs get `passed`). Auto runs record the `setting` they ran.
+    `profile`: the engine's cost profile (app.engine.timing); a named one adds each run's projected time there.
     """
-    settings = [parse_mode(m, base) for m in modes]
+    machine = engine.describe().get("machine", "cpu")
+    settings = [parse_mode(m, base, machine) for m in modes]
     for _, p in settings:
         engine.check_params(p)
     config = {"modes": modes, "prompts": prompts, "repeats": repeats, "base": base.as_dict(),
-              "models": engine.describe()}
+              "models": engine.describe(), "settings": {label: p.as_dict() for label, p in settings}}
     runs: list[dict] = []
     if out is not None and out.is_file():  # resume a partial run with the same configuration
         old = json.loads(out.read_text())
@@ -152,6 +164,8 @@ def run_bench(engine, *, modes: list[str], prompts: list, base: DecodeParams, re
             run["setting"] = last.stats["auto"]["setting"]
         if isinstance(prompts[i], dict):
             run["passed"] = grade(last.text, prompts[i])
+        if (projected := projected_seconds(last.stats, profile)) is not None:
+            run["projected"] = projected
         runs.append(run)
         if out is not None:
             _write(out, {"config": config, "runs": runs, **_calibration(engine)})
@@ -197,6 +211,10 @@ def _write(path: Path, data: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
+
+
+# Modes every other mode's speed is compared with, when the run has them: the plain modes of each law.
+REFERENCES = ("beam-sample", "beam-sample-repl", "sample", "sps")
 
 
 def summarize(runs: list[dict], modes: list[str]) -> dict:
@@ -263,15 +281,33 @@ def summarize(runs: list[dict], modes: list[str]) -> dict:
         if graded:
             summary[mode]["pass_rate"] = sum(graded) / len(graded)
             summary[mode]["passed"] = sum(graded)
+        proj = [(r["stats"]["new_tokens"], r["projected"]["seconds"]) for r in mine if "projected" in r]
+        if proj:  # under a named cost profile: the same answers, on the profile's machine
+            summary[mode]["projected_tokens_per_s_median"] = statistics.median(n / max(s, 1e-9) for n, s in proj)
+            summary[mode]["projected_tokens_per_s_overall"] = sum(n for n, _ in proj) / max(
+                1e-9, sum(s for _, s in proj))
+            summary[mode]["projected_decoder_share"] = sum(r["projected"]["decoder_s"] for r in mine) / max(
+                1e-9, sum(s for _, s in proj))
+        sources: dict = {}
+        for s in stats:  # lookup nodes and hits per source (draft model, matches, recycled predictions)
+            for name, v in (s.get("lookup_sources") or {}).items():
+                row = sources.setdefault(name, {"nodes": 0, "hits": 0})
+                row["nodes"] += v["nodes"]
+                row["hits"] += v["hits"]
+        if sources:
+            summary[mode]["lookup_sources"] = sources
         if any("setting" in r for r in mine):  # auto: how often it picked each concrete setting
             summary[mode]["settings"] = dict(Counter(r["setting"] for r in mine if "setting" in r).most_common())
-    for ref in ("beam-sample", "sps"):
+    for ref in REFERENCES:
         base = next((m for m in summary if m.split(":")[0] == ref), None)
         if base is None:
             continue
         for mode, s in summary.items():
             s[f"speed_vs_{ref}"] = s["tokens_per_s_median"] / summary[base]["tokens_per_s_median"]
             s[f"overall_speed_vs_{ref}"] = s["tokens_per_s_overall"] / summary[base]["tokens_per_s_overall"]
+            if "projected_tokens_per_s_overall" in s and "projected_tokens_per_s_overall" in summary[base]:
+                s[f"projected_speed_vs_{ref}"] = (s["projected_tokens_per_s_overall"]
+                                                  / summary[base]["projected_tokens_per_s_overall"])
         if ref == "beam-sample":
             for mode, s in summary.items():
                 s["logprob_vs_beam_sample"] = paired_logprob(runs, mode, base)

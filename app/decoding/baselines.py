@@ -118,9 +118,10 @@ def beam_sampling(*, target, prompt, params, stopper, metrics, rand: Rand | None
             keys = draws.draws(p, width)
         elif rand is not None:
             keys = draw_without_replacement(p, width, rand)
-        else:  # W distinct pairs: the W largest log p + Gumbel noise (the law of W sequential draws)
+        else:  # W distinct pairs: the W largest log p + Gumbel noise (the law of W sequential draws), in order
             g = np.log(p.probs) + rng.gumbel(size=len(p.probs))
-            keys = p.keys[np.argsort(-g, kind="stable")[:width]]
+            top = np.argpartition(-g, width - 1)[:width] if width < len(g) else np.arange(len(g))
+            keys = p.keys[top[np.lexsort((top, -g[top]))]]  # descending, ties by position: a stable argsort's
         return [divmod(int(k), z.shape[1]) for k in keys]
 
     return _beam_loop(target=target, prompt=prompt, params=params, stopper=stopper, metrics=metrics,

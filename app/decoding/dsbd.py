@@ -1,7 +1,9 @@
 """DSBD: dynamic-width speculative beam decoding (spec §3-§10, §16), full and memory-reduced modes.
 
 One iteration, in the order it runs:
-  1. draft   the draft beam-samples g layers of W_S pairs (with or without replacement), plus lookup nodes
+  1. draft   the draft beam-samples g layers of W_S pairs (with or without replacement), plus lookup nodes:
+             the draft's likeliest undrawn pairs and model-free nodes (matches in the text, recycled
+             predictions; app/decoding/lookups.py). Without a draft model, model-free nodes alone.
   2. score   ONE target pass over every root suffix and every forest node
   3. verify  layer by layer: multi-step speculative sampling over (beam, token) pairs, width from the acceptance
              DP; a layer passes when every output is already a forest node (the cache rule, spec §16.2)
@@ -10,23 +12,28 @@ One iteration, in the order it runs:
 
 Beams inside an iteration are rows of a multiset: the outputs of the previous layer in slot order, duplicates
 kept, so p_beam is baseline A's (or B's) exactly. Drafts are mapped onto those rows by content (spec §16.2).
+Statistics, the forest view and what the forest policy and the node builder learn are gathered outside the
+arithmetic: phase timings by decorator, everything else in `_Run.account` and `_Run.note_layer`.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from backends.base import ROOT, Context, Forest, Path
+from backends.base import ROOT, ContentKeys, Context, Forest, Path
 
-from ..config import MODE_FACTS, ConfigError
+from ..config import MODE_FACTS, ConfigError, DecodeParams
 from . import Step, rng_streams
 from .baselines import pad_vocab, warp_of
 from .beams import Beam, Pool, Stopper, common_prefix, final_choice
-from .forest_policy import ForestPolicy
+from .forest_policy import ForestPolicy, decoder_costs, lookup_layer_cost
+from .lookups import Builder, Shape
 from .metrics import Metrics
 from .sampling import (Draft, DraftWOR, Joint, Rand, SeededRand, draw_without_replacement, log_softmax,
                        residual_chain, sample_without_replacement, verify_layer, verify_layer_without_replacement,
@@ -43,13 +50,15 @@ class Node:
     token: int
     up: "Node | None"
     root: int
-    content: int  # content id: equal ids are equal token sequences (spec §16.1)
-    tid: int  # pending node id in the target context
-    parent: int = -1  # a draft: its parent in q's parent space; a lookup node: among the previous layer's nodes
+    content: int  # content key: equal keys are equal token sequences (spec §16.1)
+    source: str = "draft"  # draft (the draft model) | match | recycled (model-free, app/decoding/lookups.py)
+    parent: int = -1  # a draft: its parent in q's parent space (the previous layer's drafts, or the root rows)
     qval: float = 0.0  # draft: q_beam of its pair
     rest: float = 1.0  # draft: q mass not drawn before it (without replacement; 1 with replacement)
     ended: bool = False  # the path ends here (EOS / stop string): no children
     did: int | None = None  # pending node id in the draft context (None: never fed to the draft)
+    tid: int = -1  # pending node id in the target context, numbered when the forest is scored
+    candidate: object = None  # model-free nodes: the builder's candidate (what calibration learns from)
 
     def chain(self) -> tuple["Node", ...]:
         out, n = [], self
@@ -62,36 +71,20 @@ class Node:
 @dataclass
 class Layer:
     q: Joint | None  # q_beam over (parent, token): parents = the previous layer's drafts (root rows at depth 1)
-    parent_content: list[int]  # content id of each of q's parents
+    parent_content: list[int]  # content key of each of q's parents
     drafts: list[Node]  # in draw order
-    lookups: list[Node]
+    lookups: list[Node]  # lookup nodes (spec §16.3): never proposals
 
     @property
     def nodes(self) -> list[Node]:
         return self.drafts + self.lookups
 
     def first_node(self) -> dict[int, Node]:
-        """content id -> the node that holds it (the lowest slot when several do)."""
+        """content key -> the node that holds it (the lowest slot when several do)."""
         out: dict[int, Node] = {}
         for n in self.nodes:
             out.setdefault(n.content, n)
         return out
-
-
-class Contents:
-    """Interned content ids: a root's id from its tokens, a node's from (parent id, token)."""
-
-    def __init__(self) -> None:
-        self.ids: dict = {}
-
-    def root(self, tokens: tuple[int, ...]) -> int:
-        return self.ids.setdefault(("r", tokens), len(self.ids))
-
-    def child(self, parent: int, token: int) -> int:
-        return self.ids.setdefault((parent, token), len(self.ids))
-
-    def find(self, parent: int, token: int) -> int | None:
-        return self.ids.get((parent, token))
 
 
 @dataclass(frozen=True)
@@ -107,65 +100,71 @@ class Handle:
 
 # lookups(depth, parent contents, previous layer's nodes or None, q_beam or None, drafts) -> [(parent, token)]:
 # parent indexes the previous layer's nodes, drafts first (the root rows at depth 1); parent contents are theirs.
-# Chosen from what is known before the layer's tests (spec §16.3).
+# Replaces the draft-model lookup nodes (tests inject sources); chosen from what is known before the layer's
+# tests (spec §16.3).
 Lookups = Callable[[int, list[int], Sequence[Node] | None, Joint | None, list[Node]], list[tuple[int, int]]]
+
+
+def _timed(phase: str):
+    """Time a phase method into metrics.phase_s[phase] (the iteration split in stats and benches)."""
+    def wrap(method):
+        @functools.wraps(method)
+        def timed(self, *args, **kwargs):
+            with self.metrics.timed(phase):
+                return method(self, *args, **kwargs)
+        return timed
+    return wrap
 
 
 # -------------------------------------------------------------------------------------------------- decoder
 
-def dsbd(*, target: Context, draft: Context, prompt: Sequence[int], params, stopper: Stopper,
-         metrics: Metrics, vocab: int, costs=None, policy: ForestPolicy | None = None,
-         lookups: Lookups | None = None, rands: tuple[Rand, Rand] | None = None, **_) -> Iterator[Step]:
+def dsbd(*, target: Context, draft: Context | None, prompt: Sequence[int], params: DecodeParams,
+         stopper: Stopper, metrics: Metrics, vocab: int, costs=None, policy: ForestPolicy | None = None,
+         nodes: Builder | None = None, lookups: Lookups | None = None,
+         rands: tuple[Rand, Rand] | None = None) -> Iterator[Step]:
     """DSBD generator; `params.mode` is "dsbd" (full) or "dsbd-mem" (one beam between iterations).
 
     params.replacement "with" reproduces beam sampling with replacement (baseline A), "without" conventional
-    beam sampling (baseline B, spec §16.5). params.forest == "adaptive": a ForestPolicy picks gamma and W_S per
-    iteration from `costs` = (target, draft) pass-cost curves (or an injected `policy`). `lookups` overrides the
-    choice of lookup nodes (default: q_beam's most likely pairs no draft drew, params.lookup_nodes per layer).
-    `rands` = (draft, verify) randomness replaces the seeded streams (tests enumerate every outcome).
+    beam sampling (baseline B, spec §16.5). An adaptive forest sizes each iteration with `policy` (the engine's,
+    carrying what it learnt), else one priced by `costs` = (target, draft) pass-cost curves. `draft` None: no
+    draft model; the forest holds model-free lookup nodes only. `nodes` chooses the model-free nodes (default:
+    a Builder over params.lookup_sources). `lookups` replaces the draft-model lookup nodes (tests). `rands` =
+    (draft, verify) randomness replaces the seeded streams (tests enumerate every outcome).
     """
-    run = _Run(params, stopper, metrics, vocab, _forest_policy(params, costs, policy), lookups, rands)
-    target.prefill(prompt[:-1])
-    draft.prefill(prompt[:-1])
-    metrics.mark_prefilled()
+    run = _Run(params, stopper, metrics, vocab, prompt, draft is not None, policy or _policy(params, costs, draft),
+               nodes if nodes is not None else _builder(params, prompt, costs, stopper, vocab), lookups, rands)
+    run.prefill(target, draft, prompt)
     live, t_suffix, d_suffix = [Beam((), 0.0)], [(prompt[-1],)], [(prompt[-1],)]
     while True:
-        metrics.iterations += 1
-        g, ws = run.sizes(live, t_suffix, d_suffix)
-        contents = Contents()
+        g, ws, n_look = run.sizes(live, t_suffix, d_suffix)
+        contents = ContentKeys()
         roots = [contents.root(b.tokens) for b in live]
-        with metrics.timed("draft"):
-            layers, evaluated = run.draft(draft, live, roots, d_suffix, g, ws, contents)   # 1. draft
-        with metrics.timed("target"):
-            root_lp, node_lp = run.score(target, t_suffix, layers)                          # 2. score
-        metrics.track_kv(target, draft)
+        layers, fed = run.draft(draft, live, roots, d_suffix, g, ws, n_look, contents)  # 1. draft
+        root_lp, node_lp = run.score(target, t_suffix, layers)                           # 2. score
         rows = [Handle(r, (), b, roots[r], root_lp[r]) for r, b in enumerate(live)]
-        with metrics.timed("verify"):
-            output, stop = run.verify(layers, rows, node_lp, contents)                      # 3. verify
-        metrics.steps.append(len(output[0].beam.tokens) - len(live[0].tokens))
-        metrics.mark_first_token()
-        nxt, done = run.retire(output, stop)                                                # 4. retire
+        output, stop = run.verify(layers, rows, node_lp, contents)                       # 3. verify
+        nxt, done = run.retire(output, stop)                                             # 4. retire
+        run.account(target, draft, live, output, nxt, layers, g, ws)
         if done is not None:
             yield run.finish(done)
             return
-        metrics.carried.append(len(nxt))
-        with metrics.timed("commit"):
-            target.commit([Path(h.root, tuple(n.tid for n in h.chain)) for h in nxt])      # 5. commit
-            d_suffix = run.commit_draft(draft, nxt, live, d_suffix, evaluated)
+        d_suffix = run.commit(target, draft, nxt, live, d_suffix, fed)                  # 5. commit
         live = [h.beam for h in nxt]
         t_suffix = [(b.tokens[-1],) for b in live]
         final = live[0].tokens if run.memory else common_prefix([b.tokens for b in live + run.pool.beams])
-        yield Step(final=final, live=len(live), forest=run.view(g, ws))
+        yield Step(final=final, live=len(live), forest=run.view())
 
 
 class _Run:
     """One generation's settings and state; one method per phase of the iteration."""
 
-    def __init__(self, params, stopper: Stopper, metrics: Metrics, vocab: int, policy, lookups: Lookups | None,
+    def __init__(self, params: DecodeParams, stopper: Stopper, metrics: Metrics, vocab: int, prompt,
+                 has_draft: bool, policy, builder: Builder | None, lookups: Lookups | None,
                  rands: tuple[Rand, Rand] | None) -> None:
         self.params, self.stopper, self.metrics, self.vocab = params, stopper, metrics, vocab
-        self.policy, self.n_lookups = policy, params.lookup_nodes
+        self.has_draft, self.policy, self.builder = has_draft, policy, builder
         self.lookups = lookups or (lambda *a: _top_q_lookups(self.n_lookups, *a))
+        self.n_lookups = params.lookup_nodes if "draft" in params.lookup_sources else 0
         self.q_profile: np.ndarray | None = None  # the latest drafted q_beam's probabilities (for the policy)
         self.memory = not MODE_FACTS[params.mode].keeps_rows
         self.without = params.replacement == "without"
@@ -174,40 +173,57 @@ class _Run:
         self.n_extra = 1 if self.memory and params.select == "sample" else self.w
         self.pool = Pool(self.w, self.lam)
         self.snapshot: list[dict] = []
+        self.verified_rows: dict[tuple[int, ...], np.ndarray] = {}  # this iteration's rows (the builder learns)
+        self.forest_shape = (0, 0)
+        self.sized = (1, 1)  # this iteration's distinct root query tokens in the target and the draft pass
         metrics.forest_policy = params.forest
 
+    def prefill(self, target: Context, draft: Context | None, prompt: Sequence[int]) -> None:
+        target.prefill(prompt[:-1])
+        if draft is not None:
+            draft.prefill(prompt[:-1])
+        self.metrics.mark_prefilled()
+
     # -- sizes -----------------------------------------------------------------------------------------
-    def sizes(self, live, t_suffix, d_suffix) -> tuple[int, int]:
-        """(gamma, W_S) of this iteration; an adaptive policy decides from the past only (spec §16.4)."""
+    def sizes(self, live, t_suffix, d_suffix) -> tuple[int, int, int]:
+        """(gamma, W_S, draft lookup nodes per layer) of this iteration's drafted part; an adaptive policy
+        decides from the past only (spec §16.4, §16.8). Without a draft model: no drafted part."""
         g = min(self.params.gamma, self.params.max_new_tokens - len(live[0].tokens) - 1)
-        ws = self.params.draft_beams
+        if not self.has_draft:
+            return 0, 0, 0
+        ws, n = self.params.draft_beams, self.n_lookups
+        self.sized = (sum(map(len, t_suffix)), sum(map(len, d_suffix)))
         if self.policy is not None:
-            choice = self.policy.choose(max_gamma=g, roots=sum(map(len, t_suffix)),
-                                        draft_roots=sum(map(len, d_suffix)), q_rows=self.q_profile, with_lookups=True)
+            q, self.q_profile = self.q_profile, None  # priced once per drafted q
+            choice = self.policy.choose(max_gamma=g, roots=self.sized[0], draft_roots=self.sized[1], q_rows=q,
+                                        with_lookups=True)
             g, ws = choice[:2]
-            self.n_lookups = choice[2] if len(choice) > 2 else self.params.lookup_nodes
-        self.metrics.forests.append((g, ws))
-        return g, ws
+            n = choice[2] if len(choice) > 2 else n
+        return g, ws, n
 
     # -- 1. draft ----------------------------------------------------------------------------------------
-    def draft(self, draft: Context, live: Sequence[Beam], roots: list[int], suffix, g: int, ws: int,
-              contents: Contents) -> tuple[list[Layer], bool]:
-        """Draft beam sampling (spec §4) for up to g layers of ws pairs, plus lookup nodes. Layer l's q comes from
-        feeding layer l-1's drafts; drafting stops early when every drafted path ended. Returns the layers and
-        whether the draft context was evaluated."""
-        if g == 0:
-            return [], False
-        drafting = ws > 0
+    @_timed("draft")
+    def draft(self, draft: Context | None, live: Sequence[Beam], roots: list[int], suffix, g: int, ws: int,
+              n_look: int, contents: ContentKeys) -> tuple[list[Layer], bool]:
+        """The forest: draft beam sampling (spec §4) for up to g layers of ws pairs with the draft model's
+        lookup nodes, then the model-free nodes (up to gamma layers). Returns the layers and whether the
+        draft context was evaluated."""
+        layers = self._drafted(draft, live, roots, suffix, g, ws, n_look, contents) if g > 0 else []
+        if self.builder is not None:
+            self._model_free(layers, live, roots, contents, g, ws, n_look)
+        return layers, g > 0 and ws > 0 and self.has_draft
+
+    def _drafted(self, draft: Context, live, roots, suffix, g, ws, n_look, contents) -> list[Layer]:
         scores = np.array([b.score for b in live])
-        dscore = scores - scores.max()  # seeded with target scores (spec §4.1), best = 0
+        dscore = scores - scores.max()  # seeded with target scores (spec §4, step 1), best = 0
         prev: list[Node] | None = None  # previous layer's nodes (None: the root rows)
         q_parents: list[Node] | None = None  # q's parents: the previous layer's drafts
         parent_content, ended, paths = list(roots), np.zeros(len(live), bool), [b.tokens for b in live]
-        with self.metrics.timed("draft_passes"):
-            logits = draft.evaluate(Forest(suffix=tuple(suffix))).roots if drafting else None  # [n_in, V]
-        self.metrics.draft_passes += int(drafting)
+        drafting = ws > 0  # W_S = 0: lookup nodes only
+        logits = self._draft_pass(draft, Forest(suffix=tuple(suffix)), roots=True) if drafting else None
+        self.n_lookups = n_look
         layers: list[Layer] = []
-        tid = fed = 0  # pending node ids handed out in the target / draft context
+        fed = 0  # pending node ids handed out in the draft context
         for l in range(1, g + 1):
             q, drafts = None, []
             if drafting:
@@ -219,51 +235,106 @@ class _Run:
                     keys, rest = sample_without_replacement(q, ws, self.draft_rand)
                 else:  # i.i.d. (spec §4)
                     keys, rest = self.draft_rand.draws(q, ws), np.ones(ws)
-                for j, (k, qv, rs) in enumerate(zip(keys, q.lookup(keys), rest)):
+                for k, qv, rs in zip(keys, q.lookup(keys), rest):
                     par, tok = int(k // self.vocab), int(k % self.vocab)
                     up = None if q_parents is None else q_parents[par]
                     drafts.append(Node(tok, up, par if up is None else up.root,
-                                       contents.child(parent_content[par], tok), tid + j, parent=par,
-                                       qval=float(qv), rest=float(rs),
-                                       ended=self.stopper.finished(paths[par] + (tok,))))
-                tid += len(drafts)
-            lookups = []
+                                       contents.child(parent_content[par], tok), parent=par, qval=float(qv),
+                                       rest=float(rs), ended=self.stopper.finished(paths[par] + (tok,))))
+            looks = []
             for par, tok in self.lookups(l, roots if prev is None else [n.content for n in prev], prev, q, drafts):
                 up = None if prev is None else prev[par]
-                lookups.append(Node(tok, up, par if up is None else up.root,
-                                    contents.child(roots[par] if up is None else up.content, tok), tid, parent=par))
-                tid += 1
-            if not (drafts or lookups):
+                looks.append(Node(tok, up, par if up is None else up.root,
+                                  contents.child(roots[par] if up is None else up.content, tok), parent=par))
+            if not (drafts or looks):
                 break  # nothing left to verify at this depth: the extra layer follows
-            layers.append(Layer(q, parent_content, drafts, lookups))
+            layers.append(Layer(q, parent_content, drafts, looks))
             if l == 1 and q is not None:
                 self.q_profile = q.probs
             if l == g:
                 break
-            prev = drafts + lookups
+            prev = drafts + looks
             drafting = drafting and not all(n.ended for n in drafts)
             if not drafting:
                 continue  # lookup nodes only from here on
             for j, n in enumerate(drafts):  # layer l is fed: it parents layer l + 1
                 n.did = fed + j
-            with self.metrics.timed("draft_passes"):
-                logits = draft.evaluate(Forest(
-                    tokens=tuple(n.token for n in drafts),
-                    parents=tuple(ROOT if n.up is None else n.up.did for n in drafts),
-                    rows=tuple(n.root for n in drafts))).nodes
-            self.metrics.draft_passes += 1
+            logits = self._draft_pass(draft, Forest(
+                tokens=tuple(n.token for n in drafts),
+                parents=tuple(ROOT if n.up is None else n.up.did for n in drafts),
+                rows=tuple(n.root for n in drafts)))
             fed += len(drafts)
             par = np.array([n.parent for n in drafts])
             dscore = dscore[par] + lq[par, [n.token for n in drafts]]
             paths = [paths[n.parent] + (n.token,) for n in drafts]
             ended = np.array([n.ended for n in drafts])
             q_parents, parent_content = drafts, [n.content for n in drafts]
-        return layers, logits is not None
+        return layers
+
+    @_timed("draft_passes")
+    def _draft_pass(self, draft: Context, forest: Forest, *, roots: bool = False) -> np.ndarray:
+        self.metrics.draft_passes += 1
+        out = draft.evaluate(forest)
+        return out.roots if roots else out.nodes
+
+    def _model_free(self, layers: list[Layer], live, roots, contents: ContentKeys, g, ws, n_look) -> None:
+        """Model-free lookup nodes (spec §16.7) hung off the roots and off each other, up to gamma layers,
+        where the builder's estimate says they pay (or, for a fixed forest, the likeliest up to the cap)."""
+        depth = min(self.params.gamma, self.params.max_new_tokens - len(live[0].tokens) - 1)
+        cap = self.params.lookup_nodes
+        if depth <= 0 or cap <= 0:
+            return
+        per_layer = [cap - (len(layers[l].lookups) if l < len(layers) else 0) for l in range(depth)]
+        held = [{n.content for n in layer.nodes} for layer in layers]
+        scores = np.array([b.score for b in live])
+        weights = np.exp(scores - scores.max())
+        weights /= weights.sum()
+        first: dict[int, tuple[int, float]] = {}  # root content -> (its first row, summed weight)
+        for r, c in enumerate(roots):
+            row, w = first.get(c, (r, 0.0))
+            first[c] = (row, w + float(weights[r]))
+        shape = Shape(max_depth=depth, width=self.params.min_beams, replacement=not self.without,
+                      per_layer=per_layer, **self._base_price(layers, roots, g, ws, n_look))
+        made: dict[int, Node] = {}  # id(candidate) -> its node
+
+        def taken(parent, token: int) -> bool:
+            if isinstance(parent, int):  # a root row at depth 1
+                key = contents.find(roots[parent], token)
+                return key is not None and bool(held) and key in held[0]
+            return False  # under a model-free node every content is new
+
+        picks = self.builder.build([(row, live[row].tokens, w) for row, w in first.values()], shape, taken)
+        for c in picks:
+            up = made.get(id(c.parent)) if not isinstance(c.parent, int) else None
+            root = c.parent if up is None else up.root
+            key = contents.child(roots[root] if up is None else up.content, c.token)
+            node = Node(c.token, up, root, key, source=c.source, ended=self.stopper.finished(c.text),
+                        candidate=c)
+            made[id(c)] = node
+            while len(layers) < c.depth:
+                layers.append(Layer(None, [], [], []))
+            layers[c.depth - 1].lookups.append(node)
+
+    def _base_price(self, layers: list[Layer], roots, g, ws, n_look) -> dict:
+        """What the builder adds to: the drafted forest's distinct target tokens, its expected seconds and pass
+        chance per depth (from the policy; empty without costs)."""
+        if self.builder.target_cost is None:
+            return {}
+        distinct = len(set(roots)) + sum(len({n.content for n in L.nodes}) for L in layers)
+        if self.policy is not None and g > 0:
+            seconds = self.policy.seconds(g, ws, roots=self.sized[0], draft_roots=self.sized[1], lookups=n_look)
+            passes = [self.policy.pass_rate(l, ws, n_look) for l in range(1, len(layers) + 1)]
+        else:
+            seconds, passes = self.builder.target_cost(distinct) + self.builder.step_cost, []
+        return {"base_tokens": float(distinct), "base_seconds": seconds, "base_pass": passes}
 
     # -- 2. score ----------------------------------------------------------------------------------------
+    @_timed("target")
     def score(self, target: Context, suffix, layers: list[Layer]):
-        """ONE target pass over every root suffix and every node (spec §7), nodes in target-id order."""
+        """ONE target pass over every root suffix and every node (spec §7), nodes numbered layer by layer."""
         nodes = [n for layer in layers for n in layer.nodes]
+        for i, n in enumerate(nodes):
+            n.tid = i
         out = target.evaluate(Forest(suffix=tuple(suffix), tokens=tuple(n.token for n in nodes),
                                      parents=tuple(ROOT if n.up is None else n.up.tid for n in nodes),
                                      rows=tuple(n.root for n in nodes)))
@@ -271,15 +342,17 @@ class _Run:
         return log_softmax(out.roots), _LazyRows(out.nodes)
 
     # -- 3. verify ---------------------------------------------------------------------------------------
-    def verify(self, layers: list[Layer], rows: list[Handle], node_lp, contents: Contents):
+    @_timed("verify")
+    def verify(self, layers: list[Layer], rows: list[Handle], node_lp, contents: ContentKeys):
         """Layer by layer (spec §5, §6, §16.2). Returns (output beams, stop now)."""
-        self.snapshot = []
+        self.snapshot, self.verified_rows = [], {}
         for l, layer in enumerate(layers, start=1):
+            self.verified_rows.update((h.beam.tokens, h.lp) for h in rows)
             outputs, drafts, by_drafts, width = self.verify_layer(layer, rows)
             hits = layer.first_node()
             nodes = [hits.get(contents.find(rows[k // self.vocab].content, k % self.vocab)) for k, _ in outputs]
             passed = all(n is not None for n in nodes)
-            self._record(l, layer, drafts, outputs, nodes, by_drafts, passed, width)
+            self.note_layer(l, layer, drafts, outputs, nodes, by_drafts, passed, width)
             if not passed:  # the output layer: its tokens are the next uncached suffix (spec §8)
                 return [self._extend(rows[k // self.vocab], k % self.vocab, None, drafted=i is not None)
                         for k, i in outputs], False
@@ -296,6 +369,7 @@ class _Run:
             if not self.memory and self.pool.is_done([h.beam for h in still]):
                 return still, True
             rows = still
+        self.verified_rows.update((h.beam.tokens, h.lp) for h in rows)
         p = self._p_beam(rows)  # every layer passed: the extra layer from the last logits
         if self.without:
             keys = draw_without_replacement(p, self.n_extra, self.rand)
@@ -396,54 +470,91 @@ class _Run:
         self.metrics.finish_reason = "stop" if best.finished else "length"
         return Step(final=best.tokens, live=0, done=True, output=best)
 
-    # -- 5. commit (the draft's side) ----------------------------------------------------------------------
-    def commit_draft(self, draft: Context, nxt: Sequence[Handle], live: Sequence[Beam], d_suffix, evaluated: bool):
-        """Keep the draft KV of each beam's fed nodes; its other new tokens become the draft's next suffix.
-        Without a draft pass the rows follow their roots and the suffix grows (the draft catches up later)."""
-        if evaluated:
+    # -- 5. commit -----------------------------------------------------------------------------------------
+    @_timed("commit")
+    def commit(self, target: Context, draft: Context | None, nxt: Sequence[Handle], live: Sequence[Beam],
+               d_suffix, fed: bool):
+        """Both caches keep the kept beams' paths. The draft keeps the KV of each beam's fed nodes; its other
+        new tokens become the draft's next suffix. Without a draft pass the draft's rows follow their roots
+        and the suffix grows (the draft catches up later). Returns the draft's next suffixes."""
+        target.commit([Path(h.root, tuple(n.tid for n in h.chain)) for h in nxt])
+        if draft is None:
+            return d_suffix
+        if fed:
             paths = [Path(h.root, tuple(n.did for n in h.chain if n.did is not None)) for h in nxt]
             draft.commit(paths)
             return [h.beam.tokens[len(live[h.root].tokens) + len(p.nodes):] for h, p in zip(nxt, paths)]
-        if self.policy is not None or self.params.gamma > 0:
-            draft.commit([Path(h.root, ()) for h in nxt])
+        draft.commit([Path(h.root, ()) for h in nxt])
         return [tuple(d_suffix[h.root]) + h.beam.tokens[len(live[h.root].tokens):] for h in nxt]
 
-    # -- stats and the forest view (outside the arithmetic) ---------------------------------------------
-    def _record(self, l: int, layer: Layer, drafts, outputs, nodes, by_drafts: bool, passed: bool,
-                width: int) -> None:
+    # -- statistics, the forest view, learning (outside the arithmetic) -------------------------------
+    def account(self, target, draft, live, output: list[Handle], nxt, layers: list[Layer], g: int, ws: int) -> None:
+        """Once per iteration: the metrics, and what the builder learns (its index grows by every output beam,
+        pruned ones too; every verified row calibrates its sources and feeds the recycled successors)."""
+        m = self.metrics
+        m.iterations += 1
+        m.steps.append(len(output[0].beam.tokens) - len(live[0].tokens))
+        m.mark_first_token()
+        m.carried.append(len(nxt))
+        m.track_kv(target, draft)
+        self.forest_shape = (max(g, len(layers)), ws if g > 0 or not layers else 0)  # W_S 0: lookup nodes only
+        m.forests.append(self.forest_shape)
+        if self.policy is not None:
+            self.policy.settle(m.steps[-1])
+        if self.builder is not None:
+            self.builder.learn(self.verified_rows, [n.candidate for L in layers for n in L.lookups if n.candidate])
+            self.builder.extend([h.beam.tokens for h in output], len(live[0].tokens))
+
+    def note_layer(self, l: int, layer: Layer, drafts, outputs, nodes, by_drafts: bool, passed: bool,
+                   width: int) -> None:
+        """One verified layer: its statistics, its part of the forest view, and the policy's lesson."""
+        accepted = {i for _, i in outputs if i is not None}
+        consumed = (max(accepted) + 1) if by_drafts else len(drafts)
+        hit = {id(n) for (_, i), n in zip(outputs, nodes) if n is not None and i is None}
+        self._layer_stats(l, layer, drafts, accepted, consumed, hit, by_drafts, passed, width)
+        self._layer_view(layer, drafts, outputs, nodes, accepted, consumed, hit, by_drafts, passed, width)
+        if self.policy is not None and layer.drafts:
+            self.policy.observe(l, len(layer.drafts), outcomes=[j in accepted for j in range(consumed)],
+                                passed=passed, by_cache=passed and not by_drafts,
+                                distinct=len({n.content for n in layer.drafts}),
+                                lookups=sum(n.source == "draft" for n in layer.lookups))
+            # no verify_s: a timing in the choice would make a seeded answer depend on the machine's load
+
+    def _layer_stats(self, l, layer, drafts, accepted, consumed, hit, by_drafts, passed, width) -> None:
         st = self.metrics.layer(l)
         st.attempted += 1
         st.passed += int(passed)
         st.passed_by_cache += int(passed and not by_drafts)
-        accepted = {i for _, i in outputs if i is not None}
-        consumed = (max(accepted) + 1) if by_drafts else len(drafts)
         invalid = sum(not d.valid for d in drafts[:consumed])
         st.accepted += len(accepted)
         st.auto_rejected += invalid
         st.tested += consumed - invalid
         st.untested += len(drafts) - consumed
         st.lookup_nodes += len(layer.lookups)
-        hit = {id(n) for (_, i), n in zip(outputs, nodes) if n is not None and i is None}
         st.cache_hits += len(hit)
         st.lookup_hits += sum(id(n) in hit for n in layer.lookups)
+        for n in layer.lookups:
+            self.metrics.lookup_source(n.source, hit=id(n) in hit)
         self.metrics.widths.append(width)
-        if self.policy is not None:
-            self.policy.observe(l, len(layer.drafts), outcomes=[j in accepted for j in range(consumed)],
-                                passed=passed, by_cache=passed and not by_drafts,
-                                distinct=len({n.content for n in layer.drafts}), lookups=len(layer.lookups))
-            # no verify_s: a timing in the choice would make a seeded answer depend on the machine's load
+
+    def _layer_view(self, layer, drafts, outputs, nodes, accepted, consumed, hit, by_drafts, passed, width) -> None:
         status = lambda j, n, d: ("accepted" if j in accepted else "hit" if id(n) in hit else
                                   "auto-rejected" if not d.valid else "rejected" if j < consumed else "untested")
+        prev = {id(n): i for i, n in enumerate(self.snapshot[-1]["_nodes"])} if self.snapshot else {}
+        up = lambda n: n.root if n.up is None else prev.get(id(n.up), -1)
         self.snapshot.append({
             "width": width, "passed": passed, "passed_by": ("acceptance" if by_drafts else "cache") if passed else None,
             "nodes": [{"parent": n.parent, "token": n.token, "status": status(j, n, d)}
                       for j, (n, d) in enumerate(zip(layer.drafts, drafts))],
-            "lookups": [{"parent": n.parent, "token": n.token, "status": "hit" if id(n) in hit else "lookup"}
-                        for n in layer.lookups],
-            "corrections": [int(k % self.vocab) for (k, i), n in zip(outputs, nodes) if i is None and n is None]})
+            "lookups": [{"parent": up(n), "token": n.token, "source": n.source,
+                         "status": "hit" if id(n) in hit else "lookup"} for n in layer.lookups],
+            "corrections": [int(k % self.vocab) for (k, i), n in zip(outputs, nodes) if i is None and n is None],
+            "_nodes": layer.nodes})
 
-    def view(self, g: int, ws: int) -> dict:
-        return {"layers": self.snapshot, "gamma": g, "draft_beams": ws, "adaptive": self.policy is not None}
+    def view(self) -> dict:
+        layers = [{k: v for k, v in s.items() if k != "_nodes"} for s in self.snapshot]
+        g, ws = self.forest_shape
+        return {"layers": layers, "gamma": g, "draft_beams": ws, "adaptive": self.policy is not None}
 
 
 def _top_q_lookups(n: int, l: int, parent_content: list[int], prev, q: Joint | None,
@@ -482,13 +593,30 @@ class _LazyRows:
         return row
 
 
-def _forest_policy(params, costs, policy: ForestPolicy | None) -> ForestPolicy | None:
-    """None for fixed forests; else the injected policy, or one over params' candidates priced by `costs`."""
-    if getattr(params, "forest", "fixed") != "adaptive":
+def _policy(params: DecodeParams, costs, draft) -> ForestPolicy | None:
+    """A forest policy priced by `costs` for an adaptive forest with a draft model (the engine passes its own)."""
+    if not params.adaptive or draft is None:
         return None
-    if policy is not None:
-        return policy
     if costs is None or costs[1] is None:
         raise ConfigError("forest='adaptive' needs the timed pass costs of the target and the draft "
                           "(the engine provides them; direct decoder calls pass costs=(target_cost, draft_cost))")
     return ForestPolicy.for_params(params, *costs)
+
+
+def model_free_builder(params: DecodeParams, prompt, stopper: Stopper, vocab: int, target_cost=None,
+                       calibration=None) -> Builder | None:
+    """The model-free node builder of params.lookup_sources (None when they name none or lookup_nodes is 0):
+    priced by the target's cost curve and the decoder's own costs for an adaptive forest, else the likeliest
+    nodes up to the cap. `calibration`: what earlier answers learnt (lookups.Calibration)."""
+    sources = [s for s in params.lookup_sources if s != "draft"]
+    if not sources or params.lookup_nodes <= 0 or params.gamma <= 0:
+        return None
+    price = target_cost if params.adaptive else None
+    costs = {"verify_cost": lookup_layer_cost(params, vocab),
+             "step_cost": decoder_costs(params, vocab)["step_cost"]} if price is not None else {}
+    return Builder(prompt, sources=sources, target_cost=price, finished=stopper.finished, calibration=calibration,
+                   **costs)
+
+
+def _builder(params: DecodeParams, prompt, costs, stopper: Stopper, vocab: int) -> Builder | None:
+    return model_free_builder(params, prompt, stopper, vocab, costs[0] if costs is not None else None)

@@ -1,8 +1,6 @@
-"""Cost-aware forests: before each DSBD iteration pick the draft depth gamma and the drafts per layer W_S
-(gamma = 0: no draft, one plain beam-sampling step, spec R2), and the lookup nodes per layer, with the most
-expected beam steps per second (spec §16.4).
-
-Calls (the decoder's; every keyword after the first three is optional, so older callers keep working):
+"""Cost-aware forests: before each DSBD iteration pick the draft depth gamma, the drafts per layer W_S and the
+draft model's lookup nodes per layer (gamma = 0: no draft, one plain beam-sampling step), with the most
+expected beam steps per second (spec §16.4), on the pass-cost curves of the machine or of a named cost profile.
 
     policy = ForestPolicy.for_params(params, target_cost, draft_cost, *, known=None, explore=0, seen=0,
                                      verify_cost=0.0, step_cost=0.0)
@@ -10,18 +8,14 @@ Calls (the decoder's; every keyword after the first three is optional, so older 
     g, ws, lookups = policy.choose(max_gamma=g, roots=n, draft_roots=m, q_rows=None, with_lookups=True)
     policy.observe(depth, ws, outcomes=[bool, ...], passed=bool, by_cache=None, distinct=None, lookups=0,
                    verify_s=None)
+    policy.settle(steps)          # after each iteration: the beam steps it advanced
 
     roots, draft_roots  distinct query tokens of the iteration's roots in the target / draft pass
-    q_rows              probabilities of the latest drafted layer's joint q_beam (any shape, flattened; its
-                        support is enough, e.g. after top-k): how peaked q is, hence how many of W_S drafts
-                        drawn with replacement are distinct (one pass over it per call, ~20 ms for 4 x 152k)
-    by_cache            the layer passed by the cache rule (spec §16.2) and not by acceptance (None: unknown,
-                        counted as acceptance, the meaning `passed` always had)
+    q_rows              probabilities of the latest drafted layer's joint q_beam, when it changed (any shape,
+                        flattened): how many of W_S drafts drawn with replacement are distinct
+    by_cache            the layer passed by the cache rule (spec §16.2) and not by acceptance
     distinct            distinct (parent, token) content keys among the layer's W_S drafts
-    lookups, verify_s   the layer's lookup nodes (spec §16.3); seconds the verifier spent on the layer
-    params.replacement  "with" (default) | "without" (spec §16.5: all W_S drafts of a layer are distinct)
-    params.lookup_nodes the most lookup nodes per layer (default 0); params.cache_rule (default: True) sets
-                        the prior chance of a cache pass; observed by_cache counts teach it either way
+    lookups, verify_s   the layer's draft-model lookup nodes (spec §16.3); seconds the verifier spent on it
 
 The rate of a forest (g, W_S, L lookup nodes per layer):
 
@@ -30,30 +24,28 @@ The rate of a forest (g, W_S, L lookup nodes per layer):
     E[steps] = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_g,     E[verified layers] = 1 + a_1 + ... + a_1 ... a_{g-1}
 
 D_l is the expected number of DISTINCT drafts of layer l (the unique-path runtimes score each content key
-once): W_S without replacement; with replacement sum over pairs of 1 - (1 - q)^W_S on q_rows' profile (deeper
-layers draw from the distinct parents, each as peaked as the layers before), shrunk toward the distinct counts
-observed at (depth, W_S). v is the verifier's seconds per verified layer (observed verify_s per W_S, else
-`verify_cost`; `decoder_costs` gives priors from the measured decoder time), plus `step_cost` per iteration.
-a_l is P(layer l passes):
+once): W_S without replacement; with replacement sum over pairs of 1 - (1 - q)^W_S on q_rows' profile, shrunk
+toward the distinct counts observed at (depth, W_S). v is the verifier's seconds per verified layer, s the
+decoder's seconds per iteration (`decoder_costs`). a_l is P(layer l passes):
 
     a_l = b_l + (1 - b_l) c_l(L)        b_l: P(pass by acceptance),  c_l(L): P(pass by the cache | not)
 
 b_l(W_S) models a layer as the width DP of spec §6 does, with two acceptance rates per depth: beta1 for a
 draft tested against p_beam (the first of the layer and each one after an acceptance) and betaR for one tested
-after a rejection in a row (against the residual, which q rarely hits again with replacement):
+after a rejection in a row; shrunk toward what was seen at (depth l, that W_S). beta1, betaR are the counts at
+depth l shrunk toward depth l - 1's (depth 1: the priors, beta1 = config.ACCEPTANCE_PRIOR, betaR = 0.15).
+c_l(L) is shrunk from the observed cache passes toward depth l - 1's and never falls as L grows.
 
-    W_L = clamp(max{K : P(>= K of W_S accepted) >= t}, W_min, W),   b_l(W_S) ~ P(>= W_L of W_S accepted)
+Candidates: gamma 0..params.gamma, W_S on a grid from W to params.draft_beams (W, W+1, W+2, then doubling),
+L on 0, 1, 2, 4, 8, ... up to params.lookup_nodes (0 unless params.lookup_sources names the draft).
 
-shrunk toward what was seen at (depth l, that W_S): (passed + k model) / (verified + k). beta1, betaR are the
-counts at depth l (invalid-parent drafts count as rejections) shrunk toward depth l - 1's rates (depth 1: the
-priors, beta1 = 0.66 = app.engine.auto.PRIOR_ACCEPTANCE, betaR = 0.15). c_l(L) is shrunk from the observed
-cache passes toward depth l - 1's (depth 1: 1 - (1 - c0)(1 - h)^L), and never falls as L grows: a lookup node
-can only add hits.
-
-Learning across answers: the counts live in an `Acceptance` (the engine keeps one per model pair and setting,
-hands a decayed copy to each answer's policy as `known`, and stores the answer's counts back). `explore` > 0:
-while fewer than `explore` layers were ever observed for the pair (`seen` before this answer plus this
-answer's), draft with the cheapest drafted forest, so a policy whose prior says "do not draft" still finds out.
+Learning and exploration (spec §16.8): the counts live in an `Acceptance` that the engine keeps per model pair,
+setting and cost profile, persists across processes (app/engine/learned.py) and hands, capped, to each
+answer's policy as `known`. A policy whose estimate says "do not draft" still finds out, but only within a
+budget: while fewer than `explore` layers were ever observed for the pair, it may draft the cheapest forest
+that could pay if every layer passed (never one that could not), when the predicted extra time of all its
+explorations stays within EXPLORE_SHARE of the time the plain step would have taken for every step advanced so
+far (carried in the counts, so a fresh process continues where the last one stopped).
 
 Exactness: the choice reads only earlier iterations' counts, the fixed cost curves and the context (live beams,
 budget, earlier layers' q); given the past, an iteration is an exact DSBD iteration with that (gamma, W_S, L)
@@ -68,12 +60,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from app.config import ACCEPTANCE_PRIOR as PRIOR  # beta1 prior: sum(min(p, q)) of the qwen-coder pair
+from app.config import MODE_FACTS
 PRIOR_RETRY = 0.15  # betaR prior: qwen-coder chat (docs/measurements/qwen-auto-chat.json): 82% of depth-1 layers passed,
 #                     60% of tested drafts accepted, mostly at the first try
 STRENGTH = 4.0  # pseudo-observations behind each prior: a handful of layers outweigh it
 PRIOR_CACHE = 0.3  # P(cache pass | acceptance failed) with the cache rule on: qwen-coder, code 0.48, chat 0.16
 PRIOR_LOOKUP_HIT = 0.05  # each lookup node's chance to turn a failed layer into a cache pass (a guess; learnt)
 CARRY = 64.0  # most pseudo-observations a carried count keeps: recent answers outweigh a long session
+EXPLORE_SHARE = 0.015  # exploration may cost at most this share of the plain step's time for the steps advanced
 _TINY = 1e-4  # q entries below this count as ws * q distinct draws (1 - (1 - q)^ws ~ ws q)
 
 
@@ -127,17 +121,38 @@ _CHAIN_S_PER_CELL = 0.012 / (4 * 151_936)
 
 
 def decoder_costs(params, vocab: int) -> dict:
-    """Priors for `verify_cost` (seconds per verified layer) and `step_cost` (per iteration) from the measured
-    decoder time, for a target vocabulary of `vocab` ids; observed verify_s replace the first."""
+    """Priors for `verify_cost` (seconds per verified layer) and `step_cost` (per iteration: the output step's
+    warp over the rows carried, one in memory mode) from the measured decoder time, for a target vocabulary of
+    `vocab` ids; observed verify_s replace the first."""
     cells = params.beams * vocab
-    warp = cells * _WARP_S_PER_CELL
-    return {"verify_cost": warp + (0.0 if params.top_k else cells * _CHAIN_S_PER_CELL), "step_cost": warp}
+    carried = (params.beams if MODE_FACTS[params.mode].keeps_rows else 1) * vocab
+    return {"verify_cost": cells * _WARP_S_PER_CELL + (0.0 if params.top_k else cells * _CHAIN_S_PER_CELL),
+            "step_cost": carried * _WARP_S_PER_CELL}
+
+
+def lookup_layer_cost(params, vocab: int) -> float:
+    """The decoder's seconds per verified layer of lookup nodes only (a warp and draws, no residual chain) over
+    its rows: W in full mode, the W_min outputs of the layer before in memory mode."""
+    rows = params.beams if MODE_FACTS[params.mode].keeps_rows else params.min_beams
+    return rows * vocab * _WARP_S_PER_CELL
 
 
 def setting_key(params) -> tuple:
     """What acceptance counts depend on besides the model pair: the law, the widths and the warp."""
-    return (params.mode, str(getattr(params, "replacement", "with") or "with"), params.beams, params.min_beams,
-            params.threshold, params.temperature, params.top_k, params.top_p)
+    return (params.mode, params.replacement, params.beams, params.min_beams, params.threshold, params.temperature,
+            params.top_k, params.top_p)
+
+
+def grid(lo: int, hi: int) -> tuple[int, ...]:
+    """Candidate sizes from lo to hi: lo, lo + 1, lo + 2, then doubling, and hi (W_S up to 32 stays ~8 values)."""
+    out, v = {lo, hi}, lo
+    for step in (1, 2):
+        out.add(min(hi, lo + step))
+    v = max(lo, 2)
+    while v < hi:
+        v *= 2
+        out.add(min(hi, v))
+    return tuple(sorted(x for x in out if lo <= x <= hi))
 
 
 def _mean(pair, prior: float, k: float) -> float:
@@ -158,6 +173,8 @@ class Acceptance:
     distinct: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (depth, W_S) -> [sum, layers]
     verify: dict[int, list[float]] = field(default_factory=dict)  # W_S -> [seconds, layers]
     layers: int = 0  # verified layers ever observed
+    plain_s: float = 0.0  # what the plain step would have taken for every step advanced (predicted seconds)
+    explore_s: float = 0.0  # the predicted extra seconds every exploration cost (negative where it paid)
 
     def carried(self, cap: float = CARRY) -> "Acceptance":
         """A copy whose every count keeps at most `cap` observations (proportions unchanged)."""
@@ -201,13 +218,15 @@ class ForestPolicy:
 
     @classmethod
     def for_params(cls, params, target_cost, draft_cost, **kw) -> "ForestPolicy":
-        """Candidates: gamma in 0..params.gamma, W_S in W..params.draft_beams, lookup nodes 0..params.lookup_nodes
-        (the user's are the maxima, so memory plans and context checks sized for them still hold)."""
-        kw.setdefault("replacement", str(getattr(params, "replacement", "with") or "with") != "without")
-        kw.setdefault("lookups", tuple(range(int(getattr(params, "lookup_nodes", 0) or 0) + 1)))
-        kw.setdefault("cache_rule", bool(getattr(params, "cache_rule", True)))  # the decoder always applies it
+        """Candidates: gamma in 0..params.gamma, W_S on grid(W, params.draft_beams), draft lookup nodes on
+        grid(0, params.lookup_nodes) when params.lookup_sources names the draft (the user's are the maxima, so
+        memory plans and context checks sized for them still hold). The decoder always applies the cache rule."""
+        looks = grid(0, params.lookup_nodes) if "draft" in params.lookup_sources else (0,)
+        kw.setdefault("replacement", params.replacement != "without")
+        kw.setdefault("lookups", looks)
+        kw.setdefault("cache_rule", True)
         return cls(target_cost, draft_cost, gammas=tuple(range(params.gamma + 1)),
-                   widths=tuple(range(params.beams, params.draft_beams + 1)), threshold=params.threshold,
+                   widths=grid(params.beams, params.draft_beams), threshold=params.threshold,
                    min_beams=params.min_beams, beams=params.beams, **kw)
 
     # Read-only views kept for callers that inspect the counts directly.
@@ -221,13 +240,15 @@ class ForestPolicy:
 
     @property
     def observed(self) -> int:
-        """Layers observed for the pair: before this policy and by it."""
-        return self.seen + self.known.layers - self._start_layers
+        """Layers observed for the pair: the carried counts' (they include every earlier answer's) and `seen`."""
+        return self.seen + self.known.layers
 
     def __post_init__(self) -> None:
-        self._start_layers = self.known.layers
         self._profile: dict[int, float] = {}  # W_S -> E[distinct] on the latest q_rows
-
+        self._rates: dict[tuple[int, int, int], float] = {}  # pass_rate memo, cleared by observe
+        self._choice: dict[tuple, tuple] = {}  # choose memo (same counts, profile and context)
+        self._exploring: tuple[float, float] | None = None  # (forest seconds, plain seconds) while exploring
+        self._plain_step = 0.0  # the latest plain step's predicted seconds
     # -- estimates -------------------------------------------------------------------------------------
     def draft_rates(self, depth: int) -> tuple[float, float]:
         """(beta1, betaR) at this depth, each shrunk toward the shallower depth's (depth 1: the priors)."""
@@ -257,8 +278,12 @@ class ForestPolicy:
         return best
 
     def pass_rate(self, depth: int, ws: int, lookups: int = 0) -> float:
-        b = self.acceptance_pass(depth, ws)
-        return b + (1 - b) * self.cache_pass(depth, ws, lookups)
+        key = (depth, ws, lookups)
+        a = self._rates.get(key)
+        if a is None:
+            b = self.acceptance_pass(depth, ws)
+            a = self._rates[key] = b + (1 - b) * self.cache_pass(depth, ws, lookups)
+        return a
 
     def distinct_drafts(self, depth: int, ws: int) -> float:
         """D_l: expected distinct content keys among the layer's ws drafts."""
@@ -279,6 +304,7 @@ class ForestPolicy:
             self._profile = {}
             return
         q /= q.sum()
+        self._choice.clear()
         big = q[q >= _TINY]  # the rest counts ws * q (expected_distinct's rule): one pass over q in all
         if not self.replacement:
             self._profile = {ws: float(min(ws, q.size)) for ws in set(self.widths)}
@@ -319,15 +345,14 @@ class ForestPolicy:
     # -- choice and learning ---------------------------------------------------------------------------
     def choose(self, *, max_gamma: int, roots: int, draft_roots: int, q_rows=None, with_lookups: bool = False):
         """(gamma, W_S) with the best rate, or (gamma, W_S, lookups) with with_lookups; gamma capped by the
-        budget. Ties keep the smaller forest. While exploring: the cheapest drafted forest."""
+        budget. Ties keep the smaller forest. Explores within the budget (module docstring)."""
         if q_rows is not None:
             self.set_profile(q_rows)
         widths, looks = sorted(self.widths), sorted(set(self.lookups) or {0})
         gammas = sorted({min(g, max_gamma) for g in self.gammas})
-        drafted = [g for g in gammas if g > 0]
-        if self.explore and self.observed < self.explore and drafted:
-            best = (drafted[0], widths[0], looks[0])
-        else:
+        key = (tuple(gammas), roots, draft_roots)
+        best = self._choice.get(key)
+        if best is None:
             best, best_rate = None, -1.0
             for g in gammas:
                 for ws in widths if g > 0 else widths[:1]:
@@ -335,14 +360,51 @@ class ForestPolicy:
                         r = self.rate(g, ws, roots=roots, draft_roots=draft_roots, lookups=n)
                         if r > best_rate * (1 + 1e-12):
                             best, best_rate = (g, ws, n), r
+            self._choice[key] = best
+        self._plain_step = self.seconds(0, widths[0], roots=roots, draft_roots=draft_roots)
+        self._exploring = None
+        if best[0] == 0 and self.explore and self.observed < self.explore:
+            trial = self._trial(gammas, widths, looks[0], roots, draft_roots)
+            if trial is not None:
+                best, self._exploring = trial
         self.chosen.append(best[:2])
         self.lookups_chosen.append(best[2])
         return best if with_lookups else best[:2]
+
+    def _trial(self, gammas, widths, looks: int, roots: int, draft_roots: int):
+        """The forest to explore now, with (its seconds, the plain step's), or None: the cheapest drafted
+        forest that could pay if every layer passed, if its predicted extra time fits the budget."""
+        plain = self._plain_step
+        best = None
+        for g in (g for g in gammas if g > 0):
+            for ws in widths:
+                s = self.seconds(g, ws, roots=roots, draft_roots=draft_roots, lookups=looks)
+                if (g + 1) / s > 1.0 / plain * (1 + 1e-9) and (best is None or s < best[1]):
+                    best = ((g, ws, looks), s)
+        if best is None:
+            return None
+        forest, s = best
+        extra = s - plain  # the worst case: the forest advances one step, as the plain step would
+        k = self.known
+        if k.explore_s + extra > EXPLORE_SHARE * k.plain_s:
+            return None
+        return forest, (s, plain)
+
+    def settle(self, steps: int) -> None:
+        """After an iteration: the steps it advanced, for the exploration budget."""
+        k = self.known
+        k.plain_s += steps * self._plain_step
+        if self._exploring is not None:
+            seconds, plain = self._exploring
+            k.explore_s += seconds - steps * plain
+            self._exploring = None
 
     def observe(self, depth: int, ws: int, *, outcomes: Sequence[bool], passed: bool, by_cache: bool | None = None,
                 distinct: int | None = None, lookups: int = 0, verify_s: float | None = None) -> None:
         """One verified layer: the accept (True) / reject outcome of each draft it consumed, in draw order
         (invalid-parent drafts are rejections), and whether the layer passed (by either rule)."""
+        self._rates.clear()
+        self._choice.clear()
         k = self.known
         d = k.depth_draws.setdefault(depth, [0, 0, 0, 0])
         first = True

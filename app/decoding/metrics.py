@@ -46,6 +46,13 @@ class Metrics:
     t_end: float | None = None
 
     phase_s: dict[str, float] = field(default_factory=dict)  # DSBD: seconds per phase of the iteration
+    # DSBD: lookup nodes per source (draft, match, recycled) -> [nodes, nodes an output landed on]
+    sources: dict[str, list[int]] = field(default_factory=dict)
+
+    def lookup_source(self, source: str, *, hit: bool) -> None:
+        row = self.sources.setdefault(source, [0, 0])
+        row[0] += 1
+        row[1] += int(hit)
 
     @contextmanager
     def timed(self, phase: str):
@@ -98,6 +105,8 @@ class Metrics:
             **({"forest_policy": self.forest_policy, "forest_sizes": forest_sizes(self.forests)}
                if self.forest_policy else {}),
             **({"phase_s": dict(self.phase_s)} if self.phase_s else {}),
+            **({"lookup_sources": {k: {"nodes": n, "hits": h} for k, (n, h) in sorted(self.sources.items())}}
+               if self.sources else {}),
             "peak_kv_bytes_target": self.peak_kv_target,
             "peak_kv_bytes_draft": self.peak_kv_draft,
             "mean_target_logprob": self.score / self.new_tokens if self.new_tokens and self.score is not None else None,
@@ -109,6 +118,7 @@ class Metrics:
 
 
 def forest_sizes(forests) -> dict[str, int]:
-    """Histogram of the (gamma, W_S) run per iteration: {"g3/ws5": n, "g0": n (no draft)}, most used first."""
+    """Histogram of the (layers, W_S) run per iteration: {"g3/ws5": n, "g2/ws0": n (lookup nodes only),
+    "g0": n (a plain step)}, most used first."""
     hist = Counter(f"g{g}/ws{ws}" if g else "g0" for g, ws in forests)
     return dict(sorted(hist.items(), key=lambda kv: (-kv[1], kv[0])))

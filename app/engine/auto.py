@@ -80,7 +80,7 @@ class AutoPolicy:
 
     def tokens_per_pass(self, p: DecodeParams) -> float:
         """tau: expected tokens per target pass (1 without a draft)."""
-        if not p.needs_draft:
+        if not p.uses_draft:
             return 1.0
         tau, run = 1.0, 1.0
         for a in self.pass_rates(p, p.gamma):
@@ -102,7 +102,9 @@ class AutoPolicy:
         params = params.validated()
         if params.mode == "auto":
             raise ValueError("observe() takes the setting auto picked, not 'auto'")
-        if params.needs_draft:
+        if params.uses_draft and self.draft_cost is None:
+            return  # DSBD without a draft model (model-free lookup nodes): not a setting auto picks from
+        if params.uses_draft:
             layers = stats.get("acceptance_by_depth") or {}
             new = []
             for d in sorted(layers, key=int):
@@ -164,7 +166,7 @@ class AutoPolicy:
 
 def describe(p: DecodeParams) -> str:
     """A bench-style label: 'sps:gamma=4', 'dsbd:gamma=3,draft_beams=5,min_beams=2'."""
-    if not p.needs_draft:
+    if not p.uses_draft:
         return p.mode
     opts = f"gamma={p.gamma}"
     if p.mode != "sps":

@@ -24,6 +24,8 @@ from app.decoding import decoder, derive_seed
 from app.decoding.beams import Stopper
 from app.decoding.metrics import Metrics
 from app.engine.interface import ModelEngine, NoModelLoaded, PromptTooLong
+from app.engine.learned import Learned, entry_key, model_key
+from app.engine.timing import TIMED, cost_profile
 from backends.progress import LoadTracker, tracking
 
 log = logging.getLogger(__name__)
@@ -58,8 +60,13 @@ class Engine(ModelEngine):
         self.lock = threading.Lock()
         self.policy = None  # app.engine.auto.AutoPolicy: timed on the first auto request, dropped on a model swap
         self._finished: deque = deque(maxlen=64)  # (params, stats) of recent answers, taught to a new policy
-        # (model pair, setting) -> forest_policy.Acceptance: adaptive forests learn across answers and swaps
+        self.cost_profile = cost_profile(TIMED)  # what adaptive forests and auto price passes with
+        # What adaptive forests learnt, by learned.entry_key: forest_policy.Acceptance per model pair, profile and
+        # setting; lookups.Calibration per target. Read from and written to the cache folder (app/engine/learned.py).
+        self.learned = Learned()
         self._acceptance: dict = {}
+        self._calibration: dict = {}
+        self._unsaved: set[str] = set()  # keys of models without a file identity: learnt in memory only
         if draft is not None:
             from backends.tokenizer import check_compatible
 
@@ -184,6 +191,9 @@ class Engine(ModelEngine):
         d = {"target": self.target.info.name, "target_backend": self.target.info.backend, "n_ctx": self.n_ctx}
         if self.draft is not None:
             d |= {"draft": self.draft.info.name, "draft_backend": self.draft.info.backend}
+        d["machine"] = self.machine_class()
+        if self.cost_profile.name != TIMED:
+            d["cost_profile"] = self.cost_profile.name
         repack = {m.info.extra.get("weight_repack") for m in (self.target, self.draft) if m is not None} - {None}
         if repack:  # llama.cpp: whether the weight repack runs (off where it crashes, e.g. AMX)
             from backends.registry import cpu_summary
@@ -256,7 +266,9 @@ class Engine(ModelEngine):
         from app.engine.auto import AutoPolicy
 
         t0 = time.perf_counter()
-        policy = AutoPolicy.calibrate(self)
+        prof = self.cost_profile
+        policy = AutoPolicy(prof.target, prof.draft if self.draft is not None else None) if prof.target else \
+            AutoPolicy.calibrate(self)
         for seen in self._finished:  # answers given before auto was first asked for
             policy.observe(*seen)
         self.policy, took = policy, round(time.perf_counter() - t0, 2)
@@ -264,12 +276,32 @@ class Engine(ModelEngine):
         return {"calibration_s": took}
 
     def costs(self) -> tuple:
-        """(target, draft) pass-cost curves (app.engine.auto.CostCurve) for adaptive DSBD forests: the calibration auto
-        mode uses, read from the timing cache or timed on first use (seconds; waits for a running answer)."""
+        """(target, draft) pass-cost curves (app.engine.timing.CostCurve) for adaptive DSBD forests: the cost
+        profile's, or the calibration auto mode uses, read from the timing cache or timed on first use (seconds;
+        waits for a running answer). The draft's is None without a draft model."""
         self._require()
         with self.lock:
             self._calibrated()
             return self.policy.target_cost, self.policy.draft_cost
+
+    def use_cost_profile(self, name: str) -> dict:
+        """Price adaptive forests and auto mode with a named cost profile (app.engine.timing; "timed": this
+        machine's timed passes). Returns describe()."""
+        try:
+            prof = cost_profile(name)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        with self.lock:
+            self.cost_profile, self.policy = prof, None
+        return self.describe()
+
+    def machine_class(self) -> str:
+        """"gpu" or "cpu": the class of machine forests are shaped for (the cost profile's, else where the
+        target's layers are); the presets carry caps per class."""
+        if self.cost_profile.machine:
+            return self.cost_profile.machine
+        place = getattr(self.plan, "target", None)
+        return "gpu" if place is not None and (place.gpu_layers or place.streamed_layers) else "cpu"
 
     def observe(self, params: DecodeParams, stats: dict) -> None:
         """Learn from a finished answer (auto's acceptance and speed estimates); params as it ran."""
@@ -292,11 +324,11 @@ class Engine(ModelEngine):
         if params.validated().mode == "auto":
             params, auto = self.pick(params)
         params, notice = self.resolve(params)
-        tree = MODE_FACTS[params.mode].tree_tokens(params.draft_beams, params.gamma)
+        tree = MODE_FACTS[params.mode].tree_tokens(params.draft_beams, params.gamma, params.lookup_nodes)
         if len(prompt) + params.max_new_tokens + tree > self.n_ctx:
             raise PromptTooLong(prompt=len(prompt), max_new=params.max_new_tokens, tree=tree, n_ctx=self.n_ctx)
-        # Adaptive forests price each iteration with the timed pass costs (the first use times them).
-        costs = self.costs() if params.forest == "adaptive" and MODE_FACTS[params.mode].forest else None
+        # Adaptive forests price each iteration with the pass costs (the first use times them).
+        costs = self.costs() if params.adaptive else None
         return self._run(prompt, params, cancel, self.target, notice, auto, costs)
 
     def _run(self, prompt, params, cancel, encoded_for, notice, auto=None, costs=None) -> Iterator[Event]:
@@ -339,7 +371,7 @@ class Engine(ModelEngine):
         facts = MODE_FACTS[params.mode]
         rows = facts.rows(params.beams)
         # Rows of a unified cache share the prompt but each holds its own answer (worst case).
-        tree = facts.tree_tokens(params.draft_beams, params.gamma)
+        tree = facts.tree_tokens(params.draft_beams, params.gamma, params.lookup_nodes)
         cells = len(prompt) + rows * params.max_new_tokens + tree
         with self.lock:
             if cancel is not None and cancel.is_set():  # cancelled while waiting for the lock
@@ -351,17 +383,20 @@ class Engine(ModelEngine):
             if self.target is not encoded_for:  # a model swap went through while this request waited
                 raise BackendError("the models changed while this request waited; send it again")
             target = self._context("target", rows, cells)
-            draft = self._context("draft", rows, cells) if params.needs_draft else None
+            drafts = params.uses_draft and self.draft is not None
+            draft = self._context("draft", rows, cells) if drafts else None
             # Unique paths (spec §16.1) score each distinct sequence once; either wrapper counts the tokens.
             wrap = UniquePaths if params.unique_paths else CountingContext
             target, draft = wrap(target), (wrap(draft) if draft is not None else None)
             tok = self.tokenizer
             stopper = Stopper(eos_ids=tok.eos_ids, stop=params.stop, decode=tok.decode)
             metrics = Metrics(mode=params.mode, prompt_tokens=len(prompt))
-            policy = self._forest_policy(params, costs)
+            policy = self._forest_policy(params, costs) if drafts else None
+            nodes = self._node_builder(params, prompt, stopper, costs)
+            extra = {"costs": costs, "policy": policy, "nodes": nodes} if MODE_FACTS[params.mode].forest else {}
             steps = decoder(params.mode)(target=target, draft=draft, prompt=prompt, params=params,
                                          stopper=stopper, metrics=metrics, vocab=self.target.info.vocab_size,
-                                         costs=costs, policy=policy)
+                                         **extra)
             try:
                 for step in steps:
                     if cancel is not None and cancel.is_set() and not step.done:
@@ -392,25 +427,56 @@ class Engine(ModelEngine):
                 raise BackendError(f"the context filled up during generation: {e}") from e
             finally:
                 steps.close()  # the decoder's own cleanup; the next prefill drops any pending forest
-                if policy is not None:  # what this answer saw (cancelled or not) teaches the next one
-                    self._acceptance[policy.setting] = policy.known
+                self._remember(policy, nodes)
 
     def _forest_policy(self, params: DecodeParams, costs):
-        """Adaptive DSBD: a forest policy starting from this model pair's counts at this setting, exploring
-        (cheapest drafted forest) until the pair has EXPLORE_LAYERS observed layers; None for fixed forests."""
-        if costs is None or params.forest != "adaptive" or costs[1] is None:
+        """Adaptive DSBD with a draft model: a forest policy starting from what this model pair learnt at this
+        setting and cost profile (in memory, else from the cache folder); None for fixed forests."""
+        if costs is None or costs[1] is None:
             return None
-        from app.decoding.forest_policy import ForestPolicy, decoder_costs, setting_key
+        from app.decoding.forest_policy import Acceptance, ForestPolicy, decoder_costs, setting_key
 
-        pair = tuple(_model_id(m) for m in (self.target, self.draft))
-        key = (pair, setting_key(params))
-        known = self._acceptance.get(key)
-        seen = sum(a.layers for (p, _), a in self._acceptance.items() if p == pair)
-        policy = ForestPolicy.for_params(params, *costs, explore=EXPLORE_LAYERS, seen=seen,
-                                         **decoder_costs(params, self.target.info.vocab_size),
-                                         **({"known": known.carried()} if known is not None else {}))
+        key = self._learn_key("acceptance", (self.target, self.draft), self.cost_profile.name, setting_key(params))
+        known = self._acceptance.get(key) or self.learned.acceptance(key) or Acceptance()
+        policy = ForestPolicy.for_params(params, *costs, explore=EXPLORE_LAYERS, known=known.carried(),
+                                         **decoder_costs(params, self.target.info.vocab_size))
         policy.setting = key
         return policy
+
+    def _node_builder(self, params: DecodeParams, prompt, stopper, costs):
+        """DSBD's model-free lookup nodes (params.lookup_sources), calibrated by what earlier answers on this
+        target saw; None when params name no model-free source."""
+        from app.decoding.dsbd import model_free_builder
+
+        key = self._learn_key("calibration", (self.target,))
+        known = self._calibration.get(key) or self.learned.calibration(key)
+        builder = model_free_builder(params, prompt, stopper, self.target.info.vocab_size,
+                                     target_cost=costs[0] if costs is not None else None,
+                                     calibration=known.carried() if known is not None else None)
+        if builder is not None:
+            builder.setting = key
+        return builder
+
+    def _learn_key(self, kind: str, models, *extra) -> str:
+        """The key of what is learnt about these models: persisted when every model has a file identity (a
+        model without one, a test's table, learns in memory only)."""
+        ids = [model_key(m) for m in models]
+        if None in ids:
+            key = entry_key(kind, [_model_id(m) for m in models], *extra, "memory")
+            self._unsaved.add(key)
+            return key
+        return entry_key(kind, ids, *extra)
+
+    def _remember(self, policy, nodes) -> None:
+        """What this answer taught (cancelled or not) starts the next one, here and in later processes."""
+        if policy is not None and policy.setting is not None:
+            self._acceptance[policy.setting] = policy.known
+            if policy.setting not in self._unsaved:
+                self.learned.store(policy.setting, acceptance=policy.known)
+        if nodes is not None and nodes.setting is not None:
+            self._calibration[nodes.setting] = nodes.calibration
+            if nodes.setting not in self._unsaved:
+                self.learned.store(nodes.setting, calibration=nodes.calibration)
 
     @staticmethod
     def _stats(metrics: Metrics, tokens, score, target=None, draft=None) -> dict:
@@ -424,6 +490,8 @@ class Engine(ModelEngine):
                 c = ctx.counters()
                 stats[f"{prefix}query_tokens_per_pass"] = c["query_tokens_per_pass"]
                 stats[f"{prefix}distinct_tokens_per_pass"] = c["distinct_tokens_per_pass"]
+                stats[f"{prefix}passes_by_tokens"] = c["passes_by_tokens"]  # for projections (app/compare)
+                stats[f"{prefix}pass_s"] = c["pass_s"]
         if isinstance(target, CountingContext):
             stats["unique_paths"] = isinstance(target, UniquePaths)
         return stats
@@ -438,7 +506,7 @@ class Engine(ModelEngine):
         return out
 
 
-EXPLORE_LAYERS = 8  # adaptive forests draft (cheaply) until a model pair has this many verified layers
+EXPLORE_LAYERS = 32  # adaptive forests may explore (within budget) until a model pair has this many verified layers
 
 
 def _model_id(model) -> tuple | None:

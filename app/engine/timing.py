@@ -94,10 +94,15 @@ def measure_costs(model, ns: Sequence[int] = CAL_POINTS, *, context: int = 128, 
     return out
 
 
-def cache_file() -> Path:
-    """The app's cache folder (the one the llama.cpp probe keeps its verdicts in)."""
+def cache_file(name: str = CACHE_NAME) -> Path:
+    """A file in the app's cache folder (the one the llama.cpp probe keeps its verdicts in)."""
     root = os.environ.get("DSBD_CHAT_CACHE") or Path.home() / ".cache" / "dsbd-chat"
-    return Path(root) / CACHE_NAME
+    return Path(root) / name
+
+
+def retiming() -> bool:
+    """$DSBD_CHAT_RETIME=1: time the passes again and start what adaptive forests learnt afresh."""
+    return os.environ.get(RETIME, "") in ("1", "yes", "true")
 
 
 def cost_key(model, ns: Sequence[int], context: int, repeats: int) -> str | None:
@@ -119,7 +124,7 @@ def cached_costs(model, ns: Sequence[int] = CAL_POINTS, *, context: int = 128, r
     if key is None:
         return measure_costs(model, ns, context=context, repeats=repeats)
     path = path or cache_file()
-    store = _read(path)
+    store = read_store(path, "pass-cost cache")
     hit, old = store.get(key), {}
     if isinstance(hit, dict) and isinstance(hit.get("seconds"), dict):
         try:
@@ -129,25 +134,26 @@ def cached_costs(model, ns: Sequence[int] = CAL_POINTS, *, context: int = 128, r
         if not (old and set(old) == {int(n) for n in ns} and all(s > 0 for s in old.values())):
             log.warning("ignoring a malformed pass-cost entry in %s: timing the passes again", path)
             old = {}
-        elif os.environ.get(RETIME, "") not in ("1", "yes", "true"):
+        elif not retiming():
             return old
     costs = measure_costs(model, ns, context=context, repeats=repeats)
     costs = {n: min(s, old.get(n, s)) for n, s in costs.items()}
-    store = _read(path, quiet=True)  # re-read: another process may have written meanwhile
+    store = read_store(path, "pass-cost cache", quiet=True)  # re-read: another process may have written meanwhile
     store[key] = {"model": model.info.name, "file": model.info.extra.get("path"), "when": int(time.time()),
                   "seconds": {str(n): s for n, s in costs.items()}}
-    _write(path, store)
+    write_store(path, store, "pass-cost cache")
     return costs
 
 
-def _read(path: Path, *, quiet: bool = False) -> dict:
+def read_store(path: Path, what: str, *, quiet: bool = False) -> dict:
+    """A JSON object cache file; {} (logged) when it is missing, unreadable or corrupt: it is rewritten."""
     try:
         text = path.read_text()
     except FileNotFoundError:
         return {}
     except OSError as e:
         if not quiet:
-            log.warning("cannot read the pass-cost cache %s (%s): timing the passes", path, e)
+            log.warning("cannot read the %s %s (%s): starting afresh", what, path, e)
         return {}
     try:
         data = json.loads(text)
@@ -155,15 +161,58 @@ def _read(path: Path, *, quiet: bool = False) -> dict:
         data = None
     if not isinstance(data, dict):
         if not quiet:
-            log.warning("ignoring the corrupt pass-cost cache %s: timing the passes again (it will be rewritten)",
-                        path)
+            log.warning("ignoring the corrupt %s %s: starting afresh (it will be rewritten)", what, path)
         return {}
     return data
 
 
-def _write(path: Path, data: dict) -> None:
+def write_store(path: Path, data: dict, what: str) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, json.dumps(data, indent=1))
-    except OSError as e:  # a read-only cache only costs a timing per load
-        log.warning("cannot write the pass-cost cache %s (%s)", path, e)
+    except OSError as e:  # a read-only cache only costs what it would have saved
+        log.warning("cannot write the %s %s (%s)", what, path, e)
+
+
+# ---------------------------------------------------------------------------------------------- cost profiles
+
+PROFILES = Path(__file__).resolve().parents[2] / "assets" / "cost_profiles"
+TIMED = "timed"
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """The pass costs forests are priced with: this machine's, timed (`timed`), or a named curve for another
+    machine (assets/cost_profiles/NAME.json: seconds per pass by tokens scored, for a target and a draft)."""
+
+    name: str
+    machine: str  # the machine class the curves describe: "cpu" or "gpu" (the presets' caps follow it)
+    target: CostCurve | None = None  # None: timed on this machine
+    draft: CostCurve | None = None
+    source: str = "timed on this machine"
+    description: str = ""
+
+
+def profile_names() -> list[str]:
+    return [TIMED] + sorted(p.stem for p in PROFILES.glob("*.json"))
+
+
+def cost_profile(name: str = TIMED) -> CostProfile:
+    """A named cost profile, or one from a .json file (scripts/gpu_profile.py writes them); ValueError naming
+    the known ones for any other name, or saying what is wrong with the file."""
+    if name == TIMED:
+        return CostProfile(TIMED, machine="")
+    path = Path(name) if name.endswith(".json") else PROFILES / f"{name}.json"
+    if not name.endswith(".json") and name not in profile_names():
+        raise ValueError(f"unknown cost profile {name!r}; choose one of: {', '.join(profile_names())}, or a "
+                         "profile .json file")
+    try:
+        data = json.loads(path.read_text())
+        if data["machine"] not in ("cpu", "gpu") or not data["target"] or not data["draft"]:
+            raise ValueError("machine must be cpu or gpu, target and draft seconds by tokens")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot read the cost profile {path}: {e}") from e
+    curve = lambda d: CostCurve.of({int(n): float(s) for n, s in d.items()})
+    label = (data.get("name") or path.stem) if name.endswith(".json") else name
+    return CostProfile(label, machine=data["machine"], target=curve(data["target"]), draft=curve(data["draft"]),
+                       source=data.get("source", ""), description=data.get("description", ""))

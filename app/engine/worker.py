@@ -55,7 +55,7 @@ _POLL_S = 0.05  # how often a stream waiting for its next event looks at its can
 _TOKENIZER_ATTRS = ("name", "n_vocab", "bos_id", "eos_id", "eos_ids", "vocab_type", "add_bos", "chat_template")
 # What the parent may call on the child's Engine (streams: "generate" / "chat", opened separately).
 _CALLS = frozenset({"describe", "check_params", "resolve", "pick", "costs", "observe", "encode", "complete", "swap",
-                    "tokenizer.encode", "tokenizer.decode", "tokenizer.piece"})
+                    "use_cost_profile", "tokenizer.encode", "tokenizer.decode", "tokenizer.piece"})
 _WHY = {"SIGILL": "illegal instruction",
         "SIGSEGV": "segmentation fault", "SIGABRT": "aborted", "SIGBUS": "bus error",
         "SIGFPE": "arithmetic fault", "SIGKILL": "killed, e.g. out of memory",
@@ -675,7 +675,7 @@ class WorkerEngine(ModelEngine):
         except Exception:  # noqa: BLE001 - the child validated it already; any estimate will do
             p = DecodeParams()
         gamma = max(p.gamma, 6) if p.mode == "auto" else p.gamma
-        drafted = p.needs_draft or p.mode == "auto"
+        drafted = p.uses_draft or p.mode == "auto"
         n = (p.draft_beams or p.beams) * gamma + p.beams if drafted else p.beams
         step = target(n) + (gamma * draft(p.draft_beams or p.beams) if drafted and draft is not None else 0.0)
         if first:  # the first event also prefills the prompt: at most the whole context

@@ -65,7 +65,8 @@ class DsbdOptions(BaseModel):
     forest: str | None = None  # dsbd / dsbd-mem: fixed | adaptive (cost-aware gamma and W_S per iteration)
     unique_paths: bool | None = None  # false: score repeated sequences again (same answers, more work)
     replacement: str | None = None  # dsbd / dsbd-mem: with (beam-sample-repl's law) | without (beam-sample's)
-    lookup_nodes: int | None = None  # dsbd / dsbd-mem: extra forest nodes per layer
+    lookup_nodes: int | None = None  # dsbd / dsbd-mem: the most lookup nodes per layer
+    lookup_sources: list[str] | None = None  # dsbd / dsbd-mem: draft | match | recycled
 
 
 class _Sampling(BaseModel):
@@ -172,6 +173,8 @@ def decode_params(req: _Sampling) -> DecodeParams:
     max_tokens = getattr(req, "max_completion_tokens", None)
     max_tokens = req.max_tokens if max_tokens is None else max_tokens
     extra = d.model_dump(exclude_none=True, exclude={"mode"})
+    if "lookup_sources" in extra:
+        extra["lookup_sources"] = tuple(extra["lookup_sources"])
     return DecodeParams(mode=mode, max_new_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
                         temperature=t, top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
                         stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()), **extra)

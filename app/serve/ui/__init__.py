@@ -13,7 +13,7 @@ import gradio as gr
 from app.serve.ui import chat, compare, models
 from app.compare.store import ResultStore
 from app.storage import HistoryStore
-from app.serve.ui.settings import ASSETS
+from app.serve.ui.settings import ASSETS, set_machine
 
 QUEUE_KWARGS = {"default_concurrency_limit": 1, "max_size": 64}
 
@@ -21,6 +21,10 @@ QUEUE_KWARGS = {"default_concurrency_limit": 1, "max_size": 64}
 def build_app(engine, *, data_dir: str | os.PathLike | None = None) -> gr.Blocks:
     """The whole app over `engine`; chats are kept in `data_dir` (else $DSBD_CHAT_DATA, else the platform dir)."""
     store = HistoryStore(data_dir)
+    try:
+        set_machine(engine.describe().get("machine", "cpu"))  # the presets' forest caps for this machine
+    except Exception:  # noqa: BLE001 - an engine that cannot describe itself still gets a page (CPU caps)
+        set_machine("cpu")
     with gr.Blocks(title="dsbd-chat", fill_width=True) as app:
         # One Session per browser tab (the factory runs per page load); closing the tab stops its answer.
         session = gr.State(chat.Session, delete_callback=lambda s: s.cancel.set())

@@ -6,23 +6,26 @@ in `params_from`; the engine validates them, so this module only converts types.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import gradio as gr
 
+from app.config import LOOKUP_SOURCES, MACHINES
+from app.config import load_presets as config_presets
 from app.config import FOREST_POLICIES, REPLACEMENTS, MAX_BEAMS, MAX_GAMMA, MODE_FACTS, MODES, QUALITY_LEVELS, UI_PRESET, DecodeParams
 
 ASSETS = Path(__file__).resolve().parents[3] / "assets"
 FIELDS = ("preset", "mode", "quality", "max_new_tokens", "seed", "temperature", "top_k", "top_p", "beams",
           "draft_beams", "gamma", "threshold", "min_beams", "select", "length_penalty", "forest", "replacement",
-          "lookup_nodes")
+          "lookup_nodes", "lookup_sources")
 QUALITY_INFO = "fast: sample / sps · beam: beam-sample / dsbd with ≥ 2 beams · dynamic: dsbd, W beams every step"
 FOREST_INFO = ("fixed: γ and W_S as set · adaptive: each iteration picks γ ≤ the slider (0 = no draft) and "
                "W ≤ W_S ≤ the slider for the most steps per second (times the passes on first use)")
 REPLACEMENT_INFO = ("with: DSBD reproduces beam-sample-repl (beam sampling with replacement) · without: it reproduces "
                     "beam-sample (conventional beam sampling: no two beams alike)")
-LOOKUP_INFO = "extra forest nodes per layer (the draft's likeliest undrawn pairs): more layers pass, a larger pass"
+LOOKUP_INFO = "the most extra forest nodes per layer: more layers pass, a larger pass"
+SOURCES_INFO = ("draft: the draft model's likeliest undrawn pairs · match: continuations of the text in the "
+                "conversation and the beams · recycled: the model's own earlier predictions (no draft pass)")
 _INTS = ("max_new_tokens", "top_k", "beams", "draft_beams", "gamma", "min_beams", "lookup_nodes")
 _FLOATS = ("temperature", "top_p", "threshold", "length_penalty")
 CUSTOM = "Custom"
@@ -38,10 +41,10 @@ def relevant(mode: str) -> set[str]:
         names |= {"beams", "length_penalty"}
     if not f.concrete:  # auto picks the mode, gamma and W_S; W, t and W_min are the user's
         names |= {"quality", "beams", "threshold", "min_beams"}
-    if f.needs_draft:
+    if f.uses_draft:
         names.add("gamma")
     if f.forest:
-        names |= {"draft_beams", "threshold", "min_beams", "forest", "replacement", "lookup_nodes"}
+        names |= {"draft_beams", "threshold", "min_beams", "forest", "replacement", "lookup_nodes", "lookup_sources"}
         if not f.keeps_rows:  # memory mode: which beam to carry between iterations
             names.add("select")
     return names
@@ -52,13 +55,17 @@ def visibility(mode: str) -> dict[str, bool]:
     return {name: name in keep for name in FIELDS}
 
 
+_machine = {"class": "cpu"}  # the serving engine's machine class (set_machine): the presets' caps follow it
+
+
+def set_machine(machine: str) -> None:
+    """Presets shown from now on carry this machine class's forest caps ("cpu" or "gpu")."""
+    _machine["class"] = machine if machine in MACHINES else "cpu"
+
+
 def load_presets(path: Path | None = None) -> dict[str, dict]:
-    """{name: {description, settings}} from assets/presets.json; {} if the file is missing."""
-    path = path or ASSETS / "presets.json"
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
+    """{name: {description, settings}}: the presets with the serving machine's forest caps (app.config)."""
+    return config_presets(_machine["class"], path)
 
 
 def default_settings() -> dict:
@@ -97,6 +104,8 @@ def params_from(settings: dict) -> DecodeParams:
     seed = s.get("seed")
     kw["seed"] = int(seed) if isinstance(seed, (int, float)) and seed >= 0 else None
     kw["draft_beams"] = kw["draft_beams"] or None  # 0 = automatic (W + 1 for dsbd, 1 for sps)
+    sources = s["lookup_sources"] if "lookup_sources" in keep else base["lookup_sources"]
+    kw["lookup_sources"] = (sources,) if isinstance(sources, str) else tuple(sources or ())
     return DecodeParams(mode=s["mode"], **kw)
 
 
@@ -175,6 +184,9 @@ class DecodingPanel:
                                     info=REPLACEMENT_INFO, elem_id="replacement", **v["replacement"]),
             "lookup_nodes": gr.Slider(0, 16, value=s["lookup_nodes"], step=1, label="Lookup nodes per layer",
                                       info=LOOKUP_INFO, **v["lookup_nodes"]),
+            "lookup_sources": gr.CheckboxGroup(list(LOOKUP_SOURCES), value=list(s["lookup_sources"]),
+                                               label="Lookup nodes from", info=SOURCES_INFO, elem_id="lookup-sources",
+                                               **v["lookup_sources"]),
         }
         self.widgets = w
         self.components = [w[k] for k in FIELDS]

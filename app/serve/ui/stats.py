@@ -53,9 +53,19 @@ def forest_line(stats: dict) -> str:
     parts = []
     for key, n in (stats.get("forest_sizes") or {}).items():
         g, _, ws = str(key).partition("/")
-        label = "no draft" if g == "g0" else f"γ{g[1:]}·W_S{ws[2:]}"
+        label = ("no draft" if g == "g0" else f"{g[1:]} layer(s) of lookup nodes" if ws == "ws0"
+                 else f"γ{g[1:]}·W_S{ws[2:]}")
         parts.append(f"{label} ×{n}")
     return " · ".join(parts)
+
+
+SOURCE_NAMES = {"draft": "draft model", "match": "matches in the text", "recycled": "recycled predictions"}
+
+
+def sources_line(stats: dict) -> str:
+    """Lookup nodes by source and how many an output landed on, e.g. 'matches in the text 12 (7 hit)'."""
+    return " · ".join(f"{SOURCE_NAMES.get(name, name)} {v['nodes']} ({v['hits']} hit)"
+                      for name, v in (stats.get("lookup_sources") or {}).items())
 
 
 def pass_tokens_line(stats: dict) -> str:
@@ -98,6 +108,8 @@ def stats_markdown(stats: dict | None, *, memory: bool = True) -> str:
         lines.append(f"**Widths chosen:** {widths}  ")
     if forests := forest_line(stats):
         lines.append(f"**Forest sizes chosen (adaptive):** {forests}  ")
+    if sources := sources_line(stats):
+        lines.append(f"**Lookup nodes by source:** {sources}  ")
     if tokens := pass_tokens_line(stats):
         lines.append(f"**Query / distinct tokens per pass:** {tokens}  ")
     kv_t, kv_d = stats.get("peak_kv_bytes_target"), stats.get("peak_kv_bytes_draft")

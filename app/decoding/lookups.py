@@ -1,0 +1,320 @@
+"""Model-free lookup nodes (spec §16.3, §16.7): forest nodes that cost no draft pass, and the builder that
+decides which of them a forest gets.
+
+Sources (each proposes (token, evidence) children for a text, from what is fixed before the target pass):
+    match     continuations of the longest suffix of the text found in the prompt (the whole conversation)
+              and in every beam of this answer, pruned ones too; several per n-gram with counts (prompt
+              lookup / n-gram caches)
+    recycled  the target's own top-k successors of the text's last one or two tokens, harvested from rows
+              scored in earlier passes of this answer (token recycling)
+
+The builder ranks every candidate of every root and of every node it already added by its estimated mass
+in the layer's p_beam (the parent's weight times the calibrated chance of the token), adds them best
+first, and keeps the prefix with the most expected beam steps per second on the target's pass-cost curve
+(without costs: the best ones, up to the per-layer cap). Calibration is free: after each pass the target's
+log-probs of every verified row give the true chance of each candidate proposed under it, added or not.
+
+Exactness: a lookup node never enters a ratio or a residual; it only lets the cache rule (§16.2) pass a
+layer whose every output is already a node. Everything here reads the past: the prompt, committed beams,
+rows of earlier passes and counts; never this pass's logits or the layer's draws.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+SOURCES = ("match", "recycled")
+MAX_NGRAM = 8  # longest suffix matched
+PER_KEY = 3  # continuations proposed per text and source
+RECYCLE_K = 4  # top-k successors kept per harvested row
+STRENGTH = 4.0  # pseudo-observations behind each calibration prior
+MIN_MASS = 1e-3  # candidates below this estimated mass are never considered
+MIN_FIXED = 0.05  # without a cost curve: the smallest estimated chance worth a node
+MAX_CANDIDATES = 256  # pops per forest: bounds the builder's time however rich the sources are
+# Priors of P(token | parent) per source and evidence, scaled by the token's share of its key's continuations:
+# a match of n tokens (n-gram lookups in code and edits: short matches rarely continue, long ones usually do);
+# recycled successors of a 2-token / 1-token key.
+_MATCH_PRIOR = (0.0, 0.08, 0.15, 0.3, 0.45, 0.55, 0.6, 0.65, 0.7)
+_RECYCLED_PRIOR = (0.0, 0.12, 0.2)
+
+
+# ------------------------------------------------------------------------------------------------- sources
+
+class MatchIndex:
+    """n-gram -> {next token: count} over the prompt and every sequence added, for suffixes of 1..MAX_NGRAM."""
+
+    def __init__(self, max_n: int = MAX_NGRAM) -> None:
+        self.max_n = max_n
+        self.table: dict[tuple[int, ...], dict[int, int]] = {}
+
+    def add(self, seq: Sequence[int], start: int = 0) -> None:
+        """Index the continuation at every position i >= max(start, 1) of seq: seq[i] after seq[i-n:i]."""
+        table, seq = self.table, tuple(seq)
+        for i in range(max(start, 1), len(seq)):
+            nxt = seq[i]
+            for n in range(1, min(self.max_n, i) + 1):
+                d = table.setdefault(seq[i - n:i], {})
+                d[nxt] = d.get(nxt, 0) + 1
+
+    def propose(self, text: Sequence[int]) -> list[tuple[int, int, float]]:
+        """[(token, match length, share)] for the longest indexed suffix of text, most frequent first."""
+        tail = tuple(text[-self.max_n:])
+        for n in range(len(tail), 0, -1):
+            d = self.table.get(tail[-n:])
+            if d:
+                total = sum(d.values())
+                best = sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))[:PER_KEY]
+                return [(tok, n, c / total) for tok, c in best]
+        return []
+
+
+class Recycler:
+    """The target's top-k successors of the last two / last one token(s), from rows scored in earlier passes."""
+
+    def __init__(self, k: int = RECYCLE_K) -> None:
+        self.k = k
+        self.next: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+    def harvest(self, text: Sequence[int], lp: np.ndarray) -> None:
+        """A scored row: `lp` = the target's log-probs after `text` (the full sequence)."""
+        if len(text) == 0:
+            return
+        k = min(self.k, len(lp))
+        top = np.argpartition(-lp, k - 1)[:k]
+        top = tuple(int(t) for t in top[np.argsort(-lp[top], kind="stable")])
+        self.next[tuple(text[-1:])] = top
+        if len(text) >= 2:
+            self.next[tuple(text[-2:])] = top
+
+    def propose(self, text: Sequence[int]) -> list[tuple[int, int, float]]:
+        for n in (2, 1):
+            top = self.next.get(tuple(text[-n:])) if len(text) >= n else None
+            if top:
+                return [(tok, n, 1.0 / (1 + rank)) for rank, tok in enumerate(top[:PER_KEY])]
+        return []
+
+
+# --------------------------------------------------------------------------------------------- calibration
+
+def _bucket(source: str, evidence: int, rank: int) -> str:
+    return f"{source}:{evidence}:{min(rank, 2)}"
+
+
+@dataclass
+class Calibration:
+    """Mean true P(token | parent) per (source, evidence, rank), learnt from verified rows; JSON-able."""
+
+    table: dict[str, list[float]] = field(default_factory=dict)  # bucket -> [sum of p, observations]
+
+    @staticmethod
+    def prior(source: str, evidence: int, share: float) -> float:
+        base = _MATCH_PRIOR if source == "match" else _RECYCLED_PRIOR
+        return base[min(evidence, len(base) - 1)] * share
+
+    def estimate(self, source: str, evidence: int, rank: int, share: float) -> float:
+        s, n = self.table.get(_bucket(source, evidence, rank), (0.0, 0.0))
+        return (s + STRENGTH * self.prior(source, evidence, share)) / (n + STRENGTH)
+
+    def observe(self, bucket: str, p: float) -> None:
+        row = self.table.setdefault(bucket, [0.0, 0.0])
+        row[0] += p
+        row[1] += 1
+
+    def carried(self, cap: float = 256.0) -> "Calibration":
+        """A copy with every count capped at `cap` observations (means unchanged)."""
+        out = {}
+        for k, (s, n) in self.table.items():
+            f = min(1.0, cap / n) if n > 0 else 1.0
+            out[k] = [s * f, n * f]
+        return Calibration(out)
+
+
+# ------------------------------------------------------------------------------------------------- builder
+
+@dataclass(eq=False)
+class Candidate:
+    """A proposed node: under `parent` (a root row index at depth 1, else a Candidate or a decoder node)."""
+
+    depth: int
+    parent: object
+    token: int
+    source: str
+    bucket: str
+    est: float  # calibrated P(token | parent)
+    mass: float  # est times the parent's mass: its share of the layer's p_beam when the path is reached
+    text: tuple[int, ...] = ()  # the generated tokens up to and including this one
+
+
+@dataclass
+class Shape:
+    """What the builder prices: the forest before model-free nodes, per depth, and the costs."""
+
+    max_depth: int
+    width: int  # outputs a lookup-only layer draws (W_min)
+    replacement: bool
+    per_layer: list[int]  # free lookup slots per depth (1..max_depth)
+    base_tokens: float = 0.0  # distinct tokens the target pass scores without model-free nodes
+    base_seconds: float = 0.0  # the iteration's expected seconds without them
+    base_pass: list[float] = field(default_factory=list)  # P(layer l passes by the drafted part), per depth
+
+
+class Builder:
+    """Chooses model-free nodes for each iteration and learns from every verified row (one answer's state;
+    `calibration` may come from earlier answers)."""
+
+    def __init__(self, prompt: Sequence[int], *, sources: Iterable[str] = SOURCES,
+                 calibration: Calibration | None = None,
+                 target_cost: Callable[[float], float] | None = None, verify_cost: float = 0.0,
+                 step_cost: float = 0.0, finished: Callable[[tuple[int, ...]], bool] = lambda t: False) -> None:
+        """target_cost(n): seconds of a target pass scoring n tokens (None: no pricing, the likeliest nodes up
+        to the cap); verify_cost: the decoder's seconds per verified layer; step_cost: per iteration."""
+        self.prompt = tuple(prompt)
+        self.sources = tuple(s for s in SOURCES if s in set(sources))
+        self.calibration = calibration or Calibration()
+        self.target_cost, self.verify_cost, self.step_cost = target_cost, verify_cost, step_cost
+        self.finished = finished
+        self.setting = None  # the caller's key for what it learns (the engine persists the calibration)
+        self.index = MatchIndex() if "match" in self.sources else None
+        self.recycler = Recycler() if "recycled" in self.sources else None
+        if self.index is not None:
+            self.index.add(self.prompt)
+        self.proposed: list[Candidate] = []  # this iteration's depth-1 candidates, added or not (calibration)
+
+    # -- proposals -------------------------------------------------------------------------------------
+    def propose(self, text: tuple[int, ...]) -> list[tuple[int, str, str, float]]:
+        """[(token, source, bucket, est)] for a parent whose generated tokens are `text`; one per token (the
+        likeliest source's)."""
+        full = self.prompt[-MAX_NGRAM:] + text
+        best: dict[int, tuple[int, str, str, float]] = {}
+        for source, finder in (("match", self.index), ("recycled", self.recycler)):
+            if finder is None:
+                continue
+            for rank, (tok, ev, share) in enumerate(finder.propose(full)):
+                est = self.calibration.estimate(source, ev, rank, share)
+                if tok not in best or est > best[tok][3]:
+                    best[tok] = (tok, source, _bucket(source, ev, rank), est)
+        return sorted(best.values(), key=lambda c: (-c[3], c[0]))
+
+    # -- the forest ------------------------------------------------------------------------------------
+    def build(self, roots: Sequence[tuple[int, tuple[int, ...], float]], shape: Shape,
+              taken: Callable[[object, int], bool]) -> list[Candidate]:
+        """Model-free nodes for one iteration, parents before children.
+
+        roots: (row, generated tokens, weight) per distinct root content (weights sum to 1: the rows' share of
+        p_beam). taken(parent, token): the layer already holds that content (a draft or a lookup node)."""
+        self.proposed = []
+        heap: list = []
+        order = 0
+
+        def push(parent, depth: int, text: tuple[int, ...], mass: float) -> None:
+            nonlocal order
+            if depth > shape.max_depth or shape.per_layer[depth - 1] <= 0:
+                return
+            for tok, source, bucket, est in self.propose(text):
+                c = Candidate(depth, parent, tok, source, bucket, est, mass * est, text + (tok,))
+                if depth == 1:
+                    self.proposed.append(c)
+                if c.mass < MIN_MASS or taken(parent, tok):
+                    continue
+                order += 1
+                heapq.heappush(heap, (-c.mass, order, c))
+
+        for row, text, weight in roots:
+            if not self.finished(text):
+                push(row, 1, text, weight)
+        chosen: list[Candidate] = []
+        used = [0] * shape.max_depth
+        best_rate, best_n = (self._rate(shape, chosen) if self.target_cost else 0.0), 0
+        pops = 0
+        while heap and pops < MAX_CANDIDATES:
+            _, _, c = heapq.heappop(heap)
+            pops += 1
+            if used[c.depth - 1] >= shape.per_layer[c.depth - 1]:
+                continue
+            if self.target_cost is None and c.est < MIN_FIXED:
+                continue
+            chosen.append(c)
+            used[c.depth - 1] += 1
+            if self.target_cost is not None:
+                rate = self._rate(shape, chosen)
+                if rate > best_rate * (1 + 1e-9):
+                    best_rate, best_n = rate, len(chosen)
+            if not self.finished(c.text):
+                push(c, c.depth + 1, c.text, c.mass)
+        if self.target_cost is not None:
+            chosen = chosen[:best_n]
+        keep = set(map(id, chosen))  # a prefix of the pop order is closed under parents
+        return [c for c in sorted(chosen, key=lambda c: c.depth) if id(c) in keep]
+
+    def _rate(self, shape: Shape, chosen: Sequence[Candidate]) -> float:
+        """Expected beam steps per second of the iteration with these model-free nodes (spec §16.4, §16.7).
+
+        Layer l passes by the drafted part with chance base_pass[l] and by the model-free nodes when every
+        output lands on one: (covered share of p_beam)^width with replacement. Each further passed layer
+        costs one more verified layer (or the extra layer's warp)."""
+        by_depth: list[list[float]] = [[] for _ in range(shape.max_depth)]
+        for c in chosen:
+            by_depth[c.depth - 1].append(c.mass)
+        steps, extra_layers, run_b, run_h, prev_mass = 1.0, 0.0, 1.0, 1.0, 1.0
+        for l in range(shape.max_depth):
+            b = shape.base_pass[l] if l < len(shape.base_pass) else 0.0
+            masses = by_depth[l]
+            total = sum(masses)
+            shares = sorted((m / prev_mass for m in masses), reverse=True) if prev_mass > 0 else []
+            run_b *= b
+            run_h *= _all_covered(min(1.0, sum(shares)), shares, shape.width, shape.replacement)
+            reach = 1.0 - (1.0 - run_b) * (1.0 - run_h)
+            if reach <= 1e-9:
+                break
+            steps += reach
+            extra_layers += reach - run_b
+            prev_mass = total if total > 0 else prev_mass
+        seconds = (shape.base_seconds + self.target_cost(shape.base_tokens + len(chosen))
+                   - self.target_cost(shape.base_tokens) + self.verify_cost * extra_layers)
+        return steps / max(seconds, 1e-12)
+
+    # -- learning --------------------------------------------------------------------------------------
+    def learn(self, rows: dict[tuple[int, ...], np.ndarray], nodes: Iterable[Candidate]) -> None:
+        """Verified rows (generated tokens -> the target's log-probs after them): calibrate every candidate
+        proposed under them (depth-1 proposals, added or not, and the added nodes) and harvest successors."""
+        seen = set()
+        for c in list(self.proposed) + list(nodes):
+            lp = rows.get(c.text[:-1])
+            if lp is None or id(c) in seen:
+                continue
+            seen.add(id(c))
+            self.calibration.observe(c.bucket, float(math.exp(lp[c.token])))
+        if self.recycler is not None:
+            for text, lp in rows.items():
+                self.recycler.harvest(self.prompt[-2:] + text, lp)
+
+    def extend(self, texts: Iterable[tuple[int, ...]], old: int) -> None:
+        """Index the tokens every output beam added after position `old` (pruned beams too)."""
+        if self.index is None:
+            return
+        for text in set(texts):
+            full = self.prompt[-MAX_NGRAM:] + text
+            self.index.add(full, start=len(full) - (len(text) - old))
+
+
+def _all_covered(cover: float, masses: Sequence[float], width: int, replacement: bool) -> float:
+    """P(all `width` outputs of a layer land on nodes covering `cover` of p_beam): i.i.d. draws with
+    replacement; without, sequential distinct draws, each removing at most the largest node left."""
+    if cover <= 0.0 or width <= 0:
+        return 0.0 if width > 0 else 1.0
+    if replacement:
+        return cover ** width
+    out, left, removed = 1.0, cover, 0.0
+    for k in range(width):
+        if left <= 0:
+            return 0.0
+        out *= left / max(1.0 - removed, 1e-12)
+        m = masses[k] if k < len(masses) else 0.0
+        left -= m
+        removed += m
+    return max(0.0, out)

@@ -1,0 +1,114 @@
+"""Measure a cost profile on this machine: seconds of one forward pass scoring n tokens (n = 1..128) for a
+target-shaped and a draft-shaped model with generated weights, through the project's PyTorch runtime and the
+same timing method the app uses (app.engine.timing.measure_costs). Writes a profile JSON that
+`--cost-profile PATH.json` (or a copy in assets/cost_profiles/) reads.
+
+    python scripts/gpu_profile.py --target 1.5b --out assets/cost_profiles/h200-1.5b.json
+    python scripts/gpu_profile.py --target 7b --device cuda --dtype bfloat16 --out my-gpu-7b.json
+
+Shapes are Qwen2.5's (0.5b is the draft). Weights are random: a pass's cost depends on the shapes, not on the
+values. Needs torch (CUDA build for a GPU) and numpy only; no model files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = {  # Qwen2.5 configs (config.json of the Hugging Face repos)
+    "0.5b": dict(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, hidden_dim=4864, vocab_size=151936),
+    "1.5b": dict(dim=1536, n_layers=28, n_heads=12, n_kv_heads=2, hidden_dim=8960, vocab_size=151936),
+    "7b": dict(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, hidden_dim=18944, vocab_size=152064),
+    "test": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=512),
+}
+NS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def random_model(shape: str, *, device: str, dtype: str):
+    """A PyTorchModel of that shape with random weights, built on the device directly."""
+    import torch
+
+    from backends.pytorch.model import ModelArgs, Transformer
+    from backends.pytorch.runtime import PyTorchModel, model_info
+
+    args = ModelArgs(arch="qwen2", qkv_bias=True, max_seq_len=4096, **SHAPES[shape])
+    dt, dev = getattr(torch, dtype), torch.device(device)
+    before = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dt)
+        with dev:
+            t = Transformer(args)
+    finally:
+        torch.set_default_dtype(before)
+    g = torch.Generator(device=dev).manual_seed(0)
+    with torch.no_grad():
+        for name, p in t.named_parameters():
+            std = 1.0 if "embeddings" in name else 1 / math.sqrt(p.shape[-1])
+            p.normal_(1.0 if "norm" in name else 0.0, std, generator=g)
+    t = t.requires_grad_(False).eval()
+    return PyTorchModel(t, info=model_info(t, name=f"qwen2.5-{shape}-shaped", dtype=dt, device=dev), device=dev,
+                        dtype=dt)
+
+
+def measure(shape: str, *, device: str, dtype: str, ns=NS, context: int = 512, repeats: int = 5) -> dict:
+    from app.engine.timing import measure_costs
+
+    model = random_model(shape, device=device, dtype=dtype)
+    try:
+        return measure_costs(model, ns, context=context, repeats=repeats)
+    finally:
+        model.close()
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", choices=[s for s in SHAPES if s != "0.5b"], default="1.5b")
+    ap.add_argument("--draft", choices=list(SHAPES), default="0.5b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--context", type=int, default=512, help="cached tokens before each timed pass")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--name", default=None, help="the profile's name (default: the output file's stem)")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    t0 = time.time()
+    target = measure(a.target, device=a.device, dtype=a.dtype, context=a.context, repeats=a.repeats)
+    draft = measure(a.draft, device=a.device, dtype=a.dtype, context=a.context, repeats=a.repeats)
+    where = device_name(a.device)
+    out = Path(a.out)
+    profile = {
+        "name": a.name or out.stem,
+        "machine": "gpu" if a.device.startswith("cuda") else "cpu",
+        "description": f"{where}; target Qwen2.5-{a.target}-shaped, draft Qwen2.5-{a.draft}-shaped ({a.dtype}, "
+                       "dsbd-chat's PyTorch runtime, generated weights)",
+        "target": {str(n): s for n, s in target.items()},
+        "draft": {str(n): s for n, s in draft.items()},
+        "source": f"measured by scripts/gpu_profile.py on {where}: the min of {a.repeats} passes after "
+                  f"{a.context} cached tokens, per n",
+        "derivation": "measured directly (app.engine.timing.measure_costs)",
+    }
+    out.write_text(json.dumps(profile, indent=1) + "\n")
+    print(json.dumps({"out": str(out), "seconds": round(time.time() - t0, 1),
+                      "target_ms": {n: round(s * 1e3, 3) for n, s in target.items()},
+                      "draft_ms": {n: round(s * 1e3, 3) for n, s in draft.items()}}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

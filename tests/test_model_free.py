@@ -1,0 +1,285 @@
+"""Model-free lookup nodes (spec §16.7, app/decoding/lookups.py): the sources, the builder's choices, and
+exactness.
+
+Exact tests enumerate every outcome of every random choice through one scripted `Rand` (as in
+tests/test_forest_cache.py) and compare the law of the returned sequence with the baseline's within 1e-12,
+with nodes from the n-gram matches and the recycled predictions, with and without a draft model. The
+negative control gives a source the layer's own draws: it keeps the forest's shape and pass chance and only
+adds the dependence, and the law moves.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from app.config import ConfigError, DecodeParams
+from app.decoding import dsbd as D
+from app.decoding.beams import Stopper
+from app.decoding.lookups import Builder, Calibration, MatchIndex, Recycler, Shape
+from app.decoding.metrics import Metrics
+from app.engine.timing import CostCurve
+from dsbd_helpers import ALPHA_TEST, chisquare_pvalue, enumerate_paths
+from refmodel import bigram
+
+EXACT = 1e-12
+V = 3  # token 0 is EOS
+TARGET = bigram(V, 21, sharp=2.0)
+DRAFT = bigram(V, 22, sharp=1.5)
+PROMPT = [1, 2, 1, 2, 1]  # repeats: the match source has something to continue
+BASELINE = {"with": "beam-sample-repl", "without": "beam-sample"}
+
+
+# ------------------------------------------------------------------------------------------------- sources
+
+def test_match_index_continues_the_longest_suffix_with_counts():
+    idx = MatchIndex(max_n=4)
+    idx.add([5, 6, 7, 5, 6, 8, 5, 6, 7])
+    # "5 6" is followed by 7 twice and 8 once; the longest match wins over shorter ones
+    assert idx.propose([1, 5, 6]) == [(7, 2, pytest.approx(2 / 3)), (8, 2, pytest.approx(1 / 3))]
+    assert idx.propose([7, 5, 6]) == [(8, 3, 1.0)]
+    assert idx.propose([9, 9]) == []
+    idx.add([1, 2, 3], start=2)  # only the continuation at position 2 ("1 2" -> 3) is new
+    assert idx.propose([1, 2]) == [(3, 2, 1.0)]
+    assert idx.propose([1]) == []  # position 1 ("1" -> 2) was before `start`
+
+
+def test_recycler_keeps_the_targets_top_successors_by_two_then_one_token():
+    r = Recycler(k=2)
+    lp = np.log(np.array([0.1, 0.6, 0.05, 0.25]))
+    r.harvest([3, 2], lp)
+    assert r.propose([0, 3, 2]) == [(1, 2, 1.0), (3, 2, 0.5)]  # the bigram key first
+    assert r.propose([9, 2]) == [(1, 1, 1.0), (3, 1, 0.5)]  # then the last token alone
+    assert r.propose([7]) == []
+
+
+def test_calibration_moves_from_the_prior_to_what_it_saw_and_caps_its_counts():
+    c = Calibration()
+    prior = c.estimate("match", 4, 0, 1.0)
+    assert prior == pytest.approx(Calibration.prior("match", 4, 1.0))
+    for _ in range(200):
+        c.observe("match:4:0", 0.9)
+    assert c.estimate("match", 4, 0, 1.0) > 0.85
+    capped = c.carried(cap=10)
+    assert capped.table["match:4:0"] == pytest.approx([9.0, 10.0])
+
+
+# ------------------------------------------------------------------------------------------------- builder
+
+def _builder(prompt, **kw) -> Builder:
+    return Builder(prompt, sources=("match",), **kw)
+
+
+def test_builder_without_costs_takes_the_likeliest_chain_up_to_the_caps():
+    b = _builder([5, 6, 7, 8, 9, 5, 6])  # "5 6" continues with 7 8 9 5 6 ...
+    shape = Shape(max_depth=4, width=1, replacement=True, per_layer=[1, 1, 1, 1])
+    picks = b.build([(0, (), 1.0)], shape, lambda parent, tok: False)
+    assert [c.token for c in picks] == [7, 8, 9, 5]  # one chain, extended while the match continues
+    assert [c.depth for c in picks] == [1, 2, 3, 4]
+    assert picks[1].parent is picks[0] and picks[0].parent == 0
+    none = _builder([1, 2, 3]).build([(0, (4,), 1.0)], shape, lambda p, t: False)
+    assert none == []  # nothing matches: no node
+
+
+def test_builder_with_costs_adds_nodes_only_where_they_pay():
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6]
+    shape = lambda: Shape(max_depth=6, width=1, replacement=True, per_layer=[2] * 6, base_tokens=1.0,
+                          base_seconds=0.076)
+    flat = CostCurve.of({1: 0.076, 64: 0.078})  # a GPU: a longer pass costs about the same
+    steep = CostCurve.of({1: 0.076, 2: 0.2, 64: 5.0})  # every token costs more than a plain step
+    gpu = _builder(prompt, target_cost=flat).build([(0, (), 1.0)], shape(), lambda p, t: False)
+    assert len(gpu) == 6  # the whole likely chain
+    cpu = _builder(prompt, target_cost=steep).build([(0, (), 1.0)], shape(), lambda p, t: False)
+    assert cpu == []  # no node can pay: never slower than the plain step
+    # a calibration that learnt the matches always continue makes the chain pay on a moderate curve
+    mid = CostCurve.of({1: 0.076, 2: 0.09, 4: 0.12, 8: 0.17})
+    sure = Calibration({f"match:{n}:0": [1000.0, 1000.0] for n in range(1, 9)})
+    doubtful = Calibration({f"match:{n}:0": [10.0, 1000.0] for n in range(1, 9)})
+    assert len(_builder(prompt, target_cost=mid, calibration=sure).build([(0, (), 1.0)], shape(),
+                                                                       lambda p, t: False)) >= 4
+    assert _builder(prompt, target_cost=mid, calibration=doubtful).build([(0, (), 1.0)], shape(),
+                                                                         lambda p, t: False) == []
+
+
+def test_builder_learns_from_verified_rows_including_nodes_it_did_not_add():
+    b = Builder([5, 6, 7, 5, 6], sources=("match", "recycled"))
+    shape = Shape(max_depth=1, width=1, replacement=True, per_layer=[0])  # no room: nothing added
+    assert b.build([(0, (), 1.0)], shape, lambda p, t: False) == []
+    assert b.proposed == []  # no slot at depth 1: nothing proposed either
+    shape = Shape(max_depth=1, width=1, replacement=True, per_layer=[1])
+    b.build([(0, (), 1.0)], shape, lambda p, t: False)
+    assert [c.token for c in b.proposed] == [7]
+    lp = np.log(np.full(10, 0.02))
+    lp[7] = np.log(0.82)
+    b.learn({(): lp}, [])
+    assert b.calibration.table[b.proposed[0].bucket] == pytest.approx([0.82, 1.0])
+    assert b.recycler.propose([5, 6])[0][0] == 7  # harvested: the target's top successor of "... 5 6"
+
+
+def test_decode_params_take_lookup_sources():
+    p = DecodeParams(mode="dsbd", lookup_nodes=2, lookup_sources=("recycled", "match")).validated()
+    assert p.lookup_sources == ("match", "recycled")  # the canonical order
+    with pytest.raises(ConfigError, match="lookup_sources"):
+        DecodeParams(mode="dsbd", lookup_sources=("psychic",)).validated()
+
+
+# ------------------------------------------------------------------------------------ process level, exact
+
+def params(mode: str, **kw) -> DecodeParams:
+    base = dict(beams=2, min_beams=2, draft_beams=2, gamma=2, max_new_tokens=3, seed=0)
+    return DecodeParams(mode=mode, **{**base, **kw}).validated()
+
+
+def generate(p: DecodeParams, rand, *, draft=True, metrics=None, builder=None, run_cls=None):
+    stopper = Stopper(eos_ids=frozenset({0}))
+    metrics = metrics if metrics is not None else Metrics(mode=p.mode)
+    t = TARGET.context(rows=p.beams, max_tokens=64)
+    if p.mode in ("dsbd", "dsbd-mem"):
+        d = DRAFT.context(rows=p.beams, max_tokens=64) if draft else None
+        nodes = builder(p) if builder is not None else None
+        gen = D.dsbd(target=t, draft=d, prompt=PROMPT, params=p, stopper=stopper, metrics=metrics, vocab=V,
+                     nodes=nodes, rands=None if rand is None else (rand, rand))
+    else:
+        from app.decoding import baselines
+
+        gen = baselines.beam_sampling(target=t, prompt=PROMPT, params=p, stopper=stopper, metrics=metrics,
+                                      rand=rand)
+    return list(gen)[-1].output.tokens
+
+
+def law_of(p: DecodeParams, **kw) -> tuple[dict, dict]:
+    """Exact law of the returned sequence, and P(a model-free node was hit)."""
+    law: dict = defaultdict(float)
+    seen: dict = defaultdict(float)
+
+    def one(rand):
+        m = Metrics(mode=p.mode)
+        return generate(p, rand, metrics=m, **kw), m
+
+    for (tokens, m), pr in enumerate_paths(one):
+        law[tokens] += pr
+        for source in ("match", "recycled"):
+            seen[source] += pr * bool(m.sources.get(source, [0, 0])[1])
+    return law, seen
+
+
+def max_gap(a: dict, b: dict) -> float:
+    return max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+
+
+def sources(*names):
+    """A fresh builder per run (it learns as the answer goes): fixed forests take the likeliest nodes."""
+    return lambda p: Builder(PROMPT, sources=names, finished=Stopper(eos_ids=frozenset({0})).finished)
+
+
+@pytest.mark.parametrize("replacement,draft,names", [
+    pytest.param("with", True, ("match",), marks=pytest.mark.slow),  # drafts with replacement: minutes
+    ("without", True, ("match",)),
+    ("with", False, ("match", "recycled")), ("without", False, ("match", "recycled")),
+])
+def test_model_free_nodes_keep_the_baseline_law_exact(replacement, draft, names):
+    """W = W_min = 2: DSBD with n-gram and recycled nodes, with a draft model or none, has the baseline's law
+    (A with, B without replacement), and the model-free nodes really are hit."""
+    want, _ = law_of(params(BASELINE[replacement]))
+    got, seen = law_of(params("dsbd", replacement=replacement, lookup_nodes=2, gamma=2,
+                              lookup_sources=names), draft=draft, builder=sources(*names))
+    assert abs(sum(got.values()) - 1) < EXACT
+    assert max_gap(got, want) < EXACT
+    assert seen["match"] > 1e-3
+    if "recycled" in names:
+        assert seen["recycled"] > 1e-3
+
+
+class Peeking(D._Run):
+    """Negative control: a lookup-only layer whose nodes depend on the layer's own draws. The outputs are
+    drawn first; the every-token nodes stay only when the first output is token 1, so the layer passes exactly
+    then. `Honest` keeps them with an independent coin of the same chance instead."""
+
+    peek = True
+
+    def verify_layer(self, layer, rows):
+        outputs, drafts, by_drafts, width = super().verify_layer(layer, rows)
+        if not layer.drafts and layer.lookups:
+            p = self._p_beam(rows)
+            chance = float(p.probs[p.keys % self.vocab == 1].sum())
+            keep = (outputs[0][0] % self.vocab == 1) if self.peek else self.draft_rand.bernoulli(chance)
+            if not keep:
+                layer.lookups.clear()
+        return outputs, drafts, by_drafts, width
+
+
+class Honest(Peeking):
+    peek = False
+
+
+def every_token(l, parent_content, prev, q, drafts):
+    return [(par, t) for par in range(len(parent_content)) for t in range(V)
+            if prev is None or not prev[par].ended]
+
+
+def test_negative_control_a_source_that_sees_the_layers_draws_moves_the_law(monkeypatch):
+    """dsbd-mem (the set collapses to one beam at each iteration's end, so where iterations end matters):
+    the same forest and pass chance, chosen with or without sight of the draws, give different laws."""
+    from test_forest_cache import LookupOnly
+
+    def law(run_cls):
+        monkeypatch.setattr(D, "_Run", run_cls)
+        out: dict = defaultdict(float)
+        p = params("dsbd-mem", max_new_tokens=3, gamma=1)
+
+        def one(rand):
+            t = TARGET.context(rows=2, max_tokens=64)
+            gen = D.dsbd(target=t, draft=DRAFT.context(rows=2, max_tokens=64), prompt=PROMPT, params=p,
+                         stopper=Stopper(eos_ids=frozenset({0})), metrics=Metrics(mode=p.mode), vocab=V,
+                         policy=LookupOnly(1), lookups=every_token, rands=(rand, rand))
+            return list(gen)[-1].output.tokens
+
+        for tokens, pr in enumerate_paths(one):
+            out[tokens] += pr
+        return out
+
+    honest, peeking = law(Honest), law(Peeking)
+    assert abs(sum(honest.values()) - 1) < EXACT and abs(sum(peeking.values()) - 1) < EXACT
+    assert max_gap(honest, peeking) > 1e-3
+
+
+# ------------------------------------------------------------------------------------ statistics (slow: 2e5)
+
+@pytest.mark.slow
+def test_production_path_without_replacement_with_model_free_nodes_chi_square():
+    """Seeded production path, no draft model, n-gram and recycled nodes, W = W_min = 2: answers against
+    beam-sample's exact law (enumerated), chi-square at N = 2*10^5."""
+    want, _ = law_of(params("beam-sample"))
+    p = params("dsbd", replacement="without", lookup_nodes=2, lookup_sources=("match", "recycled"))
+    counts: Counter = Counter()
+    make = sources("match", "recycled")
+    for s in range(200_000):
+        counts[generate(replace(p, seed=s), None, draft=False, builder=make)] += 1
+    cells = sorted(want)
+    assert sum(counts[c] for c in cells) == 200_000
+    assert chisquare_pvalue(np.array([counts[c] for c in cells]), np.array([want[c] for c in cells])) > ALPHA_TEST
+
+
+# ------------------------------------------------------------------------------------- the view and stats
+
+def test_forest_view_and_stats_name_each_lookup_nodes_source():
+    from app.serve.ui.forest import forest_svg
+    from app.serve.ui.stats import stats_markdown
+
+    shown, metrics = [], Metrics(mode="dsbd")
+    for seed in range(10):  # some answers end at once (EOS)
+        p = params("dsbd", replacement="with", lookup_nodes=2, gamma=2, max_new_tokens=12, seed=seed,
+                   lookup_sources=("match",))
+        steps = list(D.dsbd(target=TARGET.context(rows=2, max_tokens=64), draft=None, prompt=PROMPT, params=p,
+                            stopper=Stopper(eos_ids=frozenset({0})), metrics=metrics, vocab=V,
+                            nodes=sources("match")(p)))
+        shown += [s.forest for s in steps if s.forest and any(L["lookups"] for L in s.forest["layers"])]
+    assert shown and all(n["source"] == "match" for f in shown for L in f["layers"] for n in L["lookups"])
+    svg = forest_svg(shown[0])
+    assert "lookup node from a match in the text" in svg and "from a match in the text (" in svg
+    stats = metrics.as_dict()
+    nodes, hits = stats["lookup_sources"]["match"]["nodes"], stats["lookup_sources"]["match"]["hits"]
+    assert nodes > 0 and f"matches in the text {nodes} ({hits} hit)" in stats_markdown(stats, memory=False)

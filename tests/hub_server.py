@@ -19,7 +19,9 @@ Use it as a context manager; `env()` gives the environment (HF_ENDPOINT) that po
 `isolate(monkeypatch, root)` points the model cache, the Hugging Face cache and the home folder (LM Studio,
 Jan) at empty folders under `root`, so a test sees only the files it writes.
 
-Faults for tests: `drop_after[file] = n` closes the connection after n body bytes (once), `throttle_s` sleeps
+Faults for tests: `drop_after[file] = n` closes the connection after n body bytes (once), `hold_after[file] =
+n` stops sending after n body bytes (setting `holding`) until `released` is set (once: a download caught
+mid-file), `throttle_s` sleeps
 per 64 KiB sent, `corrupt[file] = bytes` serves other bytes than the tree's sha256 says, `private` repos need
 `Authorization: Bearer <token>` (401 otherwise), `gated` repos answer 403 GatedRepo. `requests` records
 (method, path, Range header). The server stops itself after `lifetime_s` even if a test forgets it.
@@ -71,6 +73,9 @@ class FakeHub:
         self.repos: dict[str, Repo] = {}
         self.token = token
         self.drop_after: dict[str, int] = {}
+        self.hold_after: dict[str, int] = {}
+        self.released = threading.Event()
+        self.holding = threading.Event()  # set when a held download has stopped sending
         self.corrupt: dict[str, bytes] = {}
         self.throttle_s = 0.0
         self.requests: list[tuple[str, str, str | None]] = []
@@ -247,8 +252,14 @@ class FakeHub:
         if head:
             return
         limit = self.drop_after.pop(name, None)
+        hold = self.hold_after.pop(name, None)
         sent = 0
         while sent < len(body):
+            if hold is not None and sent >= hold:
+                h.wfile.flush()
+                self.holding.set()
+                self.released.wait(60)  # the test does what it must mid-download, then releases
+                hold = None
             piece = body[sent:sent + SEND_CHUNK]
             if limit is not None and sent + len(piece) > limit:
                 h.wfile.write(piece[:max(0, limit - sent)])

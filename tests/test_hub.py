@@ -7,6 +7,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -116,20 +117,18 @@ def test_download_dropped_halfway_resumes_from_the_partial_file(fake, files):
 def test_download_killed_with_the_app_resumes_after_a_restart(fake, files, tmp_path):
     name = "tiny-Q8_0.gguf"
     data = files[name]
-    fake.throttle_s = 0.05  # ~1.3 MB/s: the child is mid-file when it is killed
+    fake.hold_after[name] = len(data) // 3  # the child is mid-file when it is killed
     code = f"from backends import hub; hub.download_file({REPO!r}, {name!r})"
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
     child = subprocess.Popen([sys.executable, "-c", code], env=env)
     part = hub.download_path(REPO, name).with_name(name + ".part")
-    deadline = time.monotonic() + 120
     try:
-        while not (part.is_file() and part.stat().st_size >= len(data) // 4):
-            assert child.poll() is None and time.monotonic() < deadline, "the download did not start"
-            time.sleep(0.01)
+        assert fake.holding.wait(120), "the download did not start"
+        time.sleep(0.5)  # the child writes what it received
     finally:
         child.kill()
         child.wait(30)
-    fake.throttle_s = 0.0
+        fake.released.set()
     kept = part.stat().st_size
     assert 0 < kept < len(data)
     manager = hub.DownloadManager()  # a new app: the partial download comes back paused
@@ -210,23 +209,22 @@ def test_disk_space_checked_before_starting(fake, monkeypatch):
 
 
 def test_queue_pause_resume_and_cancel_with_confirmation(fake, files):
-    fake.throttle_s = 0.02
+    fake.hold_after["tiny-Q8_0.gguf"] = 1 << 20
+    fake.throttle_s = 0.01  # a few progress ticks per file, with a speed
     events = []
     manager = hub.DownloadManager(on_progress=events.append)
     try:
         first = manager.add(REPO, "tiny-Q8_0.gguf")
         second = manager.add(REPO, "tiny-Q4_K_M.gguf")
-        deadline = time.monotonic() + 60
-        while manager.get(first.id).done == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        assert manager.get(second.id).state == "queued"  # one at a time
-        paused = manager.wait(manager.pause(first.id).id, timeout=30)
+        assert fake.holding.wait(60)  # the first is mid-file
+        assert manager.get(first.id).state == "running" and manager.get(second.id).state == "queued"  # one at a time
+        manager.pause(first.id)
+        fake.released.set()
+        paused = manager.wait(first.id, timeout=30)
         assert paused.state == "paused" and 0 < paused.done < len(files["tiny-Q8_0.gguf"])
         plan = manager.cancel(first.id)  # without confirm: says what would be lost, does nothing
         assert not plan.cancelled and plan.bytes_lost == paused.done and manager.get(first.id).state == "paused"
         assert "deletes" in plan.describe()
-        fake.throttle_s = 0.0
         manager.resume(first.id)
         assert manager.wait(first.id, timeout=60).state == "done"
         assert manager.wait(second.id, timeout=60).state == "done"
@@ -234,11 +232,12 @@ def test_queue_pause_resume_and_cancel_with_confirmation(fake, files):
         with pytest.raises(hub.HubError, match="nothing to cancel"):
             manager.cancel(second.id, confirm=True)
         fake.add_repo("org/big-GGUF", {"big.gguf": files["tiny-Q8_0.gguf"]})
-        fake.throttle_s = 0.05
+        fake.released.clear()
+        fake.holding.clear()
+        fake.hold_after["big.gguf"] = 1 << 20
         third = manager.add("org/big-GGUF", "big.gguf")
-        while manager.get(third.id).done == 0:
-            assert time.monotonic() < deadline + 60
-            time.sleep(0.01)
+        assert fake.holding.wait(60)
+        threading.Timer(0.5, fake.released.set).start()  # the worker sees the cancel at its next block
         done = manager.cancel(third.id, confirm=True)
         assert done.cancelled and manager.get(third.id).state == "cancelled"
         dest = hub.download_path("org/big-GGUF", "big.gguf")

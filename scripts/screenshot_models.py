@@ -82,7 +82,7 @@ def main() -> None:
                 _wait(page, "#models-library", r"Smollm2 135M")
                 _pick(page, "#models-target", "Smollm2 135M")
                 _wait(page, "#models-draft-notes", r"compatible file")
-                _pick(page, "#models-draft", "✓ SmolLM2-135M-Instruct-Q4_1 · Q4_1 · 98 MB · 1.0x")  # for this target
+                _pick(page, "#models-draft", "✓ SmolLM2-135M-Instruct-Q4_1 · Q4_1 · 98 MB · 1.0x")  # the preset
                 page.click("#models-load")
                 _wait(page, "#models-status", r"Loading…")
                 _wait(page, "#models-status", r"Loaded target|Could not load|Load cancelled")

@@ -15,7 +15,7 @@ from app.config import ConfigError, DecodeParams
 from app.engine.engine import Engine
 from app.engine.interface import NoModelLoaded
 from backends.base import BackendError
-from backends.progress import STAGES, LoadCancelled, LoadStep, LoadTracker, tracking
+from backends.progress import STAGES, LoadCancelled, LoadStep, LoadTracker
 from backends.registry import ModelSpec
 
 HI = [{"role": "user", "content": "Name three colours."}]

@@ -181,7 +181,8 @@ class HubUI:
             listing = self._listings.get(repo) or hub.repo_files(repo)
             group = listing.group(name)
             if not group.complete:
-                return queue_html(self.jobs()), f"⚠️ {name}: some of its {group.shards} shards are missing on the Hub."
+                missing = f"⚠️ {name}: some of its {group.shards} shards are missing on the Hub."
+                return queue_html(self.jobs()), missing
             for f in group.files:
                 self.manager.add(repo, f.path, revision=listing.revision)
         except BackendError as e:

@@ -142,7 +142,8 @@ def _short(source: str) -> str:
 
 def fit_html(fit) -> str:
     """A planning.Fit as a coloured badge (style.css: green in VRAM, amber offloaded, blue CPU, red no)."""
-    return f'<span class="dsbd-fit dsbd-fit-{escape(fit.badge)}" title="{escape(fit.detail)}">{escape(fit.label)}</span>'
+    return (f'<span class="dsbd-fit dsbd-fit-{escape(fit.badge)}" title="{escape(fit.detail)}">'
+            f"{escape(fit.label)}</span>")
 
 
 def _int(value, name: str, *, low: int) -> int | None:

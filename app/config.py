@@ -70,6 +70,17 @@ MODE_FACTS: dict[str, Mode] = {m.name: m for m in (
          concrete=False),
 )}
 MODES = tuple(MODE_FACTS)
+
+
+def without_draft() -> str:
+    """What the app does with a target and no draft model, read from MODE_FACTS (the draft picker's fallback)."""
+    concrete = [(m, f) for m, f in MODE_FACTS.items() if f.concrete]
+    alone = ", ".join(m for m, f in concrete if not f.uses_draft)
+    free = " and ".join(m for m, f in concrete if f.uses_draft and not f.needs_draft)
+    need = ", ".join(m for m, f in concrete if f.needs_draft)
+    return (f"without a compatible draft the target runs alone: {alone} need no draft model; {free} draft from "
+            f"n-gram matches of the prompt and the answer and from the target's own successors instead "
+            f"(lookup sources match and recycled); {need} needs one")
 BEAM_MODES = tuple(m for m, f in MODE_FACTS.items() if f.beams and f.concrete)
 # auto's quality levels (app/engine/auto.py): fast = sample | sps, beam = beam-sample | dsbd with W_min >= 2,
 # dynamic = dsbd with W_min = W (beam sampling's law), gamma 0..6 sized to the measured pass costs.

@@ -94,6 +94,11 @@ def cache_dir() -> Path:
         return Path(base).absolute() / "dsbd-chat" / "models"
 
 
+def downloaded_file(repo: str, filename: str) -> Path:
+    """Where `backends.hub` downloads `org/name:file.gguf`: inside the models cache, so resolve() finds it offline."""
+    return cache_dir() / "hub" / repo / filename
+
+
 def _package_dir(dist: str) -> Path | None:
     """Folder of a distribution's top-level package, found without importing (running) it."""
     try:
@@ -171,16 +176,19 @@ def _write_marker(f: ModelFile, path: Path, digest: str) -> None:
         tmp.unlink(missing_ok=True)  # the marker only saves time; without it we hash again next start
 
 
-def _progress(total: int, desc: str):
+def _progress(total: int, desc: str, stage: str, detail: str):
     from tqdm import tqdm
 
+    from backends.progress import current
+
     # disable=None: no bar when stderr is not a terminal (logs, tests, the web UI's server console).
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=None)
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=None)
+    return current().bar(bar, stage, detail)  # the Models tab's stages; a cancelled load stops here
 
 
 def _hash_file(path: Path, desc: str) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as src, _progress(path.stat().st_size, desc) as bar:
+    with open(path, "rb") as src, _progress(path.stat().st_size, desc, "hash", path.name) as bar:
         while block := src.read(_BLOCK):
             h.update(block)
             bar.update(len(block))
@@ -214,7 +222,7 @@ def _assemble(parts: list[Path], f: ModelFile, dest: Path) -> None:
     tmp = Path(tmp_name)
     try:
         h = hashlib.sha256()
-        with os.fdopen(fd, "wb") as out, _progress(need, f"assemble {f.filename}") as bar:
+        with os.fdopen(fd, "wb") as out, _progress(need, f"assemble {f.filename}", "assemble", f.filename) as bar:
             for part in parts:
                 with open(part, "rb") as src:
                     while block := src.read(_BLOCK):

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from backends.base import BackendError, ModelNotFound, RegistryError
-from backends.presets import PRESETS, cache_dir, preset_file
+from backends.presets import PRESETS, cache_dir, downloaded_file, preset_file
 
 if TYPE_CHECKING:
     from backends.base import Model
@@ -165,6 +165,8 @@ def _resolve_hub(source: str) -> ResolvedModel:
     repo, _, filename = source.partition(":")
     if filename and not filename.endswith(".gguf"):
         raise RegistryError(f"{source}: only .gguf files can be picked with ':'; use {repo} for safetensors")
+    if filename and ".." not in Path(filename).parts and (local := downloaded_file(repo, filename)).is_file():
+        return ResolvedModel(Path(filename).stem, local, "gguf")  # `dsbd-chat models download` put it there
     try:
         if filename:
             # hf_hub_download shows a tqdm bar, resumes partial downloads and reads the cache offline.

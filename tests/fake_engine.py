@@ -42,26 +42,62 @@ class FakeEngine:
         # auto mode: fixed pass costs instead of timing (the README's qwen-coder ones on a 2-core CPU)
         self.policy = AutoPolicy.from_costs({1: 0.080, 8: 0.25, 64: 1.0}, {1: 0.045, 8: 0.11, 64: 0.76})
         self.observed: list[tuple[DecodeParams, dict]] = []
+        self.loaded = True  # False after unload(): requests raise NoModelLoaded
+        self.load_steps, self.step_s = 1, 0.0  # swap(): progress reports per model and the pause between them
 
     def describe(self) -> dict:
+        self._require()
         d = {"target": self.names[0], "target_backend": self.backends[0], "n_ctx": self.n_ctx}
         return d | ({"draft": self.names[1], "draft_backend": self.backends[1]} if self.has_draft else {})
 
-    def swap(self, target, draft=None, *, progress=None) -> dict:
-        """Pretend to load: the names become the specs' sources; `swap_fails_with` fails it, keeping the old."""
+    def swap(self, target, draft=None, *, progress=None, cancel=None) -> dict:
+        """Pretend to load: the names become the specs' sources; `swap_fails_with` fails it, keeping the old.
+        `load_steps` seconds per stage (cancellable between them, as the real engine's reports are)."""
+        from backends.progress import LoadCancelled, LoadStep
+
         target, draft = target.validated(), draft.validated() if draft is not None else None
+        for role, spec in (("target", target), ("draft", draft)):
+            if spec is None:
+                continue
+            for i in range(self.load_steps + 1):
+                if progress is not None:
+                    progress(LoadStep("load", role, i / max(self.load_steps, 1), spec.source))
+                if cancel is not None and cancel.is_set():
+                    raise LoadCancelled(f"cancelled while {role}: loading the weights; the models that were "
+                                        "serving still serve")
+                if i < self.load_steps:
+                    time.sleep(self.step_s)
         if progress is not None:
-            progress(0.0, desc=f"loading target {target.source}")
-        if self.swap_fails_with is not None:
+            progress(LoadStep("check", None, 0.0))
+        if self.swap_fails_with is not None:  # as a vocabulary check would fail, after both loaded
             err, self.swap_fails_with = self.swap_fails_with, None
             raise err
         with self.lock:
             self.specs, self.has_draft = (target, draft), draft is not None
             self.names = (target.source, draft.source if draft else None)
             self.backends = (target.backend, draft.backend if draft else None)
+            self.loaded = True
+        if progress is not None:
+            progress(LoadStep("switch", None, 1.0))
         return self.describe()
 
+    def unload(self, role: str = "all") -> dict | None:
+        self._require()
+        with self.lock:
+            if role == "draft":
+                self.has_draft, self.specs = False, (self.specs[0], None)
+            else:
+                self.loaded, self.specs, self.has_draft = False, (None, None), False
+        return self.describe() if role == "draft" else None
+
+    def _require(self) -> None:
+        if not self.loaded:
+            from app.engine.interface import NoModelLoaded
+
+            raise NoModelLoaded()
+
     def check_params(self, params: DecodeParams) -> DecodeParams:
+        self._require()
         params = params.validated()
         if params.needs_draft and not self.has_draft:
             raise ConfigError(f"mode {params.mode!r} needs a draft model")
@@ -69,7 +105,7 @@ class FakeEngine:
 
     def chat(self, messages: list[dict], params: DecodeParams, *,
              cancel: threading.Event | None = None) -> Iterator[Event]:
-        params = self.check_params(params)
+        params = self.check_params(params)  # NoModelLoaded once unloaded
         if self.fail_with is not None:
             err, self.fail_with = self.fail_with, None
             raise err

@@ -112,7 +112,8 @@ def direct(engine, **kw) -> str:
 
 def test_models_and_ui_on_one_server(served, client, tiny):
     models = client.models.list().data
-    assert [m.id for m in models] == [model_id(tiny)] == ["smollm2-135m-instruct-q4-1"]  # the preset's name
+    assert models[0].id == model_id(tiny) == "smollm2-135m-instruct-q4-1"  # the preset's name
+    assert all(m.id.startswith("library/") for m in models[1:])  # then the model library
     assert models[0].model_extra["dsbd"]["target_backend"] == "llamacpp"
     assert client.models.retrieve(model_id(tiny)).id == model_id(tiny)
     page = httpx.get(served[0] + "/", timeout=30)  # the Gradio UI, mounted at "/", needs no key
@@ -304,3 +305,48 @@ def test_backend_error_is_500_with_its_message(held):
     with pytest.raises(openai.InternalServerError) as e:
         fake.chat.completions.create(model="any", messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
     assert e.value.status_code == 500 and "fell off the bus" in e.value.message
+
+
+def test_no_model_loaded_is_503_saying_what_to_do(held):
+    url, engine, _ = held
+    engine.unload("all")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
+    assert e.value.status_code == 503 and e.value.code == "model_not_loaded"
+    assert "no model is loaded" in e.value.message and "Models tab" in e.value.message
+    assert model_id(engine) == "dsbd-chat"
+
+
+def test_models_lists_the_library_with_a_loaded_flag(tmp_path, monkeypatch, tiny_gguf_path):
+    from gguf_files import write_gguf
+    from hub_server import isolate
+
+    paths = isolate(monkeypatch, tmp_path)
+    write_gguf(paths["cache"] / "other.gguf", name="Other")
+    engine = FakeEngine()
+    engine.specs = (ModelSpec(source=str(tiny_gguf_path)), ModelSpec(source="tiny"))
+    with running(build_api(engine)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        models = {m.id: m for m in client.models.list()}
+        served = models[model_id(engine)]
+        assert served.loaded is True and list(models)[0] == model_id(engine)  # the served model stays first
+        tiny = next(m for m in models.values() if m.id.startswith("library/") and m.dsbd["preset"] == "tiny")
+        assert tiny.loaded is True and tiny.dsbd["loaded_as"] == "target" and tiny.owned_by == "local"
+        mine = next(m for m in models.values() if m.id.startswith("library/") and m.dsbd["name"] == "Other")
+        assert mine.loaded is False and mine.dsbd["quant"] == "F32" and mine.dsbd["complete"] is True
+        assert "path" not in mine.dsbd and str(tmp_path) not in str(mine.dsbd)  # no local paths over the API
+        assert client.models.retrieve(mine.id).dsbd["name"] == "Other"
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("library/nothing-here")
+
+
+def test_models_after_an_unload_lists_the_library_only(tmp_path, monkeypatch):
+    from hub_server import isolate
+
+    isolate(monkeypatch, tmp_path)
+    engine = FakeEngine()
+    engine.unload("all")
+    with running(build_api(engine)) as url:
+        models = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0).models.list()
+        assert all(m.id.startswith("library/") and m.loaded is False for m in models)

@@ -54,8 +54,87 @@ def test_generate_raw_streams_text(capsys, tiny_gguf_path):
     assert "Paris" in capsys.readouterr().out
 
 
-def test_models_lists_presets(capsys):
-    assert main(["models", "--json"]) == 0
+
+
+# -- models: library, check, rm, search, download ----------------------------------------------------------
+
+
+@pytest.fixture
+def library_home(tmp_path, monkeypatch):
+    from hub_server import isolate
+
+    return isolate(monkeypatch, tmp_path)
+
+
+def test_models_lists_library_presets_and_folders(capsys, library_home, tmp_path):
+    from gguf_files import write_gguf
+
+    folder = tmp_path / "mine"
+    write_gguf(folder / "mine.gguf", name="Mine")
+    assert main(["models", "--json", "--add-dir", str(folder)]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert {r["preset"] for r in out["models"]} >= {"tiny", "qwen-coder"}
+    assert {r["preset"] for r in out["presets"]} >= {"tiny", "qwen-coder"}
     assert out["cpu"] and out["llama_weight_repack"].startswith("llama.cpp weight repack")
+    by_name = {m["name"]: m for m in out["models"]}
+    assert by_name["Mine"]["source"] == "folder" and by_name["Mine"]["complete"]
+    assert by_name["SmolLM2-135M-Instruct-Q4_1"]["preset"] == "tiny"
+    assert any(f["path"] == str(folder.resolve()) and f["remembered"] for f in out["folders"])
+    assert main(["models", "list"]) == 0  # remembered: listed without --dir, as a table
+    text = capsys.readouterr().out
+    assert "mine" in text and "presets:" in text and "CPU:" in text
+
+
+def test_models_check_exit_codes_and_reasons(capsys, tmp_path, tiny_gguf_path):
+    from gguf_files import vocabulary, write_gguf
+
+    assert main(["models", "check", "tiny", "tiny"]) == 0
+    assert "compatible" in capsys.readouterr().out
+    vocab = vocabulary(tiny_gguf_path)
+    vocab["tokens"][1000] = "<|object_ref_start|>"
+    crafted = write_gguf(tmp_path / "crafted.gguf", n_layer=1, n_embd=8, n_ff=16, **vocab)[0]
+    assert main(["models", "check", "tiny", str(crafted), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["compatible"] is False and out["reasons"][0].startswith("token 1000 differs: draft '<|object_ref_start|>'")
+    assert "greedy" in out["without_draft"]
+
+
+def test_models_rm_asks_unless_yes(capsys, library_home, monkeypatch):
+    from gguf_files import write_gguf
+
+    parts = write_gguf(library_home["cache"] / "gone.gguf", split=2)
+    monkeypatch.setattr("sys.stdin.isatty", lambda: False)
+    assert main(["models", "rm", str(parts[0])]) == 1  # no terminal to ask on, no --yes: nothing deleted
+    assert "pass --yes" in capsys.readouterr().out and all(p.exists() for p in parts)
+    size = sum(p.stat().st_size for p in parts)
+    monkeypatch.setattr("sys.stdin.isatty", lambda: True)
+    monkeypatch.setattr("builtins.input", lambda prompt: "n")
+    assert main(["models", "rm", str(parts[1])]) == 1 and all(p.exists() for p in parts)
+    monkeypatch.setattr("builtins.input", lambda prompt: "y")
+    assert main(["models", "rm", str(parts[1])]) == 0
+    assert not any(p.exists() for p in parts) and "freed" in capsys.readouterr().out
+    write_gguf(library_home["cache"] / "again.gguf")
+    assert main(["models", "rm", str(library_home["cache"] / "again.gguf"), "--yes", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["deleted"] is True
+
+
+def test_models_search_and_download_through_the_hub(capsys, library_home, monkeypatch, tmp_path):
+    from gguf_files import write_gguf
+    from hub_server import FakeHub
+
+    data = write_gguf(tmp_path / "m.gguf", name="Hubbed")[0].read_bytes()
+    with FakeHub() as fake:
+        fake.add_repo("org/hubbed-GGUF", {"hubbed-Q8_0.gguf": data}, downloads=7)
+        for k, v in fake.env().items():
+            monkeypatch.setenv(k, v)
+        assert main(["models", "search", "hubbed"]) == 0
+        assert "org/hubbed-GGUF" in capsys.readouterr().out
+        assert main(["models", "download", "org/hubbed-GGUF"]) == 0  # no file named: its files and fit
+        listing = capsys.readouterr().out
+        assert "Q8_0" in listing and "hubbed-Q8_0.gguf" in listing
+        assert main(["models", "download", "org/hubbed-GGUF", "--quant", "Q8_0", "--json"]) == 0
+        (path,) = json.loads(capsys.readouterr().out)["files"]
+        assert open(path, "rb").read() == data
+        assert main(["models", "download", "org/missing-GGUF"]) == 2
+        assert "repo org/missing-GGUF not found" in capsys.readouterr().err
+    assert main(["models", "--json"]) == 0
+    assert any(m["repo"] == "org/hubbed-GGUF" for m in json.loads(capsys.readouterr().out)["models"])

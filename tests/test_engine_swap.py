@@ -115,14 +115,16 @@ def test_swap_to_a_pytorch_target_serves_while_loading(engine, loads):
     loads.hook = answer_meanwhile
     steps = []
     info = engine.swap(ModelSpec("tiny", backend="pytorch", n_ctx=CTX), ModelSpec("tiny", n_ctx=CTX),
-                       progress=lambda frac, desc: steps.append(desc))
+                       progress=steps.append)
     assert info["target_backend"] == "pytorch" and info["draft_backend"] == "llamacpp"
     assert engine.describe() == info and engine.specs[0].backend == "pytorch"
     assert len(loads.models) == 1 and served[0].strip()  # the unchanged draft spec was kept, not reloaded
     assert engine.draft is old_draft and engine.target is loads.models[0]
     assert engine.tokenizer is loads.models[0].tokenizer
     assert_closed(old_target)
-    assert steps[0].startswith("loading target tiny (pytorch)") and "switching" in steps[-1]
+    assert (steps[0].stage, steps[0].role) == ("load", "target") and steps[0].detail == "tiny"
+    assert [s.role for s in steps if s.stage == "load"] == ["target"] * sum(s.stage == "load" for s in steps)
+    assert (steps[-1].stage, steps[-1].fraction) == ("switch", 1.0)
     assert answer(engine).strip() and answer(engine, SPS).strip()
 
 

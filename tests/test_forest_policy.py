@@ -21,7 +21,7 @@ from app.config import ConfigError, DecodeParams
 from backends.registry import ModelSpec
 from app.decoding import start
 from app.decoding.beams import Stopper
-from app.decoding.forest_policy import (PRIOR, Acceptance, ForestPolicy, count_law, expected_distinct,
+from app.decoding.forest_policy import (PRIOR, ForestPolicy, count_law, expected_distinct,
                                         layer_pass)
 from app.decoding.metrics import Metrics
 from app.decoding.sampling import log_softmax

@@ -1,6 +1,7 @@
 """Presets: assembly from chunk packages, checksum markers, the models cache, listing. Offline and fast."""
 
 import hashlib
+import threading
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -83,10 +84,32 @@ def test_interrupted_assembly_leaves_no_temp_file(fake, cache, monkeypatch):
         def update(self, n):
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(presets, "_progress", lambda total, desc: Bar())
+    monkeypatch.setattr(presets, "_progress", lambda *args: Bar())
     with pytest.raises(KeyboardInterrupt):
         resolve("fake")
     assert cache_files(cache) == []
+
+
+def test_a_cancelled_assembly_reports_its_stage_and_leaves_no_file(fake, cache, monkeypatch):
+    import backends.progress
+    from backends.progress import LoadCancelled, LoadTracker, tracking
+
+    monkeypatch.setattr(backends.progress, "_EVERY_S", 0.0)  # every block reported: cancel after the first
+    cancel, steps = threading.Event(), []
+
+    def hear(step):  # the user presses Cancel once the copy is under way
+        steps.append(step)
+        if step.fraction > 0:
+            cancel.set()
+    tracker = LoadTracker(hear, cancel)
+    tracker.role = "draft"
+    with tracking(tracker), pytest.raises(LoadCancelled, match="while draft: assembling the preset's chunks"):
+        resolve("fake", role="draft")
+    assert cache_files(cache) == []
+    assert [(s.stage, s.role, s.detail) for s in steps[:1]] == [("assemble", "draft", "fake.gguf")]
+    assert 0 < steps[-1].fraction < 1
+    resolve("fake")  # nothing half-done is left to trip over: the next load assembles it
+    assert cache_files(cache) == ["fake.gguf", "fake.gguf.sha256"]
 
 
 def test_missing_part_names_its_package(fake, cache):

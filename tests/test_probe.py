@@ -63,8 +63,8 @@ def test_real_probe_child_reports_a_verdict_and_the_model_loads_with_it(tiny_ggu
 
 
 def test_weight_types_are_read_once_per_file_version(tmp_path, monkeypatch, tiny_gguf_path):
-    """gguf's reader parses the whole header (~13 s on a qwen file): a file's types are cached by path, size, mtime."""
-    import gguf
+    """A file's weight types are read from its header once, then cached by path, size and mtime."""
+    import backends.gguf_header
 
     monkeypatch.setenv("DSBD_CHAT_CACHE", str(tmp_path / "cache"))
     f = tmp_path / "m.gguf"
@@ -75,9 +75,42 @@ def test_weight_types_are_read_once_per_file_version(tmp_path, monkeypatch, tiny
     def no_reader(*a, **k):
         raise AssertionError("the header was read again")
 
-    monkeypatch.setattr(gguf, "GGUFReader", no_reader)
+    monkeypatch.setattr(backends.gguf_header, "read_header", no_reader)
     assert probe.weight_types(f) == first  # cached
     with open(f, "ab") as out:  # a changed file (size, mtime) is read again
         out.write(b"\0" * 32)
     with pytest.raises(AssertionError, match="read again"):
         probe.weight_types(f)
+
+
+def test_a_probe_is_a_load_stage_and_a_cancel_ends_its_child(tiny_gguf_path, tmp_path, monkeypatch):
+    """The repack probe (a child loading and decoding the model) can take many seconds on a busy machine: the
+    load reports it as its own stage, and Cancel ends the child; nothing is cached for a cancelled probe."""
+    import os
+    import sys
+    import threading
+
+    from backends.progress import LoadCancelled, LoadTracker, tracking
+
+    monkeypatch.delenv(probe.ENV, raising=False)
+    pid_file = tmp_path / "child.pid"
+    slow = tmp_path / "slow-child"  # stands in for the Python child: says its pid, then takes its time
+    slow.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 600\n")
+    slow.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(slow))
+    heard, cancel = [], threading.Event()
+    tracker = LoadTracker(heard.append, cancel)
+    tracker.role = "target"
+
+    def press_cancel_once_the_child_runs():
+        while not (pid_file.exists() and pid_file.read_text().strip()):
+            threading.Event().wait(0.05)
+        cancel.set()
+    threading.Thread(target=press_cancel_once_the_child_runs, daemon=True).start()
+    cache = tmp_path / "probe.json"
+    with tracking(tracker), pytest.raises(LoadCancelled, match="testing llama.cpp's weight repack"):
+        probe.decide(tiny_gguf_path, "auto", cache_file=cache)
+    assert [(s.stage, s.role, s.detail) for s in heard] == [("probe", "target", tiny_gguf_path.name)]
+    assert not cache.exists()
+    with pytest.raises(ProcessLookupError):  # killed and reaped, not left running
+        os.kill(int(pid_file.read_text()), 0)

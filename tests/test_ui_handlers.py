@@ -21,7 +21,6 @@ from app.serve.ui.settings import (FIELDS, default_settings, load_presets, param
                              settings_from_values, visibility, widget_updates)
 from app.serve.ui.stats import stats_markdown  # noqa: E402
 from backends.base import BackendError  # noqa: E402
-from backends.tokenizer import VocabMismatch  # noqa: E402
 from fake_engine import FakeEngine  # noqa: E402
 
 
@@ -431,79 +430,3 @@ def test_session_state_is_not_copied():
 
     s = Session()
     assert copy.deepcopy(s) is s and isinstance(s.cancel, type(threading.Event()))
-
-
-def test_models_tab_text():
-    from app.serve.ui.models import SWITCH_NOTE, describe_markdown
-
-    md = describe_markdown(FakeEngine())
-    assert "fake-target" in md and "Draft model" in md and "needs" not in md
-    assert "sps, dsbd and dsbd-mem need one" in describe_markdown(FakeEngine(draft=False))
-    assert "--target" in SWITCH_NOTE and "TODO" not in SWITCH_NOTE
-
-
-# -- models tab: live swap ---------------------------------------------------------------------------------
-class _Plan:
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def format(self) -> str:
-        return self.text
-
-
-def test_models_tab_swap_updates_the_displayed_info(store, monkeypatch):
-    import app.engine.planning
-    from backends.registry import ModelSpec
-    from app.serve.ui.models import ModelsUI
-
-    monkeypatch.setattr(app.engine.planning, "plan_for", lambda t, d, p: _Plan(f"plan: {t.source} + {d.source}, W={p.beams}"))
-    eng = FakeEngine(draft=False)
-    ui, chat = ModelsUI(eng), ChatUI(eng, store)
-    assert "fake-target" in ui.view().info and "not loaded from model specs" in ui.view().plan
-    seen = []
-    v = ui.load(" org/big:model.gguf ", "pytorch", "small.gguf", "llamacpp", progress=lambda *a, **k: seen.append(a))
-    assert v.status == "✅ Loaded target org/big:model.gguf (pytorch) + draft small.gguf (llamacpp), context 200."
-    assert "`org/big:model.gguf`" in v.info and "| Draft source | `small.gguf` |" in v.info
-    assert "fake-target" not in v.info
-    assert v.plan.startswith("```") and "plan: org/big:model.gguf + small.gguf, W=4" in v.plan
-    assert eng.specs == (ModelSpec("org/big:model.gguf", backend="pytorch", n_ctx=200),
-                         ModelSpec("small.gguf", n_ctx=200))
-    assert seen and [r[0] for r in v.presets][:1] == ["tiny"] and "RAM" in v.memory
-    # the next load keeps the loaded specs' other settings; an empty draft unloads it
-    v = ui.load("tiny", "llamacpp", "", "pytorch")
-    assert eng.specs == (ModelSpec("tiny", n_ctx=200), None) and "No draft model" in v.info
-    eng.tokenizer = type("Tok", (), {"decode": lambda self, ids: b"new"})()
-    assert chat.decode([1]) == b"new"  # the chat tab follows the swapped tokenizer
-
-
-@pytest.mark.parametrize("err", [VocabMismatch("token 42 differs: draft b'x' vs target b'y'"),
-                                 BackendError("llama.cpp could not load bad.gguf"), RuntimeError("bug")])
-def test_models_tab_failed_swap_shows_the_error_and_keeps_the_old_models(store, err):
-    from app.serve.ui.models import ModelsUI
-
-    eng = FakeEngine()
-    ui = ModelsUI(eng)
-    before = ui.view().info
-    eng.swap_fails_with = err
-    v = ui.load("other", "llamacpp", "other-draft", "llamacpp", progress=lambda *a, **k: None)
-    assert v.status.startswith("⚠️ Could not load: ") and str(err) in v.status and "Still serving" in v.status
-    assert ("draft of the target's model family" in v.status) == isinstance(err, VocabMismatch)
-    assert v.info == before and "fake-target" in v.info and "fake-draft" in v.info
-    assert say(ChatUI(eng, store), Session(), "still there?")[-1].status.startswith("Done")
-
-
-def test_models_tab_form_errors_and_plan_errors(monkeypatch):
-    import app.engine.planning
-    from app.serve.ui.models import ModelsUI
-    from app.engine.planning import PlanError
-
-    eng = FakeEngine()
-    ui = ModelsUI(eng)
-    assert "enter a target model" in ui.load("  ", "llamacpp", "", "llamacpp").status
-    assert "unknown backend 'onnx'" in ui.load("tiny", "onnx", "", "llamacpp").status
-    assert eng.describe()["target"] == "fake-target"
-
-    def no_fit(*a, **k):
-        raise PlanError("dsbd does not fit: use --context 512")
-    monkeypatch.setattr(app.engine.planning, "plan_for", no_fit)
-    assert "⚠️ dsbd does not fit: use --context 512" in ui.load("tiny", "llamacpp", "tiny", "llamacpp").plan

@@ -19,7 +19,6 @@ arithmetic: phase timings by decorator, everything else in `_Run.account` and `_
 from __future__ import annotations
 
 import functools
-import math
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence

@@ -24,9 +24,10 @@ from backends.registry import ModelSpec
 from app.decoding import derive_seed, start
 from app.decoding.beams import Stopper
 from app.decoding.metrics import Metrics
-from app.engine.interface import Event, ModelEngine, PromptTooLong
+from app.engine.interface import Event, ModelEngine, NoModelLoaded, PromptTooLong
 from app.engine.learned import Learned, entry_key, model_key
 from app.engine.timing import TIMED, cost_profile
+from backends.progress import LoadTracker, tracking
 
 log = logging.getLogger(__name__)
 
@@ -58,58 +59,70 @@ class Engine(ModelEngine):
             check_compatible(draft.tokenizer, target.tokenizer)
 
     @classmethod
-    def load(cls, target: ModelSpec, draft: ModelSpec | None = None, *, budget=None, profile: str = TIMED) -> "Engine":
+    def load(cls, target: ModelSpec, draft: ModelSpec | None = None, *, budget=None, profile: str = TIMED,
+             progress=None, cancel: threading.Event | None = None) -> "Engine":
         """Plan memory (offload.plan), then load both models as planned. A plan that cannot fit raises
-        PlanError, saying what would, before any weights are read. `profile`: the cost profile adaptive forests
-        are priced with (app.engine.timing)."""
-        target = target.validated()
-        draft = draft.validated() if draft is not None else None
-        plan = memory_plan(target, draft, budget=budget)
-        t = d = None
-        try:
-            t = load_planned(target, "target", plan)
-            d = load_planned(draft, "draft", plan) if draft is not None else None
-            engine = cls(t, d, n_ctx=target.n_ctx)
-        except BaseException:
-            for m in (d, t):
-                if m is not None:
+        PlanError, saying what would, before any weights are read. `progress(LoadStep)` hears each stage;
+        setting `cancel` stops the load (LoadCancelled). `profile`: the cost profile adaptive
+        forests are priced with (app.engine.timing)."""
+        with tracking(LoadTracker(progress, cancel)) as tracker:
+            target = target.validated()
+            draft = draft.validated() if draft is not None else None
+            plan = _plan(target, draft, tracker, budget=budget)
+            loaded = []
+            try:
+                for role, spec in (("target", target), ("draft", draft)):
+                    if spec is not None:
+                        loaded.append(_load_role(spec, role, plan, tracker))
+                tracker.role = None
+                tracker.report("check", 0.0)
+                engine = cls(*loaded, n_ctx=target.n_ctx)
+                tracker.tell("check", 1.0)
+            except BaseException:
+                for m in reversed(loaded):
                     m.close()
-            raise
+                raise
         engine.specs, engine.plan = (target, draft), plan
         if profile != TIMED:
             engine.use_cost_profile(profile)
         return engine
 
-    def swap(self, target: ModelSpec, draft: ModelSpec | None = None, *, progress=None) -> dict:
+    def swap(self, target: ModelSpec, draft: ModelSpec | None = None, *, progress=None,
+             cancel: threading.Event | None = None) -> dict:
         """Replace the models; returns describe(). On any failure the old models stay loaded and serving.
 
         New models load beside the old ones, outside the lock, so answers keep streaming meanwhile; a spec
         equal to the one already serving that role is kept, not reloaded. Only the switch itself waits
-        for the running generation. `progress(fraction, desc=...)` (a gr.Progress fits) hears each step.
+        for the running generation. `progress(LoadStep)` hears each stage (backends.progress); setting
+        `cancel` stops the load at its next report (llama.cpp: within its load) and raises LoadCancelled.
         """
-        note = progress or (lambda *a, **k: None)
-        target = target.validated()
-        draft = draft.validated() if draft is not None else None
-        plan = memory_plan(target, draft)
-        fresh = []  # loaded by this call: closed again if anything fails
-        try:
-            models = []
-            for i, (role, spec) in enumerate((("target", target), ("draft", draft))):
-                m = self._serving(role, spec)
-                if m is None and spec is not None:
-                    note(i / 2, desc=f"loading {role} {spec.source} ({spec.backend})")
-                    m = load_planned(spec, role, plan)
-                    fresh.append(m)
-                models.append(m)
-            note(0.95, desc="checking vocabularies")
-            staged = type(self)(*models, n_ctx=target.n_ctx)  # the same checks and n_ctx as at startup
-            note(0.97, desc="switching (waits for the running answer)")
-        except BaseException:
-            for m in fresh:
-                m.close()
-            raise
+        tracker = LoadTracker(progress, cancel)
+        with tracking(tracker):
+            target = target.validated()
+            draft = draft.validated() if draft is not None else None
+            fresh = []  # loaded by this call: closed again if anything fails
+            try:
+                plan = _plan(target, draft, tracker, keep=lambda role, spec: self._serving(role, spec) is not None)
+                models = []
+                for role, spec in (("target", target), ("draft", draft)):
+                    m = self._serving(role, spec)
+                    if m is None and spec is not None:
+                        m = _load_role(spec, role, plan, tracker)
+                        fresh.append(m)
+                    models.append(m)
+                tracker.role = None
+                tracker.report("check", 0.0)
+                staged = type(self)(*models, n_ctx=target.n_ctx)  # the same checks and n_ctx as at startup
+                tracker.tell("check", 1.0)
+                tracker.report("switch", 0.0)
+                while not self.lock.acquire(timeout=_POLL_S):  # waits for the running answer; cancel still works
+                    tracker.check()
+            except BaseException:
+                for m in fresh:
+                    m.close()
+                raise
         keep = {id(m) for m in models}
-        with self.lock:
+        try:
             stale = [ctx for _, ctx, _ in self._ctx.values()]
             old = {id(m): m for m in (self.target, self.draft) if m is not None and id(m) not in keep}
             # The new state first, so a failing close below cannot leave the engine half switched.
@@ -122,7 +135,32 @@ class Engine(ModelEngine):
                 ctx.close()
             for m in old.values():
                 m.close()
+        finally:
+            self.lock.release()
+        tracker.tell("switch", 1.0)
         return self.describe()
+
+    def unload(self, role: str = "all") -> dict | None:
+        """Free the draft ("draft": the target keeps serving; returns describe()) or both models ("all": every
+        request then raises NoModelLoaded until models are loaded again; returns None). Waits for a running
+        answer."""
+        if role == "draft":
+            target, _ = self.specs
+            if target is None:
+                raise NoModelLoaded()
+            return self.swap(target, None)
+        if role != "all":
+            raise ConfigError(f"unload takes 'draft' or 'all', got {role!r}")
+        with self.lock:
+            self.close()
+            self.target = self.draft = self.tokenizer = None
+            self.specs, self.plan, self.policy = (None, None), None, None
+            self._finished.clear()
+        return None
+
+    def _require(self) -> None:
+        if self.target is None:
+            raise NoModelLoaded()
 
     def _serving(self, role: str, spec: ModelSpec | None):
         """The model now serving `role` if it was loaded from `spec` (None: load it, or no such role)."""
@@ -138,6 +176,7 @@ class Engine(ModelEngine):
                 m.close()
 
     def describe(self) -> dict:
+        self._require()
         d = {"target": self.target.info.name, "target_backend": self.target.info.backend, "n_ctx": self.n_ctx}
         if self.draft is not None:
             d |= {"draft": self.draft.info.name, "draft_backend": self.draft.info.backend}
@@ -175,11 +214,13 @@ class Engine(ModelEngine):
     # The public calls validate the request once; the private ones take validated DecodeParams.
     def check_params(self, params: DecodeParams) -> DecodeParams:
         """Validated params as they would run; auto stays auto (it picks when its generation starts)."""
+        self._require()
         params = params.validated()
         return params if params.mode == "auto" else self._resolve(params)[0]
 
     def resolve(self, params: DecodeParams) -> tuple[DecodeParams, str | None]:
         """Validated params, switched to memory-reduced DSBD when full mode does not fit the memory plan."""
+        self._require()
         return self._resolve(params.validated())
 
     def _resolve(self, params: DecodeParams) -> tuple[DecodeParams, str | None]:
@@ -201,6 +242,7 @@ class Engine(ModelEngine):
     def pick(self, params: DecodeParams) -> tuple[DecodeParams, dict]:
         """Auto mode: the setting of params.quality with the best projected tok/s, and what it was based on.
         The first call after a load times the models' passes (seconds; waits for a running answer)."""
+        self._require()
         return self._pick(params.validated())
 
     def _pick(self, params: DecodeParams) -> tuple[DecodeParams, dict]:
@@ -233,6 +275,7 @@ class Engine(ModelEngine):
         """(target, draft) pass-cost curves (app.engine.timing.CostCurve) for adaptive DSBD forests: the cost
         profile's, or the calibration auto mode uses, read from the timing cache or timed on first use (seconds;
         waits for a running answer). The draft's is None without a draft model."""
+        self._require()
         with self.lock:
             self._calibrated()
             return self.policy.target_cost, self.policy.draft_cost
@@ -263,11 +306,13 @@ class Engine(ModelEngine):
             self.policy.observe(params, stats)
 
     def encode(self, messages: list[dict]) -> list[int]:
+        self._require()
         return encode_chat(messages, self.tokenizer)
 
     def generate(self, prompt: Sequence[int], params: DecodeParams, *,
                  cancel: threading.Event | None = None) -> Iterator[Event]:
         """Stream one completion of `prompt` (token ids). Raises ConfigError before any work."""
+        self._require()
         prompt = list(prompt)
         if not prompt:
             raise ConfigError("the prompt is empty")
@@ -329,6 +374,8 @@ class Engine(ModelEngine):
                 yield Event(text="", tokens=0, live_beams=0, done=True,
                             stats={"mode": params.mode, "finish_reason": "cancelled", "new_tokens": 0})
                 return
+            if self.target is None:  # unloaded while this request waited
+                raise NoModelLoaded()
             if self.target is not encoded_for:  # a model swap went through while this request waited
                 raise BackendError("the models changed while this request waited; send it again")
             target = self._context("target", rows, cells)
@@ -497,6 +544,33 @@ def memory_plan(target: ModelSpec, draft: ModelSpec | None, *, budget=None):
     except Exception as e:  # the plan is advice; a model it cannot size still loads
         log.warning("no memory plan for %s: %s", target.source, e)
         return None
+
+
+_POLL_S = 0.1  # how often a swap waiting for the running answer looks at its cancel Event
+
+
+def _plan(target: ModelSpec, draft: ModelSpec | None, tracker: LoadTracker, *, budget=None, keep=None):
+    """The memory plan, after resolving each file to load under its role (so a preset's assembly and hashing
+    report as that role's stages); `keep(role, spec)`: a model already serving, nothing to resolve."""
+    from backends.registry import resolve
+
+    for role, spec in (("target", target), ("draft", draft)):
+        if spec is not None and not (keep and keep(role, spec)):
+            tracker.role = role
+            tracker.check()
+            resolve(spec.source, role=role)
+    tracker.role = None
+    tracker.check()
+    return memory_plan(target, draft, budget=budget)
+
+
+def _load_role(spec: ModelSpec, role: str, plan, tracker: LoadTracker):
+    """load_planned under `role`'s name in the tracker's reports."""
+    tracker.role = role
+    tracker.report("load", 0.0, spec.source)
+    model = load_planned(spec, role, plan)
+    tracker.tell("load", 1.0, spec.source)
+    return model
 
 
 def load_planned(spec: ModelSpec, role: str, plan):

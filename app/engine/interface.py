@@ -49,6 +49,17 @@ class ModelProcessLost(BackendError):
     """The supervised model process died or hung during the request; it restarts with the same models."""
 
 
+class NoModelLoaded(BackendError):
+    """The models were unloaded (Models tab): nothing answers until models are loaded again."""
+
+    def __init__(self, message: str | None = None) -> None:
+        from app.config import MODE_FACTS
+
+        drafted = ", ".join(m for m, f in MODE_FACTS.items() if f.concrete and f.needs_draft)
+        super().__init__(message or f"no model is loaded: load a target (and a draft for {drafted}) in the Models "
+                                    "tab, or start dsbd-chat with --preset / --target")
+
+
 class ModelEngine(ABC):
     """Loaded target (+ draft): one generation at a time, streamed as `Event`s."""
 
@@ -65,8 +76,14 @@ class ModelEngine(ABC):
         forests with cost profile `profile`."""
 
     @abstractmethod
-    def swap(self, target: ModelSpec, draft: ModelSpec | None = None, *, progress=None) -> dict:
-        """Replace the models; returns describe(). On failure the old models keep serving."""
+    def swap(self, target: ModelSpec, draft: ModelSpec | None = None, *, progress=None,
+             cancel: threading.Event | None = None) -> dict:
+        """Replace the models; returns describe(). On failure (LoadCancelled when `cancel` was set) the old
+        models keep serving. `progress(backends.progress.LoadStep)` hears each stage of the load."""
+
+    @abstractmethod
+    def unload(self, role: str = "all") -> dict | None:
+        """Free the draft ("draft"; returns describe()) or both models ("all"; then NoModelLoaded until a swap)."""
 
     @abstractmethod
     def describe(self) -> dict:

@@ -9,7 +9,7 @@ Two kinds of entries, each under a hashed key:
     calibration  the model-free node builder's calibration (app.decoding.lookups.Calibration) per target
                  model: how often each source's proposals are the target's next token
 
-Model identities come from backends.registry.timing_identity (file path, size and mtime; runtime build; CPU;
+Model identities come from backends.host.timing_identity (file path, size and mtime; runtime build; CPU;
 threads; placement): another file, build or machine starts afresh. Counts are capped when stored (recent
 answers outweigh old ones) and the file keeps at most MAX_ENTRIES entries, the least recently used dropped.
 Writes are atomic. $DSBD_CHAT_RETIME=1 (the pass costs' switch) ignores what was stored and starts afresh.

@@ -31,16 +31,18 @@ import time
 from typing import Callable, Sequence
 
 from backends.base import BackendError
+from backends.progress import LoadCancelled
 
-from app.config import DecodeParams
+from app.config import ConfigError, DecodeParams
 from app.engine.timing import TIMED
-from app.engine.interface import ModelEngine, ModelProcessLost
-from app.engine.messages import Call, Close, LoadFailed, Lost, Open, Opened, Progress, Ready, unpack_exc
+from app.engine.interface import ModelEngine, ModelProcessLost, NoModelLoaded
+from app.engine.messages import Call, Cancel, Close, LoadFailed, Lost, Open, Opened, Progress, Ready, unpack_exc
 from app.engine.proxies import RemoteTokenizer, Stream, reply
 from app.engine.worker_child import child_main
 from backends.registry import ModelSpec
 
 log = logging.getLogger(__name__)
+_POLL_S = 0.05  # how often a load waiting for the model process looks at its cancel Event
 
 MAX_LOAD_FAILURES = 3  # failed (re)loads in a row before the supervisor stops respawning
 MAX_ANSWER_CRASHES = 3  # answers in a row that killed the model process before it stops respawning
@@ -143,7 +145,8 @@ class WorkerEngine(ModelEngine):
         self._retry_lock = threading.Lock()  # one reload at a time while an RPC worker is down
         self._ids = itertools.count(1)
         self._cv = threading.Condition()
-        self._phase = "starting"  # starting | ready | waiting (an RPC worker is down) | broken | closed
+        # starting | ready | waiting (an RPC worker is down) | broken | empty (unloaded) | closed
+        self._phase = "starting"
         self._broken: str | None = None
         self._state: dict = {}
         self._child: _Child | None = None
@@ -167,7 +170,7 @@ class WorkerEngine(ModelEngine):
 
     @property
     def n_ctx(self) -> int:
-        return self._state["n_ctx"]
+        return self._state.get("n_ctx", 0)
 
     @property
     def pid(self) -> int | None:
@@ -176,8 +179,8 @@ class WorkerEngine(ModelEngine):
         return child.proc.pid if child is not None else None
 
     @property
-    def tokenizer(self) -> "RemoteTokenizer":
-        return self._tokenizer
+    def tokenizer(self) -> "RemoteTokenizer | None":
+        return self._tokenizer  # None once unloaded
 
     def describe(self) -> dict:
         self._ready()  # a broken worker says why
@@ -212,15 +215,15 @@ class WorkerEngine(ModelEngine):
     def complete(self, prompt: Sequence[int], params: DecodeParams, *, n: int = 1) -> list[dict]:
         return self._call("complete", list(prompt), params, n=n, kind="answer")
 
-    def swap(self, target: ModelSpec, draft: ModelSpec | None = None, *, progress=None) -> dict:
-        """Engine.swap in the model process (the old models keep serving if it fails). A broken worker
-        (crash loop) starts a fresh process with these models instead."""
+    def swap(self, target: ModelSpec, draft: ModelSpec | None = None, *, progress=None,
+             cancel: threading.Event | None = None) -> dict:
+        """Engine.swap in the model process (the old models keep serving if it fails or is cancelled). With
+        no models (unloaded) or a broken worker (crash loop), a fresh process loads these models instead;
+        cancelling that load ends the process."""
         with self._cv:
-            broken = self._phase in ("broken", "waiting")
-        if broken:
-            if progress is not None:
-                progress(0.0, desc=f"starting a model process for {target.source}")
-            child = self._start(target, draft)
+            fresh = self._phase in ("broken", "waiting", "empty")
+        if fresh:
+            child = self._start(target, draft, progress=progress, cancel=cancel)
             with self._cv:
                 if self._phase == "closed":
                     self._kill(child)
@@ -232,17 +235,44 @@ class WorkerEngine(ModelEngine):
         rid = next(self._ids)
         q = child.register(rid, "swap")
         try:
-            child.send(Call(rid, "swap", (target, draft), {"progress": progress is not None}))
+            child.send(Call(rid, "swap", (target, draft), {"progress": progress is not None,
+                                                          "cancel": cancel is not None}))
+            asked = False  # Cancel sent
             while True:
-                msg = q.get()
+                try:
+                    msg = q.get(timeout=_POLL_S if cancel is not None and not asked else None)
+                except queue.Empty:
+                    if cancel.is_set():
+                        child.send(Cancel(rid))
+                        asked = True
+                    continue
                 if isinstance(msg, Progress):
-                    progress(*msg.args, **msg.kwargs)
+                    if progress is not None:
+                        progress(*msg.args, **msg.kwargs)
                     continue
                 info, state = reply(msg)
                 self._adopt(state)
                 return info
         finally:
             child.forget(rid)
+
+    def unload(self, role: str = "all") -> dict | None:
+        """As Engine.unload; unloading both models ends the model process (its memory is freed at once)."""
+        if role == "draft":
+            target, _ = self.specs
+            if target is None:
+                raise NoModelLoaded()
+            return self.swap(target, None)
+        if role != "all":
+            raise ConfigError(f"unload takes 'draft' or 'all', got {role!r}")
+        self._ready()  # a running restart finishes first; a broken or empty engine says so
+        with self._cv:
+            child, self._child = self._child, None
+            self._phase, self._state, self._tokenizer, self._costs = "empty", {}, None, None
+            self._cv.notify_all()
+        if child is not None:
+            self._kill(child)
+        return None
 
     def generate(self, prompt: Sequence[int], params: DecodeParams, *,
                  cancel: threading.Event | None = None) -> "Stream":
@@ -277,6 +307,8 @@ class WorkerEngine(ModelEngine):
                     self._cv.wait()
                 if self._phase == "broken":
                     raise BackendError(self._broken)
+                if self._phase == "empty":
+                    raise NoModelLoaded()
                 if self._phase == "closed":
                     raise BackendError("the engine is closed")
                 if self._phase == "ready":
@@ -350,8 +382,10 @@ class WorkerEngine(ModelEngine):
         self._state = state
         self._tokenizer = RemoteTokenizer(self, state["tokenizer"])
 
-    def _start(self, target: ModelSpec, draft: ModelSpec | None) -> _Child:
-        """Spawn a model process, wait for its load; raise the load's error (or its death) if it fails."""
+    def _start(self, target: ModelSpec, draft: ModelSpec | None, *, progress=None,
+               cancel: threading.Event | None = None) -> _Child:
+        """Spawn a model process, wait for its load; raise the load's error (or its death) if it fails.
+        `progress(LoadStep)` hears the load's stages; setting `cancel` ends the process (LoadCancelled)."""
         ctx = multiprocessing.get_context("spawn")
         mine, theirs = ctx.Pipe()
         proc = ctx.Process(target=child_main, args=(theirs, target, draft, self._budget, self._on_start,
@@ -362,7 +396,22 @@ class WorkerEngine(ModelEngine):
         child = _Child(mine, proc)
         q = child.register(0, "load")
         threading.Thread(target=self._read, args=(child,), name=f"dsbd-worker-{proc.pid}", daemon=True).start()
-        msg = q.get()
+        last = None
+        while True:
+            try:
+                msg = q.get(timeout=_POLL_S if cancel is not None else None)
+            except queue.Empty:
+                if cancel.is_set():
+                    child.forget(0)
+                    self._kill(child)
+                    raise LoadCancelled(f"cancelled while {last or 'starting the model process'}; the model process "
+                                        "that was loading ended") from None
+                continue
+            if not isinstance(msg, Progress):
+                break
+            last = msg.args[0] if msg.args else last
+            if progress is not None:
+                progress(*msg.args, **msg.kwargs)
         child.forget(0)
         if not isinstance(msg, Ready):
             self._kill(child)

@@ -60,7 +60,8 @@ def child_main(conn, target: ModelSpec, draft: ModelSpec | None, budget, on_star
                 on_start()
             from app.engine.engine import Engine
 
-            engine = Engine.load(target, draft, budget=budget, profile=profile)
+            engine = Engine.load(target, draft, budget=budget, profile=profile,
+                                 progress=lambda step: send(Progress(0, (step,))))
         except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
             send(LoadFailed(0, pack_exc(e)))
             return
@@ -79,10 +80,12 @@ def child_main(conn, target: ModelSpec, draft: ModelSpec | None, budget, on_star
             os._exit(0)
         if isinstance(msg, Call):
             name, args, kwargs = msg.name, msg.args, dict(msg.kwargs)
+            if kwargs.pop("cancel", None):  # a load the user may cancel: Cancel(rid) sets this Event
+                kwargs["cancel"] = served.setdefault(rid, _Served()).cancel
             if name.startswith("tokenizer."):  # fast and read-only: answered inline
                 _serve_call(engine, rid, name, args, kwargs, send)
             else:
-                threading.Thread(target=_serve_call, args=(engine, rid, name, args, kwargs, send),
+                threading.Thread(target=_serve_call, args=(engine, rid, name, args, kwargs, send, served),
                                  name=f"dsbd-call-{rid}", daemon=True).start()
         elif isinstance(msg, Open):
             s = served[rid] = _Served()
@@ -111,7 +114,7 @@ def _state(engine) -> dict:
             "tokenizer": {k: getattr(tok, k, None) for k in TOKENIZER_ATTRS}, "pid": os.getpid()}
 
 
-def _serve_call(engine, rid: int, name: str, args, kwargs, send) -> None:
+def _serve_call(engine, rid: int, name: str, args, kwargs, send, served: dict | None = None) -> None:
     try:
         if name not in CALLS:
             raise BackendError(f"the model process has no call {name!r}")
@@ -126,6 +129,9 @@ def _serve_call(engine, rid: int, name: str, args, kwargs, send) -> None:
         send(Result(rid, result))
     except BaseException as e:  # noqa: BLE001 - re-raised in the parent
         send(Failed(rid, pack_exc(e)))
+    finally:
+        if served is not None:
+            served.pop(rid, None)
 
 
 def _serve_stream(engine, rid: int, name: str, args, s: _Served, send, served: dict) -> None:

@@ -1,5 +1,9 @@
 """OpenAI-compatible HTTP API beside the chat UI: GET /v1/models, POST /v1/chat/completions, /v1/completions.
 
+GET /v1/models lists the served model first (`loaded: true`; its id answers requests), then every model of
+the local library (`backends.library`) as `library/<id>` with `loaded` telling whether it is the served
+target or draft.
+
 One FastAPI app serves both: the API routes under /v1 and the Gradio UI mounted at "/" (`build_server`).
 API requests share the UI's engine, so its lock runs one generation at a time across both; each request
 gets its own cancel Event, set when its client goes away (as the UI's Stop button does).
@@ -34,7 +38,7 @@ from backends.base import BackendError
 from app.chat import ChatError
 from app.config import API_MODES, MODE_FACTS, ConfigError, DecodeParams
 from app.decoding import derive_seed
-from app.engine.interface import PromptTooLong
+from app.engine.interface import NoModelLoaded, PromptTooLong
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"  # loopback by default, like the UI
@@ -133,6 +137,8 @@ def as_api_error(e: BaseException, prompt_param: str) -> ApiError:
         return ApiError(400, str(e), param=_param_of(e.field))
     if isinstance(e, ChatError):
         return ApiError(400, str(e), param=prompt_param)
+    if isinstance(e, NoModelLoaded):
+        return ApiError(503, str(e), type="server_error", code="model_not_loaded")
     if isinstance(e, BackendError):
         return ApiError(500, str(e), type="server_error")
     log.error("API request failed", exc_info=e)
@@ -291,8 +297,12 @@ class _ClientGone(Exception):
 
 # -- the app --------------------------------------------------------------------------------------
 def model_id(engine) -> str:
-    """The served model's id: the target's name as a URL-safe slug."""
-    return re.sub(r"[^a-z0-9.]+", "-", engine.describe()["target"].lower()).strip("-") or "dsbd-chat"
+    """The served model's id: the target's name as a URL-safe slug ("dsbd-chat" while none is loaded)."""
+    try:
+        name = engine.describe()["target"]
+    except NoModelLoaded:
+        return "dsbd-chat"
+    return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-") or "dsbd-chat"
 
 
 def _basic(header: str) -> tuple[bytes, bytes] | None:
@@ -338,15 +348,19 @@ def build_api(engine, *, api_key: str | None = None, auth: tuple[str, str] | Non
 
     @router.get("/models")
     def list_models() -> dict:
-        return {"object": "list", "data": [_model_card(engine)]}
+        served = [] if _unloaded(engine) else [_model_card(engine)]
+        return {"object": "list", "data": [*served, *_library_cards(engine)]}
 
     @router.get("/models/{model:path}")
     def get_model(model: str) -> dict:
         name = model_id(engine)
-        if model != name:
+        if model == name:
+            return _model_card(engine)
+        card = next((c for c in _library_cards(engine) if c["id"] == model), None)
+        if card is None:
             raise ApiError(404, f"model {model!r} is not served here; this server has {name!r}",
                            param="model", code="model_not_found")
-        return _model_card(engine)
+        return card
 
     @router.post("/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request) -> Response:
@@ -400,8 +414,47 @@ def build_api(engine, *, api_key: str | None = None, auth: tuple[str, str] | Non
     return app
 
 
+def _unloaded(engine) -> bool:
+    """No model is loaded (the Models tab unloaded them): only the library is listed."""
+    try:
+        engine.describe()
+    except NoModelLoaded:
+        return True
+    return False
+
+
 def _model_card(engine) -> dict:
-    return {"id": model_id(engine), "object": "model", "created": 0, "owned_by": "dsbd-chat", "dsbd": engine.describe()}
+    return {"id": model_id(engine), "object": "model", "created": 0, "owned_by": "dsbd-chat", "loaded": True,
+            "dsbd": engine.describe()}
+
+
+LIBRARY_PREFIX = "library/"
+
+
+def _library_cards(engine) -> list[dict]:
+    """The model library as OpenAI model objects (`library/<id>`), each with `loaded`: whether it is the served
+    target or draft. Requests still answer with the loaded pair; the Models tab switches models."""
+    from backends import library
+
+    try:
+        entries = library.scan().entries
+    except Exception as e:  # noqa: BLE001 (the library is extra information: the served model stays listed)
+        log.warning("model library not listed: %s", e)
+        return []
+    specs = getattr(engine, "specs", None) or (None, None)
+    loaded = {}
+    for spec, role in zip(specs, ("target", "draft")):
+        if spec is not None and (hit := library.match_source(spec.source, role, entries)) is not None:
+            loaded.setdefault(hit.id, role)
+    return [{"id": LIBRARY_PREFIX + e.id, "object": "model", "created": int(e.mtime), "owned_by": "local",
+             "loaded": e.id in loaded, "dsbd": {k: v for k, v in e.as_dict().items() if k in _PUBLIC} |
+             ({"loaded_as": loaded[e.id]} if e.id in loaded else {})}
+            for e in entries]
+
+
+# What an API client learns about a library model: no file paths or folder names of this machine.
+_PUBLIC = ("name", "source", "size", "complete", "problem", "kind", "arch", "params", "params_label", "quant",
+           "context_length", "n_layers", "chat_template", "family", "repo", "preset")
 
 
 def _usage(done: dict[int, Any], per_prompt: int) -> dict:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import llama_cpp.llama_cpp as ll
 
+from backends import progress
 from backends.base import BackendError, BadModelFile
 
 log = logging.getLogger("backends.llamacpp.native")
@@ -93,6 +94,11 @@ class ModelHandle:
             params.tensor_buft_overrides = placement.overrides_ptr
             if placement.split_ptr is not None:
                 params.tensor_split = placement.split_ptr
+        tracker = progress.current()
+        if not vocab_only:  # returning False from the callback makes llama.cpp stop and return NULL
+            report = tracker.native("load", path.name)
+            callback = ll.llama_progress_callback(lambda fraction, _user: report(fraction))
+            params.progress_callback, params.progress_callback_user_data = callback, None
         self.placement, self.load_log = placement, []
         take_errors()
         _capture = self.load_log
@@ -100,6 +106,9 @@ class ModelHandle:
             ptr = ll.llama_model_load_from_file(os.fsencode(path), params)
         finally:
             _capture = None
+        if not ptr and tracker.cancelled:
+            take_errors()
+            tracker.check()  # raises LoadCancelled
         if not ptr:
             why = take_errors() or "no details logged"
             raise BackendError(

@@ -20,12 +20,16 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from backends import progress
 
 ENV = "DSBD_CHAT_LLAMA_EXTRA_BUFTS"
 SETTINGS = ("auto", "on", "off")
 PROBE_TIMEOUT_S = 180
+_POLL_S = 0.2  # how often a running probe looks at its load's cancel Event
 _lock = threading.Lock()
 
 
@@ -74,19 +78,31 @@ def decide(path: Path, value: str | None = None, *, cache_file: Path | None = No
 
 
 def run_probe(path: Path, *, timeout: float = PROBE_TIMEOUT_S) -> dict:
-    """Load `path` with the repack on and decode in a child process; {ok, why}."""
+    """Load `path` with the repack on and decode in a child process; {ok, why}. A load's tracker hears it as
+    the "probe" stage; a cancelled load ends the child (LoadCancelled, nothing cached)."""
     cmd = [sys.executable, "-m", "backends.llamacpp.probe", "--child", str(path)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_project_root(), os.environ.get("PYTHONPATH")])))
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "why": f"a test decode with the repack on did not finish in {timeout:.0f} s"}
-    if r.returncode == 0 and "probe ok" in r.stdout:
+    tracker = progress.current()
+    tracker.report("probe", 0.0, path.name)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        due = time.monotonic() + timeout
+        while True:
+            try:
+                out, err = proc.communicate(timeout=_POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                if tracker.cancelled or time.monotonic() > due:
+                    proc.kill()
+                    proc.communicate()
+                    tracker.check()  # raises LoadCancelled
+                    return {"ok": False, "why": f"a test decode with the repack on did not finish in {timeout:.0f} s"}
+    tracker.tell("probe", 1.0, path.name)
+    if proc.returncode == 0 and "probe ok" in out:
         return {"ok": True, "why": ""}
-    if r.returncode < 0:
-        return {"ok": False, "why": f"a test decode with the repack on died with {signal_name(-r.returncode)}"}
-    tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
-    return {"ok": False, "why": f"a test decode with the repack on failed (exit {r.returncode}: {tail[0][:200]})"}
+    if proc.returncode < 0:
+        return {"ok": False, "why": f"a test decode with the repack on died with {signal_name(-proc.returncode)}"}
+    tail = (err or out).strip().splitlines()[-1:] or ["no output"]
+    return {"ok": False, "why": f"a test decode with the repack on failed (exit {proc.returncode}: {tail[0][:200]})"}
 
 
 def signal_name(sig: int) -> str:
@@ -116,17 +132,17 @@ def build_id() -> str:
 
 
 def weight_types(path: Path) -> list[str]:
-    """The tensor types in a GGUF file, from its header (no weights read). Cached per file (path, size, mtime):
-    gguf's reader parses the whole header, tokenizer arrays included, which takes ~13 s on a qwen file here."""
+    """The tensor types in a GGUF file, from its header (no weights read, the tokenizer arrays skipped). Cached per
+    file (path, size, mtime)."""
     st = Path(path).stat()
     key = f"{Path(path).resolve()}|{st.st_size}|{st.st_mtime_ns}"
     f = _cache_file().with_name("gguf-types.json")
     known = _read(f)
     if isinstance(known.get(key), list):
         return known[key]
-    from gguf import GGUFReader
+    from backends.gguf_header import read_header
 
-    types = sorted({t.tensor_type.name for t in GGUFReader(path, "r").tensors})
+    types = sorted({t.type_name for t in read_header(path, keep=()).tensors})
     _write(f, {k: v for k, v in known.items() if Path(k.split("|")[0]).exists()} | {key: types})
     return types
 

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends.progress import current
+
 ARCHS = ("llama", "qwen2")
 
 
@@ -204,7 +206,12 @@ def build(args: ModelArgs, load: Callable[[str], torch.Tensor]) -> Transformer:
     """A model whose every state-dict tensor comes from `load(name)`, without allocating random weights first."""
     with torch.device("meta"):
         model = Transformer(args)
-    state = {name: load(name) for name in model.state_dict()}
+    names = list(model.state_dict())
+    tracker, state = current(), {}
+    for i, name in enumerate(names):  # the load's progress, one tensor at a time (a cancelled load stops here)
+        tracker.report("load", i / len(names), f"tensor {i + 1} of {len(names)}")
+        state[name] = load(name)
+    tracker.report("load", 1.0)
     model.load_state_dict(state, strict=True, assign=True)
     return model.requires_grad_(False).eval()
 

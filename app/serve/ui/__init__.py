@@ -1,6 +1,6 @@
 """The browser UI: `build_app(engine)` returns the Gradio Blocks (app.serve.api serves it beside the API).
 
-One module per tab (chat, compare, models); settings, stats and forest are their helpers.
+One module per tab (chat, compare, models); settings, stats, forest, history and downloads are their helpers.
 Gradio 6 takes CSS and allowed file paths at launch, hence `launch_kwargs` next to `build_app`.
 """
 
@@ -33,8 +33,10 @@ def build_app(engine, *, data_dir: str | os.PathLike | None = None) -> gr.Blocks
         with gr.Tab("Compare", id="compare"):
             compare.build(engine, session, system, panel, ResultStore(store.root))  # beside the chats
         with gr.Tab("Models", id="models"):
-            models.build(engine)
+            models_ui = models.build(engine)
         app.load(chat_ui.on_load, [session], outputs, concurrency_limit=None, show_progress="hidden")
+        fn, inputs, outs = models_ui.page_load
+        app.load(fn, inputs, outs, concurrency_limit=None, show_progress="hidden")
     app.dsbd_store = store  # for launch_kwargs and tests
     return app
 

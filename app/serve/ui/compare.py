@@ -21,6 +21,7 @@ import gradio as gr
 from matplotlib.figure import Figure
 
 from app.config import MODES, ConfigError
+from app.engine.interface import NoModelLoaded
 from app.compare.records import (BOTH_BAD, TIE, ResultsError, load_prompt_source, needs_vote, new_comparison, new_run,
                                  parse_prompts)
 from app.compare.runner import SetRunner, generate_answer, iter_answers, open_run
@@ -162,6 +163,11 @@ class CompareUI:
         if blind and len(modes) < 2:
             yield gr.skip(), gr.skip(), "A blind comparison needs at least two modes.", *_hidden_vote()
             return
+        try:
+            self.engine.describe()
+        except NoModelLoaded as e:  # unloaded in the Models tab
+            yield gr.skip(), gr.skip(), f"{e}.", *_hidden_vote()
+            return
         settings = settings_from_values(*values)
         session.cancel = cancel = threading.Event()  # the Stop button of this tab stops the comparison too
         session.compare = None
@@ -292,7 +298,7 @@ class CompareUI:
             run = new_run(source=name, items=items, params=params, settings=settings, models=self.engine.describe(),
                           seed=int(seed) if isinstance(seed, (int, float)) and seed >= 0 else None, system=system or "")
             self.runner.start(run, params)
-        except (ConfigError, ResultsError, ValueError, OSError) as e:
+        except (ConfigError, ResultsError, ValueError, OSError, NoModelLoaded) as e:
             return gr.skip(), f"Not started: {e}", gr.skip()
         return (_progress_html(0, len(items), "running"),
                 f"Running {len(items)} prompts × {len(modes)} modes in the background (run {run['id']}).",

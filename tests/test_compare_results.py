@@ -306,9 +306,9 @@ def test_open_mode_labels_answers_and_saves(tmp_path):
     eng = FakeEngine(draft=False)
     seen = []
     ui = CompareUI(eng, R.ResultStore(tmp_path))
-    out = list(ui.run(Session(), "compare me", ["dsbd", "greedy", "beam"], False, "", *values(),
+    out = list(ui.run(Session(), "compare me", ["sps", "greedy", "beam"], False, "", *values(),
                       progress=lambda *a, **k: seen.append(a)))
-    assert [p.mode for _, p in eng.calls] == ["greedy", "beam"]  # MODES order; dsbd failed before running
+    assert [p.mode for _, p in eng.calls] == ["greedy", "beam"]  # MODES order; sps failed before running
     cards, fig, status, *_ = out[-1]
     assert cards.count('class="dsbd-card"') == 3 and "needs a draft model" in cards and "tok/s" in cards
     assert fig is not None and status.startswith("Done: 3 mode(s)") and seen[0][0] == (0, 3)

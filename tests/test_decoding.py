@@ -82,8 +82,9 @@ VARYING = (CostCurve.of({1: 1.0, 2: 1.1, 4: 1.3, 5: 1.7, 6: 1.8, 8: 2.1}), CostC
 # --- reductions (spec §11 R1-R3) -----------------------------------------------------------------
 
 def test_each_decoder_declares_what_start_passes_it():
-    """start() gives a decoder the common arguments, a drafted mode's the draft and vocab, a forest mode's the
-    costs and policy: each decoder names every one it gets and requires no other."""
+    """start() gives a decoder the common arguments, a drafting mode's the draft (None without a draft model) and
+    vocab, a forest mode's the costs, policy and model-free node builder: each decoder names every one it gets
+    and requires no other."""
     import inspect
 
     for mode, facts in MODE_FACTS.items():
@@ -91,7 +92,8 @@ def test_each_decoder_declares_what_start_passes_it():
             continue
         declared = inspect.signature(decoder(mode)).parameters
         passed = {"target", "prompt", "params", "stopper", "metrics"} | \
-            ({"draft", "vocab"} if facts.needs_draft else set()) | ({"costs", "policy"} if facts.forest else set())
+            ({"draft", "vocab"} if facts.uses_draft else set()) | \
+            ({"costs", "policy", "nodes"} if facts.forest else set())
         assert passed <= set(declared), (mode, sorted(passed - set(declared)))
         required = {n for n, p in declared.items() if p.default is p.empty and p.kind is not p.VAR_KEYWORD}
         assert required <= passed, (mode, sorted(required - passed))

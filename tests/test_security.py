@@ -239,7 +239,8 @@ def test_bad_decode_settings_are_config_errors():
 BAD_FIELDS = [("mode", "turbo"), ("max_new_tokens", 0), ("temperature", float("nan")), ("top_k", -1),
               ("top_p", 0.0), ("beams", 0), ("draft_beams", 0), ("gamma", -1), ("threshold", 2.0), ("min_beams", 0),
               ("select", "x"), ("length_penalty", 99.0), ("seed", -1), ("stop", "x"), ("quality", "x"),
-              ("forest", "x"), ("unique_paths", 1), ("replacement", "x"), ("lookup_nodes", -1)]
+              ("forest", "x"), ("unique_paths", 1), ("replacement", "x"), ("lookup_nodes", -1),
+              ("lookup_sources", ("draft", "psychic"))]
 
 
 def test_every_config_error_names_its_field():

@@ -325,7 +325,7 @@ def test_every_mode_has_a_visibility_rule():
 
 def test_params_from_widget_values():
     p = params_from(settings_from_values(*values(mode="dsbd", beams=2.0, draft_beams=0.0, gamma=3.0, seed=None)))
-    assert p == DecodeParams(**(p.as_dict() | {"stop": ()}))
+    assert p == DecodeParams(**(p.as_dict() | {"stop": (), "lookup_sources": tuple(p.as_dict()["lookup_sources"])}))
     assert (p.mode, p.beams, p.draft_beams, p.gamma, p.seed, p.max_new_tokens) == ("dsbd", 2, None, 3, None, 64)
     assert isinstance(p.beams, int) and p.validated().draft_beams == 3
     assert params_from({"seed": 5.0}).seed == 5 and params_from({"seed": -1}).seed is None
@@ -361,10 +361,10 @@ def test_preset_keeps_length_and_seed():
 def test_compare_runs_modes_in_order_with_progress(store):
     eng = FakeEngine(draft=False)
     seen = []
-    out = list(CompareUI(eng, ResultStore(store.root)).run(Session(), "compare me", ["dsbd", "greedy", "beam"], False,
+    out = list(CompareUI(eng, ResultStore(store.root)).run(Session(), "compare me", ["sps", "greedy", "beam"], False,
                                                            "", *values(beams=2.0),
                                                            progress=lambda *a, **k: seen.append(a)))
-    assert [p.mode for _, p in eng.calls] == ["greedy", "beam"]  # MODES order; dsbd failed before running
+    assert [p.mode for _, p in eng.calls] == ["greedy", "beam"]  # MODES order; sps failed before running
     cards, fig, status, *_ = out[-1]
     assert cards.count('class="dsbd-card"') == 3 and "needs a draft model" in cards
     assert "tok/s" in cards and "target passes" in cards and "mean log-p" in cards

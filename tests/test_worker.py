@@ -175,7 +175,7 @@ def test_a_killed_model_process_ends_one_answer_and_the_next_one_works(worker, i
 def test_swap_then_crash_restarts_with_the_swapped_models(tiny_gguf_path):
     with WorkerEngine.load(SPEC) as w:
         with pytest.raises(ConfigError, match="needs a draft"):
-            w.chat(HI, DecodeParams(mode="dsbd"))
+            w.chat(HI, DecodeParams(mode="sps"))
         seen = []
         info = w.swap(SPEC, SPEC, progress=seen.append)
         stages = [k for k, _ in itertools.groupby((s.stage, s.role) for s in seen)]

@@ -348,39 +348,48 @@ class ForestPolicy:
         budget. Ties keep the smaller forest. Explores within the budget (module docstring)."""
         if q_rows is not None:
             self.set_profile(q_rows)
-        widths, looks = sorted(self.widths), sorted(set(self.lookups) or {0})
-        gammas = sorted({min(g, max_gamma) for g in self.gammas})
-        key = (tuple(gammas), roots, draft_roots)
-        best = self._choice.get(key)
-        if best is None:
-            best, best_rate = None, -1.0
-            for g in gammas:
-                for ws in widths if g > 0 else widths[:1]:
-                    for n in looks if g > 0 else looks[:1]:
-                        r = self.rate(g, ws, roots=roots, draft_roots=draft_roots, lookups=n)
-                        if r > best_rate * (1 + 1e-12):
-                            best, best_rate = (g, ws, n), r
-            self._choice[key] = best
-        self._plain_step = self.seconds(0, widths[0], roots=roots, draft_roots=draft_roots)
+        catch_up = self.draft_cost(draft_roots)  # every drafted forest's first draft pass, the same for all
+        plain = self._plain_step = self.seconds(0, 0, roots=roots, draft_roots=draft_roots)
+        best, best_rate = None, -1.0
+        for forest, steps, seconds in self._grid(max_gamma, roots):
+            r = steps / (seconds + (catch_up if forest[0] else 0.0))
+            if r > best_rate * (1 + 1e-12):
+                best, best_rate = forest, r
         self._exploring = None
         if best[0] == 0 and self.explore and self.observed < self.explore:
-            trial = self._trial(gammas, widths, looks[0], roots, draft_roots)
+            trial = self._trial(max_gamma, roots, catch_up, plain)
             if trial is not None:
                 best, self._exploring = trial
         self.chosen.append(best[:2])
         self.lookups_chosen.append(best[2])
         return best if with_lookups else best[:2]
 
-    def _trial(self, gammas, widths, looks: int, roots: int, draft_roots: int):
+    def _grid(self, max_gamma: int, roots: int) -> list[tuple[tuple, float, float]]:
+        """Every candidate (gamma, W_S, lookups), smallest first, with its expected steps and its seconds
+        less the draft's catch-up pass; memoised until the counts or the profile change (the catch-up is the
+        only part that changes every iteration: the draft's unscored suffix grows while it is not run)."""
+        gammas = sorted({min(g, max_gamma) for g in self.gammas})
+        key = (tuple(gammas), roots)
+        grid = self._choice.get(key)
+        if grid is None:
+            widths, looks = sorted(self.widths), sorted(set(self.lookups) or {0})
+            grid = self._choice[key] = [
+                ((g, ws, n), self.expected_steps(g, ws, n),
+                 self.seconds(g, ws, roots=roots, draft_roots=0, lookups=n) - (self.draft_cost(0) if g else 0.0))
+                for g in gammas for ws in (widths if g > 0 else widths[:1]) for n in (looks if g > 0 else looks[:1])]
+        return grid
+
+    def _trial(self, max_gamma: int, roots: int, catch_up: float, plain: float):
         """The forest to explore now, with (its seconds, the plain step's), or None: the cheapest drafted
-        forest that could pay if every layer passed, if its predicted extra time fits the budget."""
-        plain = self._plain_step
+        forest with the fewest lookups that could pay if every layer passed, if its predicted extra time fits
+        the budget."""
+        grid = self._grid(max_gamma, roots)
+        fewest = min(f[2] for f, _, _ in grid)
         best = None
-        for g in (g for g in gammas if g > 0):
-            for ws in widths:
-                s = self.seconds(g, ws, roots=roots, draft_roots=draft_roots, lookups=looks)
-                if (g + 1) / s > 1.0 / plain * (1 + 1e-9) and (best is None or s < best[1]):
-                    best = ((g, ws, looks), s)
+        for (g, ws, n), _, seconds in grid:
+            s = seconds + catch_up
+            if g > 0 and n == fewest and (g + 1) / s > 1.0 / plain * (1 + 1e-9) and (best is None or s < best[1]):
+                best = ((g, ws, n), s)
         if best is None:
             return None
         forest, s = best

@@ -203,82 +203,8 @@ def summarize(runs: list[dict], modes: list[str]) -> dict:
     summary = {}
     for mode in modes:
         mine = [r for r in runs if r["mode"] == mode]
-        stats = [r["stats"] for r in mine]
-        if not stats:
-            continue
-        tps = [s["tokens_per_s"] for s in stats]
-        acc: dict[str, list[int]] = {}
-        widths: dict[str, int] = {}
-        for s in stats:
-            for d, layer in s["acceptance_by_depth"].items():
-                a = acc.setdefault(str(d), [0, 0])
-                a[0] += layer["accepted"]
-                a[1] += layer["tested"]
-            for w, c in s["widths_histogram"].items():
-                widths[str(w)] = widths.get(str(w), 0) + c
-        lp = [s["mean_target_logprob"] for s in stats if s["mean_target_logprob"] is not None]
-        tokens = sum(s["new_tokens"] for s in stats)
-        summary[mode] = {
-            "runs": len(stats),
-            "tokens_per_s_median": statistics.median(tps),
-            "tokens_per_s_min": min(tps),
-            "tokens_per_s_max": max(tps),
-            "steps_per_target_pass": statistics.mean(s["steps_per_target_pass"] for s in stats),
-            "target_passes_per_token": sum(s["target_passes"] for s in stats) / max(1, tokens),
-            "acceptance_by_depth": {d: a[0] / a[1] if a[1] else None for d, a in sorted(acc.items())},
-            "widths_histogram": dict(sorted(widths.items())),
-            "peak_kv_bytes_target": max(s["peak_kv_bytes_target"] for s in stats),
-            "peak_kv_bytes_draft": max(s["peak_kv_bytes_draft"] for s in stats),
-            # the whole process (weights, every context so far) while this mode ran: compare, don't add
-            "peak_rss_bytes": max((r["peak_rss_bytes"] for r in mine if "peak_rss_bytes" in r), default=None),
-            "mean_target_logprob": statistics.mean(lp) if lp else None,
-            "mean_target_logprob_stdev": statistics.stdev(lp) if len(lp) > 1 else None,
-            "new_tokens": tokens,
-        }
-        for key in ("query_tokens_per_pass", "distinct_tokens_per_pass",
-                    "draft_query_tokens_per_pass", "draft_distinct_tokens_per_pass"):
-            passes = "draft_passes" if key.startswith("draft_") else "target_passes"
-            mine_pp = [(s[key] * s[passes], s[passes]) for s in stats if key in s]
-            if mine_pp:  # tokens a pass asked for / was fed (unique paths), over all passes of the mode
-                summary[mode][key] = sum(t for t, _ in mine_pp) / max(1, sum(n for _, n in mine_pp))
-        drafted = [s["draft_tokens"] for s in stats if "draft_tokens" in s]
-        if drafted:  # share of the returned tokens that were accepted draft tokens
-            summary[mode]["draft_token_share"] = sum(drafted) / max(1, tokens)
-        layers = [layer for s in stats for layer in s["acceptance_by_depth"].values()]
-        if layers:  # verified forest layers: passed by the drafts alone, or by the cache rule (every output a node)
-            passed, by_cache = sum(x["passed"] for x in layers), sum(x.get("passed_by_cache", 0) for x in layers)
-            summary[mode]["layers"] = {"verified": sum(x["attempted"] for x in layers),
-                                       "passed_by_acceptance": passed - by_cache, "passed_by_cache": by_cache,
-                                       "lookup_nodes": sum(x.get("lookup_nodes", 0) for x in layers),
-                                       "lookup_hits": sum(x.get("lookup_hits", 0) for x in layers)}
-        sizes = Counter()
-        for s in stats:
-            sizes.update(s.get("forest_sizes") or {})
-        if sizes:  # adaptive forests: the share of iterations that drafted at all
-            summary[mode]["drafted_iterations"] = 1 - sizes.get("g0", 0) / sum(sizes.values())
-        seconds = sum(s.get("decode_s") or s["new_tokens"] / max(s["tokens_per_s"], 1e-9) for s in stats)
-        summary[mode]["tokens_per_s_overall"] = tokens / max(1e-9, seconds)
-        graded = [r["passed"] for r in mine if "passed" in r]
-        if graded:
-            summary[mode]["pass_rate"] = sum(graded) / len(graded)
-            summary[mode]["passed"] = sum(graded)
-        proj = [(r["stats"]["new_tokens"], r["projected"]["seconds"]) for r in mine if "projected" in r]
-        if proj:  # under a named cost profile: the same answers, on the profile's machine
-            summary[mode]["projected_tokens_per_s_median"] = statistics.median(n / max(s, 1e-9) for n, s in proj)
-            summary[mode]["projected_tokens_per_s_overall"] = sum(n for n, _ in proj) / max(
-                1e-9, sum(s for _, s in proj))
-            summary[mode]["projected_decoder_share"] = sum(r["projected"]["decoder_s"] for r in mine) / max(
-                1e-9, sum(s for _, s in proj))
-        sources: dict = {}
-        for s in stats:  # lookup nodes and hits per source (draft model, matches, recycled predictions)
-            for name, v in (s.get("lookup_sources") or {}).items():
-                row = sources.setdefault(name, {"nodes": 0, "hits": 0})
-                row["nodes"] += v["nodes"]
-                row["hits"] += v["hits"]
-        if sources:
-            summary[mode]["lookup_sources"] = sources
-        if any("setting" in r for r in mine):  # auto: how often it picked each concrete setting
-            summary[mode]["settings"] = dict(Counter(r["setting"] for r in mine if "setting" in r).most_common())
+        if mine:
+            summary[mode] = _summary(mine) | _forest_summary(mine) | _outcomes(mine)
     for ref in REFERENCES:
         base = next((m for m in summary if m.split(":")[0] == ref), None)
         if base is None:
@@ -293,6 +219,99 @@ def summarize(runs: list[dict], modes: list[str]) -> dict:
             for mode, s in summary.items():
                 s["logprob_vs_beam_sample"] = paired_logprob(runs, mode, base)
     return summary
+
+
+def _summary(mine: list[dict]) -> dict:
+    """Speed, acceptance per depth, widths, memory and log-prob of one mode's runs."""
+    stats = [r["stats"] for r in mine]
+    tps = [s["tokens_per_s"] for s in stats]
+    acc: dict[str, list[int]] = {}
+    widths: dict[str, int] = {}
+    for s in stats:
+        for d, layer in s["acceptance_by_depth"].items():
+            a = acc.setdefault(str(d), [0, 0])
+            a[0] += layer["accepted"]
+            a[1] += layer["tested"]
+        for w, c in s["widths_histogram"].items():
+            widths[str(w)] = widths.get(str(w), 0) + c
+    lp = [s["mean_target_logprob"] for s in stats if s["mean_target_logprob"] is not None]
+    tokens = sum(s["new_tokens"] for s in stats)
+    out = {
+        "runs": len(stats),
+        "tokens_per_s_median": statistics.median(tps),
+        "tokens_per_s_min": min(tps),
+        "tokens_per_s_max": max(tps),
+        "steps_per_target_pass": statistics.mean(s["steps_per_target_pass"] for s in stats),
+        "target_passes_per_token": sum(s["target_passes"] for s in stats) / max(1, tokens),
+        "acceptance_by_depth": {d: a[0] / a[1] if a[1] else None for d, a in sorted(acc.items())},
+        "widths_histogram": dict(sorted(widths.items())),
+        "peak_kv_bytes_target": max(s["peak_kv_bytes_target"] for s in stats),
+        "peak_kv_bytes_draft": max(s["peak_kv_bytes_draft"] for s in stats),
+        # the whole process (weights, every context so far) while this mode ran: compare, don't add
+        "peak_rss_bytes": max((r["peak_rss_bytes"] for r in mine if "peak_rss_bytes" in r), default=None),
+        "mean_target_logprob": statistics.mean(lp) if lp else None,
+        "mean_target_logprob_stdev": statistics.stdev(lp) if len(lp) > 1 else None,
+        "new_tokens": tokens,
+    }
+    for key in ("query_tokens_per_pass", "distinct_tokens_per_pass",
+                "draft_query_tokens_per_pass", "draft_distinct_tokens_per_pass"):
+        passes = "draft_passes" if key.startswith("draft_") else "target_passes"
+        mine_pp = [(s[key] * s[passes], s[passes]) for s in stats if key in s]
+        if mine_pp:  # tokens a pass asked for / was fed (unique paths), over all passes of the mode
+            out[key] = sum(t for t, _ in mine_pp) / max(1, sum(n for _, n in mine_pp))
+    return out
+
+
+def _forest_summary(mine: list[dict]) -> dict:
+    """What the forests did: draft tokens kept, layers passed and how, lookup nodes per source, how often an
+    adaptive forest drafted at all."""
+    stats, out = [r["stats"] for r in mine], {}
+    tokens = sum(s["new_tokens"] for s in stats)
+    drafted = [s["draft_tokens"] for s in stats if "draft_tokens" in s]
+    if drafted:  # share of the returned tokens that were accepted draft tokens
+        out["draft_token_share"] = sum(drafted) / max(1, tokens)
+    layers = [layer for s in stats for layer in s["acceptance_by_depth"].values()]
+    if layers:  # verified forest layers: passed by the drafts alone, or by the cache rule (every output a node)
+        passed, by_cache = sum(x["passed"] for x in layers), sum(x.get("passed_by_cache", 0) for x in layers)
+        out["layers"] = {"verified": sum(x["attempted"] for x in layers),
+                         "passed_by_acceptance": passed - by_cache, "passed_by_cache": by_cache,
+                         "lookup_nodes": sum(x.get("lookup_nodes", 0) for x in layers),
+                         "lookup_hits": sum(x.get("lookup_hits", 0) for x in layers)}
+    sizes = Counter()
+    for s in stats:
+        sizes.update(s.get("forest_sizes") or {})
+    if sizes:  # adaptive forests: the share of iterations that drafted at all
+        out["drafted_iterations"] = 1 - sizes.get("g0", 0) / sum(sizes.values())
+    sources: dict = {}
+    for s in stats:  # lookup nodes and hits per source (draft model, matches, recycled predictions)
+        for name, v in (s.get("lookup_sources") or {}).items():
+            row = sources.setdefault(name, {"nodes": 0, "hits": 0})
+            row["nodes"] += v["nodes"]
+            row["hits"] += v["hits"]
+    if sources:
+        out["lookup_sources"] = sources
+    return out
+
+
+def _outcomes(mine: list[dict]) -> dict:
+    """Overall speed, the graded pass rate, the projected speed on a cost profile, auto's settings."""
+    stats = [r["stats"] for r in mine]
+    tokens = sum(s["new_tokens"] for s in stats)
+    seconds = sum(s.get("decode_s") or s["new_tokens"] / max(s["tokens_per_s"], 1e-9) for s in stats)
+    out = {"tokens_per_s_overall": tokens / max(1e-9, seconds)}
+    graded = [r["passed"] for r in mine if "passed" in r]
+    if graded:
+        out["pass_rate"] = sum(graded) / len(graded)
+        out["passed"] = sum(graded)
+    proj = [(r["stats"]["new_tokens"], r["projected"]["seconds"]) for r in mine if "projected" in r]
+    if proj:  # under a named cost profile: the same answers, on the profile's machine
+        out["projected_tokens_per_s_median"] = statistics.median(n / max(s, 1e-9) for n, s in proj)
+        out["projected_tokens_per_s_overall"] = sum(n for n, _ in proj) / max(1e-9, sum(s for _, s in proj))
+        out["projected_decoder_share"] = sum(r["projected"]["decoder_s"] for r in mine) / max(
+            1e-9, sum(s for _, s in proj))
+    if any("setting" in r for r in mine):  # auto: how often it picked each concrete setting
+        out["settings"] = dict(Counter(r["setting"] for r in mine if "setting" in r).most_common())
+    return out
 
 
 def paired_logprob(runs: list[dict], mode: str, ref: str) -> dict | None:

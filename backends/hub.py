@@ -21,7 +21,7 @@ Public API (plain data and callbacks, no printing; errors are `HubError` subclas
   shard) and the same grouped per quantization (`QuantGroup`, split shards together, `complete` when every
   shard is listed).
 - `fetch_header(repo, filename, *, revision="main") -> Path`: the file's GGUF header only (HTTP Range, grown
-  until it parses), cached under `<cache>/.library/hub-headers/`; readable by `backends.gguf_header`,
+  until it parses), cached under `<cache>/.library/hub-headers/`; readable by `offload.gguf_header`,
   `offload.geometry` and `backends.tokenizer.HeaderVocab` like a local file.
 - `download_file(repo, filename, *, revision="main", progress=None, stop=None) -> Path`: one file, blocking,
   resuming a partial one; `progress(Progress)` a few times a second; setting the `stop` Event pauses it
@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Callable
 
-from backends.gguf_header import HeaderTruncated, parse_header, shard_of
+from offload.gguf_header import HeaderTruncated, parse_header, shard_of
 from backends.base import ModelNotFound, RegistryError
 from backends.presets import cache_dir, downloaded_file
 

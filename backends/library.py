@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from backends.base import BackendError
-from backends.gguf_header import GGUFHeader, metadata_card, read_header, shard_of
+from offload.gguf_header import GGUFHeader, metadata_card, read_header, shard_of
 from backends.presets import cache_dir, list_models
 from backends.tokenizer import HeaderVocab, VocabFingerprint, header_fingerprint, load_tokenizer, vocab_differences
 from offload.errors import BadModelFile

@@ -180,7 +180,7 @@ def _unused_mask(texts: list[str], kinds: np.ndarray) -> np.ndarray:
 
 
 def header_fingerprint(header) -> VocabFingerprint | None:
-    """The fingerprint of a `backends.gguf_header.GGUFHeader` read with its token arrays; None without a
+    """The fingerprint of a `offload.gguf_header.GGUFHeader` read with its token arrays; None without a
     vocabulary (a projector or adapter file)."""
     meta = header.metadata
     if not isinstance(meta.get("tokenizer.ggml.tokens"), list):
@@ -237,7 +237,7 @@ class HeaderVocab(Tokenizer):
     @classmethod
     def from_file(cls, path: str | Path, *, name: str | None = None) -> "HeaderVocab":
         """Read the header now (raises offload.errors.BadModelFile; BackendError when it has no vocabulary)."""
-        from backends.gguf_header import read_header
+        from offload.gguf_header import read_header
 
         header = read_header(path)
         fp = header_fingerprint(header)
@@ -251,7 +251,7 @@ class HeaderVocab(Tokenizer):
 
     def _load(self) -> None:
         if self._texts is None:
-            from backends.gguf_header import read_header
+            from offload.gguf_header import read_header
 
             header = read_header(self.path)
             if header_fingerprint(header) != self.fingerprint:

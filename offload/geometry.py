@@ -2,20 +2,20 @@
 
 GGUF: metadata and tensor infos (name, shape, quant type) from the header; tensor data is never touched.
 gguf.GGUFReader would do, but it builds a numpy view per vocabulary string (11 s for a 151k-token
-Qwen file), so we walk the header ourselves with gguf's own type tables; tests check both agree.
+Qwen file), so offload/gguf_header.py walks the header with gguf's own type tables; tests check both agree.
 Safetensors: config.json plus each shard's JSON header (8-byte length + JSON), again no weights.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import re
 import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from offload.errors import BadModelFile
+from offload.gguf_header import read_header
 
 _LAYER_GGUF = re.compile(r"blk\.(\d+)\.")
 _LAYER_HF = re.compile(r"model\.layers\.(\d+)\.")
@@ -87,98 +87,9 @@ def read_geometry(path: str | Path, *, name: str | None = None) -> ModelGeometry
 # ---------------------------------------------------------------- GGUF
 
 
-class _Cursor:
-    """Little-endian reads over a memory map of the header."""
-
-    def __init__(self, buf, path: Path):
-        self.buf, self.pos, self.path = buf, 0, path
-
-    def take(self, fmt: str):
-        try:
-            value = struct.unpack_from("<" + fmt, self.buf, self.pos)
-        except struct.error:
-            raise BadModelFile(f"{self.path.name}: GGUF header is truncated") from None
-        self.pos += struct.calcsize("<" + fmt)
-        return value[0] if len(value) == 1 else value
-
-    def string(self) -> str:
-        n = self.take("Q")
-        s = bytes(self.buf[self.pos : self.pos + n])
-        if len(s) != n:
-            raise BadModelFile(f"{self.path.name}: GGUF header is truncated")
-        self.pos += n
-        return s.decode("utf-8", errors="replace")
-
-
-_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY = 8, 9
-
-
-def _value(c: _Cursor, vtype: int):
-    """One metadata value; arrays are skipped (returned as their length): the planner needs scalars only."""
-    if vtype in _SCALAR:
-        return c.take(_SCALAR[vtype])
-    if vtype == _STRING:
-        return c.string()
-    if vtype == _ARRAY:
-        etype, count = c.take("I"), c.take("Q")
-        if etype in _SCALAR:
-            c.pos += count * struct.calcsize(_SCALAR[etype])
-        elif etype == _STRING:
-            for _ in range(count):  # vocabularies: 150k+ length-prefixed strings
-                c.pos += 8 + struct.unpack_from("<Q", c.buf, c.pos)[0]
-        else:
-            for _ in range(count):
-                _value(c, etype)
-        return count
-    raise BadModelFile(f"{c.path.name}: unknown GGUF value type {vtype}")
-
-
-def scan_gguf(path: Path) -> tuple[dict, list[tuple[str, tuple[int, ...], int]]]:
-    """(scalar metadata, [(tensor name, shape as stored, ggml type id)]) without reading tensor data."""
-    try:
-        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            c = _Cursor(buf, path)
-            if bytes(buf[:4]) != b"GGUF":
-                raise BadModelFile(f"{path.name}: not a GGUF file")
-            c.pos = 4
-            version = c.take("I")
-            if version not in (2, 3):
-                raise BadModelFile(f"{path.name}: GGUF version {version} is not supported (expected 2 or 3)")
-            n_tensors, n_kv = c.take("Q"), c.take("Q")
-            meta = {}
-            for _ in range(n_kv):
-                key = c.string()
-                meta[key] = _value(c, c.take("I"))
-            tensors = []
-            for _ in range(n_tensors):
-                name = c.string()
-                shape = tuple(c.take("Q") for _ in range(c.take("I")))
-                ttype = c.take("I")
-                c.take("Q")  # data offset: not needed
-                tensors.append((name, shape, ttype))
-            return meta, tensors
-    except OSError as e:
-        raise BadModelFile(f"cannot read {path}: {e}") from e
-    except ValueError as e:  # mmap of an empty file
-        raise BadModelFile(f"{path.name}: not a GGUF file ({e})") from e
-
-
-def _tensor_bytes(path: Path, name: str, shape: tuple[int, ...], ttype: int) -> tuple[int, int]:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    try:
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
-    except (ValueError, KeyError):
-        raise BadModelFile(f"{path.name}: tensor {name} has unknown ggml type {ttype}; update gguf") from None
-    n = 1
-    for d in shape:
-        n *= d
-    return n * size // block, n
-
-
 def read_gguf(path: Path, *, name: str | None = None) -> ModelGeometry:
-    meta, tensors = scan_gguf(path)
+    header = read_header(path, keep=())  # scalars and the tensor table; arrays only as their length
+    meta, tensors = header.metadata, header.tensors
     arch = meta.get("general.architecture")
     if not isinstance(arch, str):
         raise BadModelFile(f"{path.name}: GGUF metadata general.architecture is missing")
@@ -193,8 +104,8 @@ def read_gguf(path: Path, *, name: str | None = None) -> ModelGeometry:
     layer_b, layer_p = [0] * n_layers, [0] * n_layers
     embed = head = (0, 0)
     vocab = 0
-    for tname, shape, ttype in tensors:
-        b, p = _tensor_bytes(path, tname, shape, ttype)
+    for t in tensors:
+        tname, shape, b, p = t.name, t.shape, t.n_bytes, t.n_elements
         if m := _LAYER_GGUF.match(tname):
             i = int(m.group(1))
             if i >= n_layers:
@@ -226,7 +137,7 @@ def read_gguf(path: Path, *, name: str | None = None) -> ModelGeometry:
         vocab_size=vocab,
         n_ctx_train=int(meta.get(f"{arch}.context_length", 4096)),
         **_sizes(layer_b, layer_p, embed, head),
-        tied_embeddings=not any(t[0] == "output.weight" for t in tensors),
+        tied_embeddings=not any(t.name == "output.weight" for t in tensors),
     )
 
 

@@ -13,34 +13,20 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import socket
+import tempfile
 import time
 from pathlib import Path
 
 from _common import ROOT_DIR  # noqa: F401  (puts the repository and tests/ on sys.path)
 
 REPO, FILE = "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF", "SmolLM2-135M-Instruct-Q4_1.gguf"
-CHROMIUM = "/usr/bin/chromium"
-
-
-def _wait(page, selector: str, pattern: str, timeout_s: float = 300) -> str:
-    page.wait_for_function("([s, p]) => new RegExp(p).test(document.querySelector(s)?.innerText || '')",
-                           arg=[selector, pattern], timeout=timeout_s * 1000)
-    return page.inner_text(selector)
-
-
-def _pick(page, dropdown: str, label_starts: str) -> None:
-    page.click(f"{dropdown} input")
-    option = page.locator('[data-testid="dropdown-option"]', has_text=label_starts).first
-    option.wait_for()
-    option.click()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="docs/screenshots/models.png")
-    ap.add_argument("--chromium", default=CHROMIUM)
     a = ap.parse_args()
+    from browser_support import SLOW_MS, launch_browser, pick, serve, wait_text
     from hub_server import FakeHub
     from playwright.sync_api import sync_playwright
 
@@ -50,43 +36,35 @@ def main() -> None:
         hub.add_repo(REPO, {FILE: data}, downloads=187_000, likes=96)
         os.environ["HF_ENDPOINT"] = hub.url  # before the model process starts: it inherits the environment
         from app.engine.worker import WorkerEngine
-        from app.serve.ui import QUEUE_KWARGS, build_app, launch_kwargs
         from backends import library
         from backends.presets import downloaded_file
         from backends.registry import ModelSpec
 
         engine = WorkerEngine.load(ModelSpec("tiny", n_ctx=2048))
-        app = build_app(engine)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        app.queue(**QUEUE_KWARGS).launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True,
-                                         quiet=True, inbrowser=False, **launch_kwargs(app))
+        app, url = serve(engine, Path(tempfile.mkdtemp(prefix="dsbd-screenshot-")))
         try:
             with sync_playwright() as p:
-                browser = p.chromium.launch(executable_path=a.chromium, headless=True,
-                                            args=["--headless", "--no-sandbox", "--disable-gpu"])
-                page = browser.new_page(viewport={"width": 1400, "height": 1000})
-                page.set_default_timeout(60_000)
-                page.goto(f"http://127.0.0.1:{port}/")
+                browser = launch_browser(p, Path(tempfile.mkdtemp(prefix="dsbd-chromium-")))
+                page = browser.new_page()
+                page.goto(url)
                 page.wait_for_selector("#message textarea")
                 page.get_by_role("tab", name="Models").click()
                 page.fill("#hub-query textarea", "smollm2")
                 page.click("#hub-search")
-                _wait(page, "#hub-status", r"GGUF repo")
+                wait_text(page, "#hub-status", r"GGUF repo")
                 page.click('#hub-results [data-testid="cell-0-0"]')
-                _wait(page, "#hub-status", r"file\(s\) in")
+                wait_text(page, "#hub-status", r"file\(s\) in")
                 page.click('#hub-files [data-testid="cell-0-1"]')
                 page.wait_for_function(f"document.querySelector('#hub-file textarea').value === '{FILE}'")
                 page.click("#hub-download")
-                _wait(page, "#hub-queue", r"\bdone\b")
-                _wait(page, "#models-library", r"Smollm2 135M")
-                _pick(page, "#models-target", "Smollm2 135M")
-                _wait(page, "#models-draft-notes", r"compatible file")
-                _pick(page, "#models-draft", "✓ SmolLM2-135M-Instruct-Q4_1 · Q4_1 · 98 MB · 1.0x")  # the preset
+                wait_text(page, "#hub-queue", r"\bdone\b", SLOW_MS)
+                wait_text(page, "#models-library", r"Smollm2 135M")
+                pick(page, "#models-target", "Smollm2 135M")
+                wait_text(page, "#models-draft-notes", r"compatible file")
+                pick(page, "#models-draft", "✓ SmolLM2-135M-Instruct-Q4_1 · Q4_1 · 98 MB · 1.0x")  # the preset
                 page.click("#models-load")
-                _wait(page, "#models-status", r"Loading…")
-                _wait(page, "#models-status", r"Loaded target|Could not load|Load cancelled")
+                wait_text(page, "#models-status", r"Loading…")
+                wait_text(page, "#models-status", r"Loaded target|Could not load|Load cancelled", SLOW_MS)
                 time.sleep(1)
                 page.screenshot(path=a.out, full_page=True)
                 browser.close()

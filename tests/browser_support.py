@@ -22,6 +22,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
         "--disable-component-update", "--disable-sync"]
 WAIT_MS = 30_000
+SLOW_MS = 300_000  # the slow steps on a busy machine: timing a new pair's passes, a first answer, a download
 
 
 def serve(engine, data_dir: Path):
@@ -45,8 +46,16 @@ def launch_browser(playwright, profile: Path):
     return ctx
 
 
-def wait_text(page, selector: str, pattern: str) -> str:
+def wait_text(page, selector: str, pattern: str, timeout_ms: int = WAIT_MS) -> str:
     """Wait until the element's text matches the regular expression; return the text."""
     page.wait_for_function("([sel, pat]) => new RegExp(pat).test(document.querySelector(sel)?.innerText || '')",
-                           arg=[selector, pattern], timeout=WAIT_MS)
+                           arg=[selector, pattern], timeout=timeout_ms)
     return page.inner_text(selector)
+
+
+def pick(page, dropdown: str, label_starts: str) -> None:
+    """Open a Gradio dropdown and click the option whose label starts with `label_starts`."""
+    page.click(f"{dropdown} input")
+    option = page.locator('[data-testid="dropdown-option"]', has_text=label_starts).first
+    option.wait_for()
+    option.click()

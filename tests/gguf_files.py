@@ -21,7 +21,7 @@ TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}</s>{% endfor 
 def vocabulary(path: str | Path) -> dict:
     """A GGUF file's tokenizer as write_gguf's keyword arguments: tokens, types, merges, model, pre, bos, eos,
     add_bos (to write a file that differs from a real one in chosen ways)."""
-    from backends.gguf_header import read_header
+    from offload.gguf_header import read_header
 
     keys = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
     m = read_header(path, keep=keys).metadata
@@ -36,8 +36,10 @@ def write_gguf(path: str | Path, *, name: str = "test-model", basename: str | No
                merges: list[str] | None = None, pre: str | None = None,
                n_layer: int = 2, n_embd: int = 16, n_ff: int = 32, n_head: int = 2, n_head_kv: int = 1,
                context: int = 2048, bos: int | None = 1, eos: int | None = 2, add_bos: bool | None = True,
-               chat_template: str | None = TEMPLATE, split: int = 0, seed: int = 0) -> list[Path]:
-    """Write the model; returns the files written (one, or `split` shards in order)."""
+               chat_template: str | None = TEMPLATE, split: int = 0, seed: int = 0, unk: int | None = None,
+               scores: bool = False, embed_scale: float | None = None) -> list[Path]:
+    """Write the model; returns the files written (one, or `split` shards in order). `embed_scale`: the
+    token embeddings' standard deviation (default 1/sqrt(n_embd), as every other matrix)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tokens = SPM_TOKENS if tokens is None else tokens
@@ -65,21 +67,25 @@ def write_gguf(path: str | Path, *, name: str = "test-model", basename: str | No
     if merges:
         w.add_token_merges(merges)
     w.add_token_list(tokens)
+    if scores:
+        w.add_token_scores([0.0] * len(tokens))
     w.add_token_types(types)
     if bos is not None:
         w.add_bos_token_id(bos)
     if eos is not None:
         w.add_eos_token_id(eos)
+    if unk is not None:
+        w.add_unk_token_id(unk)
     if add_bos is not None:
         w.add_add_bos_token(add_bos)
     if chat_template:
         w.add_chat_template(chat_template)
 
-    def rand(tname, rows, cols):
-        w.add_tensor(tname, (rng.standard_normal((rows, cols)) * cols ** -0.5).astype(np.float32))
+    def rand(tname, rows, cols, scale=None):
+        w.add_tensor(tname, (rng.standard_normal((rows, cols)) * (scale or cols ** -0.5)).astype(np.float32))
 
     hd = n_embd // n_head
-    rand("token_embd.weight", len(tokens), n_embd)
+    rand("token_embd.weight", len(tokens), n_embd, embed_scale)
     rand("output.weight", len(tokens), n_embd)
     w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
     for i in range(n_layer):

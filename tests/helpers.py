@@ -45,3 +45,15 @@ def kill_mid_save(script: str, root, start: int, reports: int, rng: random.Rando
         child.wait(10)
         child.stdout.close()
     return last
+
+
+HI = [{"role": "user", "content": "Name three colours."}]
+
+
+def answer(engine, params, messages=HI) -> str:
+    """The final text of one chat answer (the last event must say done)."""
+    last = None
+    for last in engine.chat(messages, params):
+        pass
+    assert last is not None and last.done
+    return last.text

@@ -9,6 +9,7 @@ import pytest
 
 import backends.registry
 from app.config import DecodeParams
+import helpers
 from backends.registry import ModelSpec
 from app.engine.engine import Engine
 from backends.base import BackendError
@@ -21,11 +22,7 @@ CTX = 512
 
 
 def answer(engine, params=GREEDY) -> str:
-    last = None
-    for last in engine.chat(MESSAGES, params):
-        pass
-    assert last is not None and last.done
-    return last.text
+    return helpers.answer(engine, params, MESSAGES)
 
 
 @pytest.fixture

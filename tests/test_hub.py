@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from backends import hub, library
-from backends.gguf_header import read_header
+from offload.gguf_header import read_header
 from gguf_files import write_gguf
 from hub_server import FakeHub, isolate
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from backends import library
-from backends.gguf_header import metadata_card, read_header
+from offload.gguf_header import metadata_card, read_header
 from backends.tokenizer import HeaderVocab, VocabMismatch, check_compatible, load_tokenizer, vocab_differences
 from gguf_files import SPM_TOKENS, vocabulary, write_gguf
 from hub_server import isolate

@@ -28,51 +28,11 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 def write_random_llama(path, *, seed: int = 0, n_embd: int = 64, n_layer: int = 3, n_head: int = 4,
                        n_head_kv: int = 2, n_ff: int = 128):
     """A llama-architecture GGUF with random f32 weights and a byte-level SentencePiece vocab (269 ids)."""
-    rng = np.random.default_rng(seed)
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581" + c for c in "abcdefghij"]
-    T = gguf.TokenType
-    types = [T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256 + [T.NORMAL] * 10
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("random-llama")
-    w.add_block_count(n_layer)
-    w.add_context_length(1024)
-    w.add_embedding_length(n_embd)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_rope_dimension_count(n_embd // n_head)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * len(tokens))
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
+    from gguf_files import write_gguf
 
-    def rand(name, rows, cols, scale=None):
-        w.add_tensor(name, (rng.standard_normal((rows, cols)) * (scale or cols ** -0.5)).astype(np.float32))
-
-    hd = n_embd // n_head
-    rand("token_embd.weight", len(tokens), n_embd, scale=1.0)
-    rand("output.weight", len(tokens), n_embd)
-    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
-    for i in range(n_layer):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, np.float32))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, np.float32))
-        rand(f"blk.{i}.attn_q.weight", n_embd, n_embd)
-        rand(f"blk.{i}.attn_k.weight", n_head_kv * hd, n_embd)
-        rand(f"blk.{i}.attn_v.weight", n_head_kv * hd, n_embd)
-        rand(f"blk.{i}.attn_output.weight", n_embd, n_embd)
-        rand(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
-        rand(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
-        rand(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_gguf(path, name="random-llama", n_layer=n_layer, n_embd=n_embd, n_ff=n_ff, n_head=n_head,
+                      n_head_kv=n_head_kv, context=1024, add_bos=None, chat_template=None, seed=seed, unk=0,
+                      scores=True, embed_scale=1.0)[0]
 
 
 def load(path):

@@ -16,6 +16,7 @@ from app.engine.engine import Engine
 from app.engine.interface import NoModelLoaded
 from backends.base import BackendError
 from backends.progress import STAGES, LoadCancelled, LoadStep, LoadTracker
+import helpers
 from backends.registry import ModelSpec
 
 HI = [{"role": "user", "content": "Name three colours."}]
@@ -25,11 +26,7 @@ CTX = 512
 
 
 def answer(engine, params=GREEDY) -> str:
-    last = None
-    for last in engine.chat(HI, params):
-        pass
-    assert last is not None and last.done
-    return last.text
+    return helpers.answer(engine, params, HI)
 
 
 def stages(steps) -> list[tuple[str, str | None]]:

@@ -104,6 +104,26 @@ def test_builder_with_costs_adds_nodes_only_where_they_pay():
                                                                          lambda p, t: False) == []
 
 
+def test_lookup_only_layers_that_keep_failing_stop_being_built():
+    """Per-token chances can be right while a layer of W outputs still rarely passes (they must all hit at once):
+    the builder weighs its layer predictions by what lookup-only layers did, and stops where they do not pay."""
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6]
+    mid = CostCurve.of({1: 0.076, 2: 0.09, 4: 0.12, 8: 0.17})
+    sure = Calibration({f"match:{n}:0": [1000.0, 1000.0] for n in range(1, 9)})
+    b = _builder(prompt, target_cost=mid, calibration=sure)
+    shape = lambda: Shape(max_depth=4, width=4, replacement=True, per_layer=[2] * 4, base_tokens=1.0,
+                          base_seconds=0.076)
+    first = b.build([(0, (), 1.0)], shape(), lambda p, t: False)
+    assert first and b.predicted[0] > 0.9
+    for _ in range(20):  # every lookup-only layer failed
+        b.build([(0, (), 1.0)], shape(), lambda p, t: False)
+        b.settle_layer(1, passed=False)
+    assert b.calibration.layer_factor(4, True) < 0.3  # it stopped building them on its own
+    assert b.build([(0, (), 1.0)], shape(), lambda p, t: False) == []  # no longer worth a node
+    assert b.calibration.layer_factor(4, False) == 1.0  # another law's layers are their own
+    assert b.calibration.carried().layer_factor(4, True) == pytest.approx(b.calibration.layer_factor(4, True))
+
+
 def test_builder_learns_from_verified_rows_including_nodes_it_did_not_add():
     b = Builder([5, 6, 7, 5, 6], sources=("match", "recycled"))
     shape = Shape(max_depth=1, width=1, replacement=True, per_layer=[0])  # no room: nothing added

@@ -11,25 +11,11 @@ from pathlib import Path
 import pytest
 
 pytestmark = [pytest.mark.browser, pytest.mark.filterwarnings("ignore:::gradio.queueing")]
-from browser_support import launch_browser, serve, sync_api, wait_text  # noqa: E402  (skips without Chromium)
+from browser_support import (SLOW_MS, launch_browser, pick, serve, sync_api,  # noqa: E402  (skips without Chromium)
+                             wait_text)
 
 REPO, FILE = "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF", "SmolLM2-135M-Instruct-Q4_1.gguf"
 BOT = '#chatbot [data-testid="bot"]'
-
-
-def wait_long(page, selector: str, pattern: str) -> str:
-    """wait_text for the slow steps on a busy machine: timing a new pair's passes, the first answer."""
-    page.wait_for_function("([sel, pat]) => new RegExp(pat).test(document.querySelector(sel)?.innerText || '')",
-                           arg=[selector, pattern], timeout=300_000)
-    return page.inner_text(selector)
-
-
-def pick(page, dropdown: str, label_starts: str) -> None:
-    """Open a Gradio dropdown and click the option whose label starts with `label_starts`."""
-    page.click(f"{dropdown} input")
-    option = page.locator('[data-testid="dropdown-option"]', has_text=label_starts).first
-    option.wait_for()
-    option.click()
 
 
 def test_search_download_pick_a_draft_load_with_stages_and_chat(tmp_path, monkeypatch):
@@ -94,7 +80,7 @@ def test_search_download_pick_a_draft_load_with_stages_and_chat(tmp_path, monkey
             page.get_by_label("llamacpp").first.check()
             page.click("#models-load")
             wait_text(page, "#models-status", r"Loading…")
-            status = wait_long(page, "#models-status", r"Loaded target|Could not load|Load cancelled")
+            status = wait_text(page, "#models-status", r"Loaded target|Could not load|Load cancelled", SLOW_MS)
             assert "✓ Loaded target" in status and "+ draft" in status and "context 1024" in status, status
             stages = page.inner_text("#models-progress")
             for line in ("target: loading the weights", "draft: loading the weights", "checking the vocabularies",
@@ -107,7 +93,7 @@ def test_search_download_pick_a_draft_load_with_stages_and_chat(tmp_path, monkey
             page.click('[data-testid="dropdown-option"][aria-label="sps"]')
             page.fill("#message textarea", "Say hello.")
             page.click("#send")
-            wait_long(page, "#status", "^Done|^Failed")
+            wait_text(page, "#status", "^Done|^Failed", SLOW_MS)
             assert page.inner_text("#status").startswith("Done") and page.locator(BOT).last.inner_text().strip()
             assert "sps" in page.inner_text("#stats")
             assert {"target", "draft"} <= set(engine.describe()) and notes

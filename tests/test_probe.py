@@ -64,7 +64,7 @@ def test_real_probe_child_reports_a_verdict_and_the_model_loads_with_it(tiny_ggu
 
 def test_weight_types_are_read_once_per_file_version(tmp_path, monkeypatch, tiny_gguf_path):
     """A file's weight types are read from its header once, then cached by path, size and mtime."""
-    import backends.gguf_header
+    import offload.gguf_header
 
     monkeypatch.setenv("DSBD_CHAT_CACHE", str(tmp_path / "cache"))
     f = tmp_path / "m.gguf"
@@ -75,7 +75,7 @@ def test_weight_types_are_read_once_per_file_version(tmp_path, monkeypatch, tiny
     def no_reader(*a, **k):
         raise AssertionError("the header was read again")
 
-    monkeypatch.setattr(backends.gguf_header, "read_header", no_reader)
+    monkeypatch.setattr(offload.gguf_header, "read_header", no_reader)
     assert probe.weight_types(f) == first  # cached
     with open(f, "ab") as out:  # a changed file (size, mtime) is read again
         out.write(b"\0" * 32)

@@ -352,6 +352,8 @@ class _Run:
             nodes = [hits.get(contents.find(rows[k // self.vocab].content, k % self.vocab)) for k, _ in outputs]
             passed = all(n is not None for n in nodes)
             self.note_layer(l, layer, drafts, outputs, nodes, by_drafts, passed, width)
+            if self.builder is not None and not layer.drafts and any(n.candidate for n in layer.lookups):
+                self.builder.settle_layer(l, passed)  # model-free nodes alone decided this layer
             if not passed:  # the output layer: its tokens are the next uncached suffix (spec §8)
                 return [self._extend(rows[k // self.vocab], k % self.vocab, None, drafted=i is not None)
                         for k, i in outputs], False

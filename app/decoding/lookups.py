@@ -36,6 +36,7 @@ STRENGTH = 4.0  # pseudo-observations behind each calibration prior
 MIN_MASS = 1e-3  # candidates below this estimated mass are never considered
 MIN_FIXED = 0.05  # without a cost curve: the smallest estimated chance worth a node
 MAX_CANDIDATES = 256  # pops per forest: bounds the builder's time however rich the sources are
+LAYER_STRENGTH = 1.0  # expected passes behind the prior that a lookup-only layer passes as predicted
 # Priors of P(token | parent) per source and evidence, scaled by the token's share of its key's continuations:
 # a match of n tokens (n-gram lookups in code and edits: short matches rarely continue, long ones usually do);
 # recycled successors of a 2-token / 1-token key.
@@ -125,6 +126,17 @@ class Calibration:
         row[0] += p
         row[1] += 1
 
+    def layer_factor(self, width: int, replacement: bool) -> float:
+        """Observed over predicted passes of lookup-only layers at this width and law (1 until seen): the
+        per-token chances are calibrated one by one, a layer passes only when all its outputs hit together."""
+        passed, predicted = self.table.get(_layer_bucket(width, replacement), (0.0, 0.0))
+        return (passed + LAYER_STRENGTH) / (predicted + LAYER_STRENGTH)
+
+    def observe_layer(self, width: int, replacement: bool, predicted: float, passed: bool) -> None:
+        row = self.table.setdefault(_layer_bucket(width, replacement), [0.0, 0.0])
+        row[0] += float(passed)
+        row[1] += predicted
+
     def carried(self, cap: float = 256.0) -> "Calibration":
         """A copy with every count capped at `cap` observations (means unchanged)."""
         out = {}
@@ -184,6 +196,8 @@ class Builder:
         if self.index is not None:
             self.index.add(self.prompt)
         self.proposed: list[Candidate] = []  # this iteration's depth-1 candidates, added or not (calibration)
+        self.predicted: list[float] = []  # per depth: P(the chosen nodes cover every output | layer reached)
+        self.shape: Shape | None = None
 
     # -- proposals -------------------------------------------------------------------------------------
     def propose(self, text: tuple[int, ...]) -> list[tuple[int, str, str, float]]:
@@ -248,6 +262,7 @@ class Builder:
                 push(c, c.depth + 1, c.text, c.mass)
         if self.target_cost is not None:
             chosen = chosen[:best_n]
+        self.shape, self.predicted = shape, self._covered(shape, chosen)
         keep = set(map(id, chosen))  # a prefix of the pop order is closed under parents
         return [c for c in sorted(chosen, key=lambda c: c.depth) if id(c) in keep]
 
@@ -257,28 +272,46 @@ class Builder:
         Layer l passes by the drafted part with chance base_pass[l] and by the model-free nodes when every
         output lands on one: (covered share of p_beam)^width with replacement. Each further passed layer
         costs one more verified layer (or the extra layer's warp)."""
-        by_depth: list[list[float]] = [[] for _ in range(shape.max_depth)]
-        for c in chosen:
-            by_depth[c.depth - 1].append(c.mass)
-        steps, extra_layers, run_b, run_h, prev_mass = 1.0, 0.0, 1.0, 1.0, 1.0
-        for l in range(shape.max_depth):
-            b = shape.base_pass[l] if l < len(shape.base_pass) else 0.0
-            masses = by_depth[l]
-            total = sum(masses)
-            shares = sorted((m / prev_mass for m in masses), reverse=True) if prev_mass > 0 else []
-            run_b *= b
-            run_h *= _all_covered(min(1.0, sum(shares)), shares, shape.width, shape.replacement)
+        steps, extra_layers, run_b, run_h = 1.0, 0.0, 1.0, 1.0
+        for l, h in enumerate(self._covered(shape, chosen)):
+            run_b *= shape.base_pass[l] if l < len(shape.base_pass) else 0.0
+            run_h *= h
             reach = 1.0 - (1.0 - run_b) * (1.0 - run_h)
             if reach <= 1e-9:
                 break
             steps += reach
             extra_layers += reach - run_b
-            prev_mass = total if total > 0 else prev_mass
         seconds = (shape.base_seconds + self.target_cost(shape.base_tokens + len(chosen))
                    - self.target_cost(shape.base_tokens) + self.verify_cost * extra_layers)
         return steps / max(seconds, 1e-12)
 
+    def _covered(self, shape: Shape, chosen: Sequence[Candidate]) -> list[float]:
+        """Per depth: P(every output of the layer lands on a chosen node | the layer is reached), scaled by
+        what lookup-only layers at this width and law did so far."""
+        by_depth: list[list[float]] = [[] for _ in range(shape.max_depth)]
+        for c in chosen:
+            by_depth[c.depth - 1].append(c.mass)
+        factor = self.calibration.layer_factor(shape.width, shape.replacement)
+        out, prev_mass = [], 1.0
+        for masses in by_depth:
+            total = sum(masses)
+            shares = sorted((m / prev_mass for m in masses), reverse=True) if prev_mass > 0 else []
+            out.append(min(1.0, factor * _all_covered(min(1.0, sum(shares)), shares, shape.width,
+                                                       shape.replacement)))
+            prev_mass = total if total > 0 else prev_mass
+        return out
+
     # -- learning --------------------------------------------------------------------------------------
+    def settle_layer(self, depth: int, passed: bool) -> None:
+        """A verified layer of this iteration's model-free nodes alone (no drafts): what was predicted for it
+        against whether it passed, so the next forests trust the per-token chances as far as layers bore them
+        out."""
+        if self.shape is None or not 1 <= depth <= len(self.predicted):
+            return
+        f = self.calibration.layer_factor(self.shape.width, self.shape.replacement)
+        self.calibration.observe_layer(self.shape.width, self.shape.replacement, self.predicted[depth - 1] / f,
+                                       passed)
+
     def learn(self, rows: dict[tuple[int, ...], np.ndarray], nodes: Iterable[Candidate]) -> None:
         """Verified rows (generated tokens -> the target's log-probs after them): calibrate every candidate
         proposed under them (depth-1 proposals, added or not, and the added nodes) and harvest successors."""
@@ -300,6 +333,10 @@ class Builder:
         for text in set(texts):
             full = self.prompt[-MAX_NGRAM:] + text
             self.index.add(full, start=len(full) - (len(text) - old))
+
+
+def _layer_bucket(width: int, replacement: bool) -> str:
+    return f"layers:{width}:{'with' if replacement else 'without'}"
 
 
 def _all_covered(cover: float, masses: Sequence[float], width: int, replacement: bool) -> float:

@@ -140,23 +140,12 @@ class Engine(ModelEngine):
         tracker.tell("switch", 1.0)
         return self.describe()
 
-    def unload(self, role: str = "all") -> dict | None:
-        """Free the draft ("draft": the target keeps serving; returns describe()) or both models ("all": every
-        request then raises NoModelLoaded until models are loaded again; returns None). Waits for a running
-        answer."""
-        if role == "draft":
-            target, _ = self.specs
-            if target is None:
-                raise NoModelLoaded()
-            return self.swap(target, None)
-        if role != "all":
-            raise ConfigError(f"unload takes 'draft' or 'all', got {role!r}")
+    def _unload_all(self) -> None:
         with self.lock:
             self.close()
             self.target = self.draft = self.tokenizer = None
             self.specs, self.plan, self.policy = (None, None), None, None
             self._finished.clear()
-        return None
 
     def _require(self) -> None:
         if self.target is None:

@@ -81,9 +81,23 @@ class ModelEngine(ABC):
         """Replace the models; returns describe(). On failure (LoadCancelled when `cancel` was set) the old
         models keep serving. `progress(backends.progress.LoadStep)` hears each stage of the load."""
 
-    @abstractmethod
     def unload(self, role: str = "all") -> dict | None:
-        """Free the draft ("draft"; returns describe()) or both models ("all"; then NoModelLoaded until a swap)."""
+        """Free the draft ("draft": the target keeps serving; returns describe()) or both models ("all": every
+        request then raises NoModelLoaded until a swap loads models again; returns None). Waits for a running
+        answer."""
+        if role == "draft":
+            target, _ = self.specs
+            if target is None:
+                raise NoModelLoaded()
+            return self.swap(target, None)
+        if role != "all":
+            raise ConfigError(f"unload takes 'draft' or 'all', got {role!r}")
+        self._unload_all()
+        return None
+
+    @abstractmethod
+    def _unload_all(self) -> None:
+        """Free both models."""
 
     @abstractmethod
     def describe(self) -> dict:

@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 from backends.base import BackendError
 from backends.progress import LoadCancelled
 
-from app.config import ConfigError, DecodeParams
+from app.config import DecodeParams
 from app.engine.timing import TIMED
 from app.engine.interface import ModelEngine, ModelProcessLost, NoModelLoaded
 from app.engine.messages import Call, Cancel, Close, LoadFailed, Lost, Open, Opened, Progress, Ready, unpack_exc
@@ -256,15 +256,8 @@ class WorkerEngine(ModelEngine):
         finally:
             child.forget(rid)
 
-    def unload(self, role: str = "all") -> dict | None:
-        """As Engine.unload; unloading both models ends the model process (its memory is freed at once)."""
-        if role == "draft":
-            target, _ = self.specs
-            if target is None:
-                raise NoModelLoaded()
-            return self.swap(target, None)
-        if role != "all":
-            raise ConfigError(f"unload takes 'draft' or 'all', got {role!r}")
+    def _unload_all(self) -> None:
+        """Unloading both models ends the model process (its memory is freed at once)."""
         self._ready()  # a running restart finishes first; a broken or empty engine says so
         with self._cv:
             child, self._child = self._child, None
@@ -272,7 +265,6 @@ class WorkerEngine(ModelEngine):
             self._cv.notify_all()
         if child is not None:
             self._kill(child)
-        return None
 
     def generate(self, prompt: Sequence[int], params: DecodeParams, *,
                  cancel: threading.Event | None = None) -> "Stream":

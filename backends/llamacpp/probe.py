@@ -140,7 +140,7 @@ def weight_types(path: Path) -> list[str]:
     known = _read(f)
     if isinstance(known.get(key), list):
         return known[key]
-    from backends.gguf_header import read_header
+    from offload.gguf_header import read_header
 
     types = sorted({t.type_name for t in read_header(path, keep=()).tensors})
     _write(f, {k: v for k, v in known.items() if Path(k.split("|")[0]).exists()} | {key: types})

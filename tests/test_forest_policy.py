@@ -351,7 +351,7 @@ def test_for_params_reads_the_settings():
 # --- exploration and learning across answers --------------------------------------------------------------
 
 def test_exploration_stays_within_its_budget_and_tries_only_forests_that_could_pay():
-    from app.decoding.forest_policy import EXPLORE_SHARE
+    from app.decoding.forest_policy import ANSWER_SHARE, EXPLORE_SHARE
 
     p = policy(CPU, explore=3)
     assert p.choose(max_gamma=6, roots=4, draft_roots=4) == (0, 4)  # nothing advanced yet: no budget
@@ -367,6 +367,7 @@ def test_exploration_stays_within_its_budget_and_tries_only_forests_that_could_p
             p.observe(1, ws, outcomes=[False] * ws, passed=False)
         p.settle(1)
         assert p.known.explore_s <= EXPLORE_SHARE * p.known.plain_s + 1e-12  # never over budget
+        assert p._answer[1] <= ANSWER_SHARE * p._answer[0] + 1e-12  # nor over this answer's share
     tried = [c for c in picks if c[0]]
     assert len(tried) == 3 and len(set(tried)) == 1  # the cheapest such forest, until 3 layers were seen
     assert picks.index(tried[0]) > 50  # the budget is earned by plain steps first
@@ -403,16 +404,17 @@ def test_carried_counts_start_the_next_policy_and_are_capped():
 def test_engine_carries_counts_across_answers_and_explores_within_budget(monkeypatch):
     """Adaptive answers on bigram-table models: each starts from the counts the earlier ones left (the plain
     steps' time and the explorations' cost included); exploration waits for its budget, which plain steps earn
-    across answers, and never exceeds it."""
+    across answers and within each one, and never exceeds either."""
     import backends.tokenizer
-    from app.decoding.forest_policy import EXPLORE_SHARE
+    from app.decoding.forest_policy import ANSWER_SHARE, EXPLORE_SHARE
     from app.engine.auto import AutoPolicy
     from app.engine.engine import Engine, final_event
 
     monkeypatch.setattr(backends.tokenizer, "check_compatible", lambda draft, target: None)  # table tokenizers
     e = Engine(TARGET, DRAFT, n_ctx=256)
-    # as if timed: the prior says drafting does not pay, though it could if every layer passed (a cheap draft)
-    e.policy = AutoPolicy(CostCurve.of({1: 0.08, 4: 0.13, 8: 0.16, 64: 1.0}), CostCurve.of({1: 0.04, 32: 0.06}))
+    # as if timed: the prior says drafting does not pay, though it could if every layer passed (a cheap draft,
+    # whose catch-up over the tokens it did not see stays cheap: exploration waits for this answer's budget)
+    e.policy = AutoPolicy(CostCurve.of({1: 0.08, 4: 0.13, 8: 0.16, 64: 1.0}), CostCurve.of({1: 0.04, 128: 0.045}))
     made = []
     build = e._forest_policy
     monkeypatch.setattr(e, "_forest_policy", lambda *a: made.append(build(*a)) or made[-1])
@@ -428,8 +430,9 @@ def test_engine_carries_counts_across_answers_and_explores_within_budget(monkeyp
         stats = final_event(e.generate([1, 2], replace(params, seed=seed))).stats
         assert made[-1].known.plain_s >= plain_before  # started from the earlier answers' counts
         explored += sum(n for k, n in stats["forest_sizes"].items() if k != "g0")
-        k = e._acceptance[key]
+        k, (plain_s, explore_s) = e._acceptance[key], made[-1]._answer
         assert k.explore_s <= EXPLORE_SHARE * k.plain_s + 1e-12
+        assert explore_s <= ANSWER_SHARE * plain_s + 1e-12  # and within this answer's own share
     assert explored > 0 and e._acceptance[key].layers > 0
     # a fixed forest neither reads nor writes the counts
     before = e._acceptance[key].layers

@@ -45,7 +45,8 @@ answer's policy as `known`. A policy whose estimate says "do not draft" still fi
 budget: while fewer than `explore` layers were ever observed for the pair, it may draft the cheapest forest
 that could pay if every layer passed (never one that could not), when the predicted extra time of all its
 explorations stays within EXPLORE_SHARE of the time the plain step would have taken for every step advanced so
-far (carried in the counts, so a fresh process continues where the last one stopped).
+far over all answers (carried in the counts, so a fresh process continues where the last one stopped), and
+within ANSWER_SHARE of this answer's own (so what earlier answers saved up is never spent in one burst).
 
 Exactness: the choice reads only earlier iterations' counts, the fixed cost curves and the context (live beams,
 budget, earlier layers' q); given the past, an iteration is an exact DSBD iteration with that (gamma, W_S, L)
@@ -68,6 +69,7 @@ PRIOR_CACHE = 0.3  # P(cache pass | acceptance failed) with the cache rule on: q
 PRIOR_LOOKUP_HIT = 0.05  # each lookup node's chance to turn a failed layer into a cache pass (a guess; learnt)
 CARRY = 64.0  # most pseudo-observations a carried count keeps: recent answers outweigh a long session
 EXPLORE_SHARE = 0.015  # exploration may cost at most this share of the plain step's time for the steps advanced
+ANSWER_SHARE = 0.05  # and at most this share within one answer (what earlier answers saved is not spent at once)
 _TINY = 1e-4  # q entries below this count as ws * q distinct draws (1 - (1 - q)^ws ~ ws q)
 
 
@@ -249,6 +251,7 @@ class ForestPolicy:
         self._choice: dict[tuple, tuple] = {}  # choose memo (same counts, profile and context)
         self._exploring: tuple[float, float] | None = None  # (forest seconds, plain seconds) while exploring
         self._plain_step = 0.0  # the latest plain step's predicted seconds
+        self._answer = [0.0, 0.0]  # this answer's [plain seconds of its steps, predicted extra of its tries]
     # -- estimates -------------------------------------------------------------------------------------
     def draft_rates(self, depth: int) -> tuple[float, float]:
         """(beta1, betaR) at this depth, each shrunk toward the shallower depth's (depth 1: the priors)."""
@@ -394,8 +397,8 @@ class ForestPolicy:
             return None
         forest, s = best
         extra = s - plain  # the worst case: the forest advances one step, as the plain step would
-        k = self.known
-        if k.explore_s + extra > EXPLORE_SHARE * k.plain_s:
+        k, (plain_s, explore_s) = self.known, self._answer
+        if k.explore_s + extra > EXPLORE_SHARE * k.plain_s or explore_s + extra > ANSWER_SHARE * plain_s:
             return None
         return forest, (s, plain)
 
@@ -403,9 +406,11 @@ class ForestPolicy:
         """After an iteration: the steps it advanced, for the exploration budget."""
         k = self.known
         k.plain_s += steps * self._plain_step
+        self._answer[0] += steps * self._plain_step
         if self._exploring is not None:
             seconds, plain = self._exploring
             k.explore_s += seconds - steps * plain
+            self._answer[1] += seconds - steps * plain
             self._exploring = None
 
     def observe(self, depth: int, ws: int, *, outcomes: Sequence[bool], passed: bool, by_cache: bool | None = None,

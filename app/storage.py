@@ -13,9 +13,10 @@ import os
 import re
 import secrets
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from backends.base import atomic_write  # noqa: F401  (the data folder's writes; re-exported)
 
 ENV_VAR = "DSBD_CHAT_DATA"
 APP_NAME = "dsbd-chat"
@@ -63,26 +64,6 @@ def check_id(chat_id: object) -> str:
 
 def new_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Write via a temp file in the same folder + fsync + os.replace, so a crash leaves old or new, never half."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    if os.name == "posix":  # make the rename itself durable
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
 
 
 def _validate(chat: object, chat_id: str) -> dict:

@@ -8,10 +8,15 @@ calls, so a drafter can grow the forest one layer per `evaluate` and a verifier 
 Positions (RoPE): committed token i of a row sits at position i; a row's suffix continues it; a node
 at depth d (1 = child of the row's suffix) sits at `len(row) + len(suffix) + d - 1`. Siblings share
 positions, so backends take positions explicitly and never derive them from cache slots.
+
+Also here: `atomic_write`, how every file of the cache and data folders is written.
 """
 
 from __future__ import annotations
 
+import os
+import pathlib
+import tempfile
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol, Sequence
 
@@ -207,3 +212,23 @@ class Model(Protocol):
         """A KV context for up to `rows` committed rows of up to `max_tokens` tokens (tree included)."""
 
     def close(self) -> None: ...
+
+
+def atomic_write(path: pathlib.Path, text: str) -> None:
+    """Write via a temp file in the same folder + fsync + os.replace, so a crash leaves old or new, never half."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+    if os.name == "posix":  # make the rename itself durable
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)

@@ -48,7 +48,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable
 
 from offload.gguf_header import HeaderTruncated, parse_header, shard_of
-from backends.base import ModelNotFound, RegistryError
+from backends.base import ModelNotFound, RegistryError, atomic_write
 from backends.presets import cache_dir, downloaded_file
 
 CHUNK = 1 << 20  # bytes per read while downloading
@@ -611,9 +611,7 @@ def _read_sidecar(side: Path) -> dict | None:
 
 
 def _write_sidecar(side: Path, facts: dict) -> None:
-    tmp = side.with_name(f".{side.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(facts), encoding="utf-8")
-    os.replace(tmp, side)
+    atomic_write(side, json.dumps(facts))
 
 
 def partial_downloads() -> list[Progress]:

@@ -37,13 +37,12 @@ import json
 import math
 import os
 import re
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable
 
-from backends.base import BackendError
+from backends.base import BackendError, atomic_write
 from offload.gguf_header import GGUFHeader, metadata_card, read_header, shard_of
 from backends.presets import cache_dir, list_models
 from backends.tokenizer import HeaderVocab, VocabFingerprint, header_fingerprint, load_tokenizer, vocab_differences
@@ -234,16 +233,7 @@ def state_dir() -> Path:
 
 def _atomic_write_json(path: Path, data) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, json.dumps(data))
 
 
 def _read_json(path: Path, default):

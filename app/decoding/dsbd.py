@@ -604,13 +604,21 @@ def _policy(params: DecodeParams, costs, draft) -> ForestPolicy | None:
     return ForestPolicy.for_params(params, *costs)
 
 
+def model_free_sources(params: DecodeParams) -> list[str]:
+    """The model-free lookup sources a request asks for ([] where it gets no model-free nodes: not DSBD, no
+    such source, no lookup nodes or no depth)."""
+    if not MODE_FACTS[params.mode].forest or params.lookup_nodes <= 0 or params.gamma <= 0:
+        return []
+    return [s for s in params.lookup_sources if s != "draft"]
+
+
 def model_free_builder(params: DecodeParams, prompt, stopper: Stopper, vocab: int, target_cost=None,
                        calibration=None) -> Builder | None:
     """The model-free node builder of params.lookup_sources (None when they name none or lookup_nodes is 0):
     priced by the target's cost curve and the decoder's own costs for an adaptive forest, else the likeliest
     nodes up to the cap. `calibration`: what earlier answers learnt (lookups.Calibration)."""
-    sources = [s for s in params.lookup_sources if s != "draft"]
-    if not sources or params.lookup_nodes <= 0 or params.gamma <= 0:
+    sources = model_free_sources(params)
+    if not sources:
         return None
     price = target_cost if params.adaptive else None
     costs = {"verify_cost": lookup_layer_cost(params, vocab),

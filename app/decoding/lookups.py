@@ -196,7 +196,8 @@ class Builder:
         if self.index is not None:
             self.index.add(self.prompt)
         self.proposed: list[Candidate] = []  # this iteration's depth-1 candidates, added or not (calibration)
-        self.predicted: list[float] = []  # per depth: P(the chosen nodes cover every output | layer reached)
+        self.predicted: list[float] = []  # per depth: P(the chosen nodes cover every output | layer reached),
+        # from the per-token chances alone (what settle_layer weighs against the layers' outcomes)
         self.shape: Shape | None = None
 
     # -- proposals -------------------------------------------------------------------------------------
@@ -262,7 +263,7 @@ class Builder:
                 push(c, c.depth + 1, c.text, c.mass)
         if self.target_cost is not None:
             chosen = chosen[:best_n]
-        self.shape, self.predicted = shape, self._covered(shape, chosen)
+        self.shape, self.predicted = shape, self._covered(shape, chosen, factor=1.0)
         keep = set(map(id, chosen))  # a prefix of the pop order is closed under parents
         return [c for c in sorted(chosen, key=lambda c: c.depth) if id(c) in keep]
 
@@ -273,7 +274,8 @@ class Builder:
         output lands on one: (covered share of p_beam)^width with replacement. Each further passed layer
         costs one more verified layer (or the extra layer's warp)."""
         steps, extra_layers, run_b, run_h = 1.0, 0.0, 1.0, 1.0
-        for l, h in enumerate(self._covered(shape, chosen)):
+        factor = self.calibration.layer_factor(shape.width, shape.replacement)
+        for l, h in enumerate(self._covered(shape, chosen, factor)):
             run_b *= shape.base_pass[l] if l < len(shape.base_pass) else 0.0
             run_h *= h
             reach = 1.0 - (1.0 - run_b) * (1.0 - run_h)
@@ -285,13 +287,12 @@ class Builder:
                    - self.target_cost(shape.base_tokens) + self.verify_cost * extra_layers)
         return steps / max(seconds, 1e-12)
 
-    def _covered(self, shape: Shape, chosen: Sequence[Candidate]) -> list[float]:
-        """Per depth: P(every output of the layer lands on a chosen node | the layer is reached), scaled by
-        what lookup-only layers at this width and law did so far."""
+    def _covered(self, shape: Shape, chosen: Sequence[Candidate], factor: float) -> list[float]:
+        """Per depth: P(every output of the layer lands on a chosen node | the layer is reached) from the
+        per-token chances, times `factor` (what lookup-only layers at this width and law did so far)."""
         by_depth: list[list[float]] = [[] for _ in range(shape.max_depth)]
         for c in chosen:
             by_depth[c.depth - 1].append(c.mass)
-        factor = self.calibration.layer_factor(shape.width, shape.replacement)
         out, prev_mass = [], 1.0
         for masses in by_depth:
             total = sum(masses)
@@ -308,9 +309,7 @@ class Builder:
         out."""
         if self.shape is None or not 1 <= depth <= len(self.predicted):
             return
-        f = self.calibration.layer_factor(self.shape.width, self.shape.replacement)
-        self.calibration.observe_layer(self.shape.width, self.shape.replacement, self.predicted[depth - 1] / f,
-                                       passed)
+        self.calibration.observe_layer(self.shape.width, self.shape.replacement, self.predicted[depth - 1], passed)
 
     def learn(self, rows: dict[tuple[int, ...], np.ndarray], nodes: Iterable[Candidate]) -> None:
         """Verified rows (generated tokens -> the target's log-probs after them): calibrate every candidate

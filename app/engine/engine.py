@@ -431,10 +431,10 @@ class Engine(ModelEngine):
     def _node_builder(self, params: DecodeParams, prompt, stopper, costs):
         """DSBD's model-free lookup nodes (params.lookup_sources), calibrated by what earlier answers on this
         target saw; None when params name no model-free source."""
-        from app.decoding.dsbd import model_free_builder
+        from app.decoding.dsbd import model_free_builder, model_free_sources
 
-        if not (MODE_FACTS[params.mode].forest and set(params.lookup_sources) - {"draft"} and params.lookup_nodes):
-            return None
+        if not model_free_sources(params):
+            return None  # nothing to build: the model identity need not be read
         key = self._learn_key("calibration", (self.target,))
         known = self._calibration.get(key) or self.learned.calibration(key)
         builder = model_free_builder(params, prompt, stopper, self.target.info.vocab_size,

@@ -31,8 +31,20 @@ def acceptance_count_table(alpha: Sequence[float]) -> np.ndarray:
 
 
 def acceptance_count_law(alpha: Sequence[float]) -> np.ndarray:
-    """[m+1]: P(k of all m drafts accepted), k = 0..m (row P[m, :] of the DP)."""
-    return acceptance_count_table(alpha)[-1]
+    """[m+1]: P(k of all m drafts accepted), k = 0..m: row P[m, :] of `acceptance_count_table`, one column at a
+    time (column k is column k-1 convolved with the first-acceptance law), O(m^2) in numpy instead of O(m^3)
+    Python steps; equal to the table up to summation order (tests/test_rowmath.py)."""
+    a = np.clip(np.asarray(alpha, dtype=np.float64), 0.0, 1.0)
+    m = a.size
+    surv = np.concatenate(([1.0], np.cumprod(1.0 - a)))  # [m+1]
+    first = a * surv[:m]  # [m]
+    col = surv  # P[:, 0]
+    law = np.empty(m + 1)
+    law[0] = col[m]
+    for k in range(1, m + 1):
+        col = np.concatenate(([0.0], np.convolve(first, col)[:m]))  # P[n, k] = sum_i first[i-1] P[n-i, k-1]
+        law[k] = col[m]
+    return law
 
 
 def tail_probabilities(alpha: Sequence[float]) -> np.ndarray:

@@ -1,0 +1,793 @@
+"""Row math: the decoders' arithmetic over [rows, V] logits, behind one small interface (spec §2, §5, §16.5, §16.9).
+
+    rm = rowmath.backend()                  # the torch backend where torch runs, else the numpy reference
+    rows = rm.rows(logits)                  # raw log-probs: one normaliser per row, computed when first read
+    p = rm.law(rows, scores, warp)          # the warped joint over (row, token): p_beam, or q_beam (spec §2.1)
+    p.sample(n, rand); p.distinct(n, rand)  # i.i.d. draws; sequential draws without replacement (+ masses left)
+    q_on = rm.on_rows(q, parents, counts)   # a layer's q_beam mapped onto the target's rows (spec §16.2)
+    chain = rm.chain(p, q_on, n)            # the residual chain's acceptance chances alpha (spec §5 step 3)
+    rm.verify(chain, drafts, width, rand)   # MSS with reset over the layer (spec §5 step 4)
+    rm.verify_without(p, q_on, drafts, width, rand)   # recursive rejection without replacement (spec §16.5)
+
+`NumpyRows` is the reference: the float64 functions of `sampling.py`, unchanged. `TorchRows` runs where the
+logits are (CPU threads, or CUDA) and does only the work an answer reads (spec §16.9):
+- one normaliser per row (max, exp, a cascaded sum), a row's log-probs only where a beam reads them;
+- a dense law is `exp(x / T + c_row)`: one exp pass, float32 cells, float64 block sums for the inverse CDF;
+- draws read the block sums and one 4,096-cell block per uniform; draws without replacement are the same
+  sequential rule with the drawn cells' masses taken out of their blocks (one uniform per draw, as `Rand` has);
+- the residual chain in closed form: after rejections r = max(p - s q, 0) / M(s) with a scalar s (all drafts of a
+  layer share q), each M one fused pass; without replacement the same form plus per-cell thresholds for the few
+  cells already drawn or output, so no [n, rows, V] block and no per-draft copy of a row;
+- uniforms come from the host generator (`SeededRand.rng`) in the reference's order, so both backends draw the same
+  keys for the same seed except where a uniform falls within rounding of a CDF boundary.
+Truncated warps (top-k, top-p) leave a small support: the torch backend selects it on the device and hands a sparse
+`Joint` to the reference functions. Any other `Rand` (the tests' enumerators) gets the exact probabilities of each
+categorical the closed form implies, materialised, so enumerations check the closed form itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Sequence
+
+import numpy as np
+
+from .sampling import (CDF_BLOCK, RESIDUAL_EPS, TOP_P_HEAD, Draft, DraftWOR, Joint, Rand, SeededRand, Warp,
+                       draw_without_replacement, log_softmax, positions, residual_chain, sample_without_replacement,
+                       verify_layer, verify_layer_without_replacement, warp_joint)
+
+log = logging.getLogger(__name__)
+
+Outputs = list[tuple[int, int | None]]
+
+
+# ------------------------------------------------------------------------------------------- numpy reference
+
+class NumpyLogProbs:
+    """Raw log-probs of [n, V] logits, float64 (today's `log_softmax`)."""
+
+    def __init__(self, logits, lp: np.ndarray | None = None) -> None:
+        self._logits = logits
+        self._lp = lp
+
+    @property
+    def lp(self) -> np.ndarray:
+        if self._lp is None:
+            self._lp = log_softmax(self._logits)
+        return self._lp
+
+    def __len__(self) -> int:
+        return int(np.shape(self._logits if self._lp is None else self._lp)[0])
+
+    def at(self, row: int, token: int) -> float:
+        return float(self.lp[row, token])
+
+    def row(self, i: int) -> "LogProbRow":
+        return LogProbRow(self, i)
+
+    def dense(self, i: int) -> np.ndarray:
+        return self.lp[i]
+
+
+class NumpyLaw:
+    """A `Joint` with the law interface (also the torch backend's law for truncated warps)."""
+
+    def __init__(self, joint: Joint) -> None:
+        self.joint = joint
+        self.vocab = joint.vocab
+
+    keys = property(lambda self: self.joint.keys)
+    probs = property(lambda self: self.joint.probs)
+
+    def __len__(self) -> int:
+        return len(self.joint)
+
+    def lookup(self, keys) -> np.ndarray:
+        return self.joint.lookup(keys)
+
+    def sample(self, n: int, rand: Rand) -> np.ndarray:
+        return rand.draws(self.joint, n)
+
+    def distinct(self, n: int, rand: Rand) -> tuple[np.ndarray, np.ndarray]:
+        return sample_without_replacement(self.joint, n, rand)
+
+    def profile(self, tiny: float) -> tuple[np.ndarray, float]:
+        q = self.joint.probs / self.joint.probs.sum()
+        big = q[q >= tiny]
+        return big, float(1.0 - big.sum())
+
+    def top(self, k: int) -> np.ndarray:
+        """Keys of the k likeliest pairs, descending, ties by lower key."""
+        q = self.joint
+        k = min(k, len(q))
+        top = np.argpartition(-q.probs, k - 1)[:k] if k < len(q) else np.arange(len(q))
+        return q.keys[top[np.lexsort((q.keys[top], -q.probs[top]))]]
+
+
+class NumpyRows:
+    """The reference backend: `sampling.py`'s float64 functions."""
+
+    name = "numpy"
+    device = "cpu"
+
+    def rows(self, logits) -> NumpyLogProbs:
+        return NumpyLogProbs(logits)
+
+    def stack(self, refs: Sequence["LogProbRow"]) -> NumpyLogProbs:
+        return NumpyLogProbs(None, np.stack([r.dense() for r in refs]))
+
+    def law(self, rows: NumpyLogProbs, scores, warp: Warp) -> NumpyLaw:
+        z = np.asarray(scores, dtype=np.float64)[:, None] + rows.lp  # [n, V] joint raw log-scores
+        return NumpyLaw(warp_joint(z, warp))
+
+    def on_rows(self, q: NumpyLaw, parents: Sequence[Sequence[int]], counts: Sequence[int]) -> NumpyLaw:
+        """q_rows(i, t) = (sum of q(j, t) over row i's parents j) / counts_i (spec §16.2)."""
+        V, qj = q.vocab, q.joint
+        par = qj.keys // V
+        keys, vals = [], []
+        for i, (js, m) in enumerate(zip(parents, counts)):
+            if js:
+                sel = np.isin(par, js)
+                keys.append(i * V + qj.keys[sel] % V)
+                vals.append(qj.probs[sel] / m)
+        if not keys:
+            return NumpyLaw(Joint(np.zeros(0, np.int64), np.zeros(0), V))
+        uk, inv = np.unique(np.concatenate(keys), return_inverse=True)  # slots of one content add up
+        return NumpyLaw(Joint(uk.astype(np.int64), np.bincount(inv, weights=np.concatenate(vals)), V))
+
+    def chain(self, p: NumpyLaw, q: NumpyLaw, n: int):
+        S, R, alpha = residual_chain(p.joint, q.joint, n)
+        return _RefChain(S, R, alpha)
+
+    def verify(self, chain, drafts: Sequence[Draft], width: int, rand: Rand) -> tuple[bool, Outputs]:
+        return verify_layer(drafts, chain.S, chain.R, width, rand)
+
+    def verify_without(self, p: NumpyLaw, q: NumpyLaw, drafts: Sequence[DraftWOR], width: int,
+                       rand: Rand) -> tuple[bool, Outputs]:
+        q_S = q.lookup(p.keys) if drafts else np.zeros(len(p))
+        return verify_layer_without_replacement(drafts, p.joint, q_S, width, rand)
+
+    def distinct_keys(self, p: NumpyLaw, n: int, rand: Rand) -> list[int]:
+        return draw_without_replacement(p.joint, n, rand)
+
+
+class _RefChain:
+    def __init__(self, S, R, alpha) -> None:
+        self.S, self.R, self.alpha = S, R, alpha
+
+
+class LogProbRow:
+    """One row of a `rows(...)` result: what a beam reads of the target's log-probs after it."""
+
+    __slots__ = ("src", "i")
+
+    def __init__(self, src, i: int) -> None:
+        self.src, self.i = src, i
+
+    def __getitem__(self, token):
+        if np.ndim(token):
+            return self.dense()[token]
+        return self.src.at(self.i, int(token))
+
+    def __len__(self) -> int:
+        return self.src.vocab if hasattr(self.src, "vocab") else int(np.shape(self.src.lp)[1])
+
+    def dense(self) -> np.ndarray:
+        """The whole row, float64 numpy (callers that need every cell)."""
+        return self.src.dense(self.i)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        a = self.dense()
+        return a if dtype is None else a.astype(dtype)
+
+    def __neg__(self) -> np.ndarray:
+        return -self.dense()
+
+
+# --------------------------------------------------------------------------------------------- torch backend
+
+def _is_seeded(rand) -> bool:
+    return type(rand) is SeededRand
+
+
+class TorchLogProbs:
+    """Raw log-probs of [n, V] logits as (logits, each row's max and float64 normaliser), rows on demand."""
+
+    def __init__(self, tm: "TorchRows", x, norms: dict[int, tuple[float, float]] | None = None) -> None:
+        self.tm, self.x = tm, x  # [n, V] tensor on tm.device
+        self.vocab = int(x.shape[1])
+        self._norm: dict[int, tuple[float, float]] = norms or {}  # row -> (max, log-sum-exp)
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+    def _fill(self) -> None:
+        n = len(self)
+        todo = [i for i in range(n) if i not in self._norm]
+        if todo:
+            m, lse = self.tm._lse(self.x if len(todo) == n else self.x[todo])
+            self._norm.update(zip(todo, zip(m.tolist(), lse.tolist())))
+
+    def lse_all(self) -> np.ndarray:
+        """[n] float64 normalisers (every row not yet done, in one vectorised pass)."""
+        self._fill()
+        return np.array([self._norm[i][1] for i in range(len(self))])
+
+    def max_all(self) -> np.ndarray:
+        self._fill()
+        return np.array([self._norm[i][0] for i in range(len(self))])
+
+    def lse(self, i: int) -> float:
+        v = self._norm.get(i)
+        if v is None:
+            m, lse = self.tm._lse(self.x[i:i + 1])
+            v = self._norm[i] = (float(m[0]), float(lse[0]))
+        return v[1]
+
+    def at(self, row: int, token: int) -> float:
+        return float(self.x[row, token]) - self.lse(row)
+
+    def row(self, i: int) -> LogProbRow:
+        return LogProbRow(self, i)
+
+    def dense(self, i: int) -> np.ndarray:
+        return self.tm._host(self.x[i]).astype(np.float64) - self.lse(i)
+
+
+class TorchLaw:
+    """A dense warped joint over n rows x V: p(r, t) = exp((x[r, t] - m_r) / T) * scale_r, 0 where x is -inf or
+    the row is not a valid parent. Cells are float32 on the device; masses and block sums are float64."""
+
+    def __init__(self, tm: "TorchRows", x, m: np.ndarray, scale: np.ndarray, inv_t: float) -> None:
+        self.tm, self.x, self.inv_t = tm, x, inv_t
+        self.n, self.vocab = int(x.shape[0]), int(x.shape[1])
+        self.size_cells = self.n * self.vocab
+        self._m, self._scale = m, scale
+        self._p = None
+        self._blocks: np.ndarray | None = None
+        self._len: int | None = None
+
+    @property
+    def p(self):
+        """[n, V] float32 probabilities (computed once)."""
+        if self._p is None:
+            self._p = self.tm._probs(self.x, self._m, self._scale, self.inv_t)
+        return self._p
+
+    @property
+    def flat(self):
+        return self.p.view(-1)
+
+    def blocks(self) -> np.ndarray:
+        if self._blocks is None:
+            self._blocks = self.tm._block_sums(self.flat)
+        return self._blocks
+
+    def __len__(self) -> int:
+        if self._len is None:
+            self._len = int(self.tm.torch.count_nonzero(self.p))
+        return self._len
+
+    @property
+    def keys(self) -> np.ndarray:
+        return np.flatnonzero(self.tm._host(self.flat) > 0).astype(np.int64)
+
+    @property
+    def probs(self) -> np.ndarray:
+        f = self.tm._host(self.flat).astype(np.float64)
+        f = f[f > 0]
+        return f / f.sum()
+
+    def lookup(self, keys) -> np.ndarray:
+        keys = np.asarray(keys, dtype=np.int64).reshape(-1)
+        ok = (keys >= 0) & (keys < self.size_cells)
+        out = np.zeros(keys.shape)
+        if ok.any():
+            idx = self.tm.torch.as_tensor(keys[ok], device=self.p.device)
+            out[ok] = self.tm._host(self.flat[idx]).astype(np.float64) / self.total()
+        return out
+
+    def total(self) -> float:
+        return float(self.blocks().sum())
+
+    def sample(self, n: int, rand: Rand) -> np.ndarray:
+        if not _is_seeded(rand):
+            keys, probs = self.keys, self.probs
+            return np.array([rand.categorical(keys, probs) for _ in range(n)], dtype=np.int64)
+        u = rand.rng.random(n)
+        b = self.blocks()
+        return np.array([_icdf(self.tm, self.flat, b, {}, t) for t in u * b.sum()], dtype=np.int64)
+
+    def distinct(self, n: int, rand: Rand) -> tuple[np.ndarray, np.ndarray]:
+        """Up to n keys drawn sequentially without replacement, and the mass not yet drawn before each."""
+        n = min(n, len(self))
+        if not _is_seeded(rand):
+            keys, probs = self.keys, self.probs
+            left, out, rest = probs.copy(), [], []
+            for _ in range(n):
+                rest.append(float(left.sum()))
+                k = rand.categorical(keys, left / rest[-1])
+                out.append(int(k))
+                left[np.searchsorted(keys, k)] = 0.0
+            return np.array(out, dtype=np.int64), np.array(rest)
+        u = rand.rng.random(n)
+        blocks = self.blocks().copy()
+        total = float(blocks.sum())
+        zero: dict[int, float] = {}
+        out, rest = [], []
+        drawn_mass = 0.0
+        for j in range(n):
+            left = total - drawn_mass
+            rest.append(left / total)
+            k = _icdf(self.tm, self.flat, blocks, zero, u[j] * float(blocks.sum()))
+            v = float(self.flat[k])
+            zero[k] = 0.0
+            blocks[k // CDF_BLOCK] -= v
+            drawn_mass += v
+            out.append(k)
+        return np.array(out, dtype=np.int64), np.array(rest)
+
+    def profile(self, tiny: float) -> tuple[np.ndarray, float]:
+        """The probabilities >= tiny (float64, of the normalised law) and the mass of the rest."""
+        total = self.total()
+        big = self.tm._host(self.flat[self.flat >= tiny * total]).astype(np.float64) / total
+        return big, float(1.0 - big.sum())
+
+    def top(self, k: int) -> np.ndarray:
+        """Keys of the k likeliest pairs, descending, ties by lower key."""
+        torch = self.tm.torch
+        k = min(k, len(self))
+        extra = min(self.size_cells, k + 8)  # a few more, so ties at the cut go to the lower key
+        vals, idx = torch.topk(self.flat, extra)
+        vals, idx = self.tm._host(vals).astype(np.float64), self.tm._host(idx).astype(np.int64)
+        order = np.lexsort((idx, -vals))[:k]
+        return idx[order]
+
+
+class TorchRows:
+    """The row math on torch tensors where the logits are (module docstring)."""
+
+    name = "torch"
+
+    def __init__(self, device: str = "cpu", dtype: str = "float32", threads: int | None = None) -> None:
+        import torch
+
+        self.torch = torch
+        self.device = torch.device(device)
+        self.dtype = getattr(torch, dtype)
+        if threads and self.device.type == "cpu":
+            torch.set_num_threads(threads)
+        self.name = f"torch-{self.device.type}" + ("" if dtype == "float32" else f"-{dtype}")
+
+    # -- tensors --------------------------------------------------------------------------------------
+    def _tensor(self, a):
+        t = self.torch
+        x = a if isinstance(a, t.Tensor) else t.from_numpy(np.ascontiguousarray(a))
+        return x.to(device=self.device, dtype=self.dtype)
+
+    def _host(self, x) -> np.ndarray:
+        return x.detach().cpu().numpy()
+
+    def _lse(self, x) -> tuple[np.ndarray, np.ndarray]:
+        """Row maxima (0 for an all -inf row) and normalisers: the sum of exp(x - max) accumulated in float64."""
+        t = self.torch
+        m = x.amax(dim=1, keepdim=True)
+        m = t.where(t.isfinite(m), m, t.zeros_like(m))
+        s = (x - m).exp_().sum(dim=1)  # cascaded float32 sums: relative error ~1e-7
+        mh = self._host(m[:, 0]).astype(np.float64)
+        with np.errstate(divide="ignore"):
+            return mh, mh + np.log(self._host(s).astype(np.float64))
+
+    def _probs(self, x, m: np.ndarray, scale: np.ndarray, inv_t: float):
+        t = self.torch
+        mt = t.as_tensor(m, dtype=self.dtype, device=x.device)[:, None]
+        st = t.as_tensor(scale, dtype=self.dtype, device=x.device)[:, None]
+        y = x - mt
+        if inv_t != 1.0:
+            y.mul_(inv_t)
+        y.exp_()
+        y.mul_(st)
+        return y
+
+    def _block_sums(self, flat) -> np.ndarray:
+        """Float64 sums of consecutive CDF_BLOCK-cell blocks of a flat tensor (the last block may be short)."""
+        t = self.torch
+        n = int(flat.shape[0])
+        full = n // CDF_BLOCK
+        parts = []
+        if full:
+            parts.append(flat[: full * CDF_BLOCK].view(full, CDF_BLOCK).sum(dim=1))
+        if n > full * CDF_BLOCK:
+            parts.append(flat[full * CDF_BLOCK:].sum().reshape(1))
+        return (self._host(t.cat(parts)) if len(parts) > 1 else self._host(parts[0])).astype(np.float64)
+
+    # -- the interface --------------------------------------------------------------------------------
+    def rows(self, logits) -> TorchLogProbs:
+        return TorchLogProbs(self, self._tensor(logits))
+
+    def stack(self, refs: Sequence[LogProbRow]) -> TorchLogProbs:
+        srcs = [r.src for r in refs]
+        if all(s is srcs[0] for s in srcs) and [r.i for r in refs] == list(range(len(srcs[0]))):
+            return srcs[0]
+        x = self.torch.stack([r.src.x[r.i] for r in refs])
+        for r in refs:
+            r.src.lse(r.i)
+        return TorchLogProbs(self, x, {j: r.src._norm[r.i] for j, r in enumerate(refs)})
+
+    def law(self, rows: TorchLogProbs, scores, warp: Warp):
+        """The warped joint of rows x V with raw row scores (spec §2.1); -inf scores mark invalid parents."""
+        s = np.asarray(scores, dtype=np.float64)
+        valid = np.isfinite(s)
+        if not valid.any():
+            raise ValueError("no valid (parent, token) pair: every entry of z is -inf")
+        lse = np.where(valid, rows.lse_all(), 0.0)
+        inv_t = 1.0 / warp.temperature
+        x = rows.x
+        if warp.truncating:
+            law = self._truncated(x, s, lse, valid, warp)
+            if law is not None:
+                return law
+        m = rows.max_all()
+        if inv_t == 1.0:
+            row_lse = lse  # log sum_t exp(x_t / T)
+        else:
+            t = self.torch
+            mt = t.as_tensor(m, dtype=self.dtype, device=x.device)[:, None]
+            row_lse = m * inv_t + np.log(self._host(((x - mt) * inv_t).exp_().sum(dim=1)).astype(np.float64))
+        w = np.where(valid, (s - lse) * inv_t + row_lse, -np.inf)  # log mass of each row
+        w_max = w[valid].max()
+        log_z = w_max + math.log(float(np.exp(w[valid] - w_max).sum()))
+        c = (s - lse) * inv_t - log_z  # p = exp(x / T + c)
+        scale = np.where(valid, np.exp(np.where(valid, c + m * inv_t, 0.0)), 0.0)
+        return TorchLaw(self, x, m, scale, inv_t)
+
+    def _truncated(self, x, s, lse, valid, warp: Warp):
+        """top-k / top-p: the support chosen on the device, then the reference warp on the few survivors (the
+        k largest pairs hold every top-k survivor; top-p reads a sorted head and the whole support's total)."""
+        t = self.torch
+        n, V = int(x.shape[0]), int(x.shape[1])
+        off = t.as_tensor(np.where(valid, s - lse, -np.inf), device=x.device)
+        z = (x.double() + off[:, None]).view(-1)  # [n V] joint raw log-scores, float64
+        finite = int(t.isfinite(z).sum())
+        if 0 < warp.top_k < finite:
+            vals, idx = t.topk(z, min(finite, warp.top_k + 8))  # a few more: ties at the cut go to lower keys
+            zz = np.full(n * V, -np.inf)
+            zz[self._host(idx)] = self._host(vals)
+            return NumpyLaw(warp_joint(zz.reshape(n, V), warp))
+        if warp.top_p >= 1.0:
+            return None  # top-k at least the support: no truncation
+        zt = z / warp.temperature
+        top = float(zt.max())
+        total = float(t.exp(zt - top).sum())
+        M = min(finite, TOP_P_HEAD)
+        while True:
+            vals, idx = t.topk(zt, M)
+            v, keys = self._host(vals), self._host(idx).astype(np.int64)
+            order = np.lexsort((keys, -v))  # the reference's order: -value, then key
+            cum = np.cumsum(np.exp(v[order] - top) / total)
+            i = int(np.searchsorted(cum, warp.top_p, side="left"))
+            if i < M or M == finite:
+                break
+            M = min(finite, 8 * M)
+        kept = order[: min(i + 1, M)]
+        kept = kept[np.argsort(keys[kept])]
+        probs = np.exp(v[kept] - v[kept].max())
+        probs /= probs.sum()
+        nz = probs > 0
+        return NumpyLaw(Joint(keys[kept][nz], probs[nz], V))
+
+    def on_rows(self, q, parents: Sequence[Sequence[int]], counts: Sequence[int]):
+        """q_rows(i, t) = (sum of q(j, t) over row i's parents j) / counts_i (spec §16.2), as an [n, V] tensor."""
+        if isinstance(q, NumpyLaw):
+            return NumpyRows.on_rows(NumpyRows(), q, parents, counts)
+        t = self.torch
+        total = q.total()
+        out = t.zeros((len(parents), q.vocab), dtype=self.dtype, device=q.p.device)
+        for i, (js, m) in enumerate(zip(parents, counts)):
+            for j in js:
+                out[i].add_(q.p[j], alpha=1.0 / (m * total))
+        return _QRows(self, out)
+
+    def chain(self, p, q, n: int):
+        if isinstance(p, NumpyLaw):
+            return NumpyRows.chain(NumpyRows(), p, q, n)
+        return _Chain(self, p, q, n)
+
+    def verify(self, chain, drafts: Sequence[Draft], width: int, rand: Rand) -> tuple[bool, Outputs]:
+        """Sequential MSS with reset (spec §5 step 4), as `sampling.verify_layer`, on the closed-form chain."""
+        if isinstance(chain, _RefChain):
+            return verify_layer(drafts, chain.S, chain.R, width, rand)
+        if width < 1:
+            raise ValueError(f"width must be >= 1, got {width}")
+        acc: Outputs = []
+        c = 0
+        for i, d in enumerate(drafts):
+            if len(acc) == width:
+                break
+            if not d.valid:
+                c += 1
+                continue
+            if not d.qval > 0:
+                raise ValueError(f"draft {i} has qval {d.qval}; a drawn pair must have q > 0")
+            if rand.bernoulli(min(1.0, chain.value(c, d.key) / d.qval)):
+                acc.append((d.key, i))
+                c = 0
+            else:
+                c += 1
+        if len(acc) == width:
+            return True, acc
+        out = acc + [(chain.draw(c, rand), None)]
+        while len(out) < width:
+            out.append((chain.draw(0, rand), None))
+        return False, out
+
+    def verify_without(self, p, q, drafts: Sequence[DraftWOR], width: int, rand: Rand) -> tuple[bool, Outputs]:
+        if isinstance(p, NumpyLaw):
+            return NumpyRows.verify_without(NumpyRows(), p, q, drafts, width, rand)
+        return _without(self, p, q, drafts, width, rand)
+
+    def distinct_keys(self, p, n: int, rand: Rand) -> list[int]:
+        if isinstance(p, NumpyLaw):
+            return draw_without_replacement(p.joint, n, rand)
+        return [int(k) for k in p.distinct(n, rand)[0]]
+
+
+class _QRows:
+    """A layer's q_beam on the target rows: [n, V] cells (sums <= 1 over valid parents)."""
+
+    def __init__(self, tm: TorchRows, q) -> None:
+        self.tm, self.q = tm, q
+        self.flat = q.view(-1)
+
+    def lookup(self, keys) -> np.ndarray:
+        keys = np.asarray(keys, dtype=np.int64).reshape(-1)
+        ok = (keys >= 0) & (keys < self.flat.shape[0])
+        out = np.zeros(keys.shape)
+        if ok.any():
+            idx = self.tm.torch.as_tensor(keys[ok], device=self.flat.device)
+            out[ok] = self.tm._host(self.flat[idx]).astype(np.float64)
+        return out
+
+
+def _icdf(tm: TorchRows, flat, blocks: np.ndarray, override: dict[int, float], t: float) -> int:
+    """The cell i with F(i-1) <= t < F(i), F the running sum of the cells with the cells in `override` replaced by
+    their values (`blocks`: the block sums, already net of the overrides); zero cells are never chosen."""
+    blocks = blocks.copy()
+    while True:
+        cb = np.cumsum(blocks)
+        b = min(int(cb.searchsorted(t, side="right")), blocks.size - 1)
+        while b > 0 and blocks[b] <= 0:  # rounding past the end: the last block with mass
+            b -= 1
+        lo = b * CDF_BLOCK
+        seg = tm._host(flat[lo: lo + CDF_BLOCK]).astype(np.float64)
+        for k, v in override.items():
+            if lo <= k < lo + seg.size:
+                seg[k - lo] = v
+        pos = np.flatnonzero(seg > 0)
+        if pos.size:
+            break
+        blocks[b] = 0.0  # a block whose sum is rounding only
+        t = min(t, float(blocks.sum()) * (1 - 1e-16))
+    x = t - (cb[b - 1] if b else 0.0)
+    i = int(np.cumsum(seg).searchsorted(x, side="right"))
+    if i >= seg.size:  # past the block's running sum by rounding: its last positive cell
+        i = int(pos[-1])
+    return lo + i
+
+
+def _mass(tm: "TorchRows", p, q, s: float) -> float:
+    """M(s) = sum over cells of max(p - s q, 0): one fused pass of add, clamp and a (cascaded) sum."""
+    d = tm.torch.add(p, q, alpha=-s) if s != 0.0 else p.clone()
+    return float(d.clamp_min_(0.0).sum())
+
+
+class _Chain:
+    """The with-replacement residual chain in closed form: R[c] = max(p - s_c q, 0) / Z_c (spec §16.9)."""
+
+    def __init__(self, tm: TorchRows, p: TorchLaw, q: _QRows, n: int) -> None:
+        self.tm, self.p, self.q = tm, p, q
+        total = p.total()
+        self.pn = p.flat if total == 1.0 else p.flat / total  # normalised cells (float32)
+        self.s, self.Z = [0.0], [1.0]
+        alpha = np.empty(n)
+        for j in range(n):
+            s = self.s[-1] + self.Z[-1]
+            mass_u = _mass(tm, self.pn, q.flat, s)
+            mass = mass_u / self.Z[-1]
+            alpha[j] = min(1.0, max(0.0, 1.0 - mass))
+            if mass < RESIDUAL_EPS:
+                self.s.append(0.0)
+                self.Z.append(1.0)
+            else:
+                self.s.append(s)
+                self.Z.append(mass_u)
+        self.alpha = alpha
+        self._blocks: dict[int, np.ndarray] = {}
+
+    def value(self, c: int, key: int) -> float:
+        if not 0 <= key < self.pn.shape[0]:
+            return 0.0
+        pv = float(self.pn[key])
+        if self.s[c] == 0.0:
+            return pv / self.Z[c]
+        return max(pv - self.s[c] * float(self.q.flat[key]), 0.0) / self.Z[c]
+
+    def _cells(self, c: int):
+        if self.s[c] == 0.0:
+            return self.pn
+        return self.tm.torch.sub(self.pn, self.q.flat, alpha=self.s[c]).clamp_min_(0.0)
+
+    def draw(self, c: int, rand: Rand) -> int:
+        if not _is_seeded(rand):
+            cells = self.tm._host(self._cells(c)).astype(np.float64)
+            S = np.flatnonzero(self.tm._host(self.pn) > 0)
+            r = cells[S]
+            return int(rand.categorical(S, r / r.sum()))
+        cells = self._cells(c)
+        if c not in self._blocks:
+            self._blocks[c] = self.tm._block_sums(cells)
+        b = self._blocks[c]
+        return _icdf(self.tm, cells, b, {}, rand.rng.random() * float(b.sum()))
+
+
+def _without(tm: TorchRows, p: TorchLaw, q: _QRows, drafts: Sequence[DraftWOR], width: int,
+             rand: Rand) -> tuple[bool, Outputs]:
+    """Recursive rejection without replacement (spec §16.5), `sampling.verify_layer_without_replacement` in
+    closed form. With u = the current target r times its mass Zu, every cell holds u(i) = max(p(i) - tau_i q(i), 0)
+    (0 for cells already output): tau_i = tau, the run's threshold, for cells no draft has drawn; for a drawn cell the
+    threshold it had when its draft was tested (q_j excludes it afterwards). A rejection of draft j adds Zu / rest_j
+    to tau; an acceptance, or a residual below RESIDUAL_EPS, resets tau to 0 (r = p over the cells not output)."""
+    size = len(p)
+    if not 1 <= width <= size:
+        raise ValueError(f"width must be in 1..{size} (pairs in supp(p)), got {width}")
+    total = p.total()
+    pn = p.flat if total == 1.0 else p.flat / total
+    qf = q.flat
+    n_cells = int(pn.shape[0])
+    cache: dict[int, tuple[float, float]] = {}
+
+    def cell(k: int) -> tuple[float, float]:
+        v = cache.get(k)
+        if v is None:
+            v = cache[k] = (float(pn[k]), float(qf[k])) if 0 <= k < n_cells else (0.0, 0.0)
+        return v
+
+    pv = lambda k: cell(k)[0]
+    qv = lambda k: cell(k)[1]
+    out: Outputs = []
+    output_keys: set[int] = set()
+    frozen: dict[int, float] = {}  # drawn cell -> its threshold
+    tau = 0.0
+    p_out = 0.0  # mass of p on the cells output
+
+    def u(k: int, at: float) -> float:
+        if k in output_keys or not 0 <= k < n_cells:
+            return 0.0
+        return max(pv(k) - frozen.get(k, at) * qv(k), 0.0)
+
+    def left_mass() -> float:
+        return 1.0 - p_out if total == 1.0 else float(p.total()) / total - p_out
+
+    def mass_at(t: float) -> float:  # sum of u over every cell with the run's threshold t
+        z = _mass(tm, pn, qf, t)
+        for k in output_keys:
+            z -= max(pv(k) - t * qv(k), 0.0)
+        for k, f in frozen.items():
+            if k not in output_keys:
+                z += max(pv(k) - f * qv(k), 0.0) - max(pv(k) - t * qv(k), 0.0)
+        return max(z, 0.0)
+
+    zu = left_mass()
+
+    def reset() -> None:
+        nonlocal tau, zu
+        for k in frozen:
+            frozen[k] = 0.0
+        tau, zu = 0.0, left_mass()
+
+    def emit(key: int, draft: int | None) -> None:
+        nonlocal p_out
+        out.append((int(key), draft))
+        output_keys.add(int(key))
+        p_out += pv(int(key))
+
+    for j, d in enumerate(drafts):
+        if len(out) == width:
+            break
+        if not d.qval > 0 or not d.rest > 0:
+            raise ValueError(f"draft {j} has q {d.qval} and undrawn mass {d.rest}; a drawn pair needs both > 0")
+        k = int(d.key)
+        inside = 0 <= k < n_cells and pv(k) > 0
+        r = u(k, tau) / zu if inside else 0.0
+        if d.valid and inside and r > 0 and rand.bernoulli(min(1.0, r * d.rest / d.qval)):
+            emit(k, j)
+            if len(out) < width:
+                reset()
+        else:
+            t_new = tau + zu / d.rest
+            z_new = mass_at(t_new)
+            if z_new / zu >= RESIDUAL_EPS:
+                tau, zu = t_new, z_new
+            else:
+                reset()
+        if inside and k not in frozen:
+            frozen[k] = tau  # q_j subtracted at this cell up to now; later drafts exclude it
+
+    if len(out) == width:
+        return True, out
+    # correction: one draw from r; fills: sequential draws from p over the cells not output
+    emit(_draw_u(tm, pn, qf, tau, frozen, output_keys, rand), None)
+    while len(out) < width:
+        emit(_draw_u(tm, pn, qf, 0.0, {}, output_keys, rand), None)
+    return False, out
+
+
+def _draw_u(tm: TorchRows, pn, qf, tau: float, frozen: dict[int, float], output_keys: set[int],
+            rand: Rand) -> int:
+    """One draw from u / zu, u(i) = max(p(i) - tau_i q(i), 0) with the drawn cells' thresholds and output cells 0."""
+    n_cells = int(pn.shape[0])
+    cells = pn if tau == 0.0 else tm.torch.sub(pn, qf, alpha=tau).clamp_min_(0.0)
+    override: dict[int, float] = {}
+    for k, f in frozen.items():
+        if f != tau and 0 <= k < n_cells:
+            override[k] = max(float(pn[k]) - f * float(qf[k]), 0.0)
+    for k in output_keys:
+        if 0 <= k < n_cells:
+            override[k] = 0.0
+    if not _is_seeded(rand):
+        host = tm._host(cells).astype(np.float64)
+        for k, v in override.items():
+            host[k] = v
+        S = np.flatnonzero(tm._host(pn) > 0)
+        r = host[S]
+        return int(rand.categorical(S, r / r.sum()))
+    blocks = tm._block_sums(cells)
+    for k, v in override.items():
+        blocks[k // CDF_BLOCK] += v - float(cells[k])
+    blocks = np.maximum(blocks, 0.0)
+    return _icdf(tm, cells, blocks, override, rand.rng.random() * float(blocks.sum()))
+
+
+# ------------------------------------------------------------------------------------------------ selection
+
+_BACKENDS: dict[str, object] = {}
+_DEFAULT: list[object] = []
+
+
+def make(name: str):
+    """A backend by name: "numpy" (the reference), "torch" (CPU), "torch-float64" (CPU, float64 cells: the
+    enumeration tests' exactness at 1e-12), "torch-cuda", or "auto"."""
+    if name == "numpy":
+        return NumpyRows()
+    if name in ("torch", "torch-cpu"):
+        return TorchRows("cpu", threads=1)
+    if name == "torch-float64":
+        return TorchRows("cpu", dtype="float64", threads=1)
+    if name == "torch-cuda":
+        return TorchRows("cuda")
+    if name == "auto":
+        try:
+            return TorchRows("cpu", threads=1)
+        except Exception as e:  # noqa: BLE001 - any import or runtime failure falls back to the reference
+            log.warning("row math: torch unavailable (%s); using the numpy reference", e)
+            return NumpyRows()
+    raise ValueError(f"unknown row-math backend {name!r}: use numpy, torch, torch-cuda or auto")
+
+
+def backend():
+    """The process's row-math backend: DSBD_CHAT_ROWMATH (numpy | torch | torch-cuda | auto), default auto."""
+    if not _DEFAULT:
+        name = os.environ.get("DSBD_CHAT_ROWMATH", "auto")
+        try:
+            _DEFAULT.append(make(name))
+        except Exception as e:  # noqa: BLE001
+            log.warning("row math: backend %r cannot run (%s); using the numpy reference", name, e)
+            _DEFAULT.append(NumpyRows())
+    return _DEFAULT[0]
+
+
+def use(rm) -> None:
+    """Make `rm` the process's backend (tests, scripts)."""
+    _DEFAULT[:] = [rm]

@@ -1,0 +1,210 @@
+"""The row-math backends (app/decoding/rowmath.py, spec §16.9): the torch backend's closed forms have the
+reference's law exactly (enumerations within 1e-12 in float64), and in float32 on Qwen-sized rows it draws the
+reference's keys for the same seed; negative controls for the closed-form shortcuts must fail."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from app.decoding import rowmath
+from app.decoding.sampling import Draft, DraftWOR, Joint, SeededRand, Warp, residual_chain, verify_layer
+from app.decoding.width import acceptance_count_law, acceptance_count_table, choose_width
+from dsbd_helpers import enumerate_paths, layer_cases, make_drafts
+
+EXACT = 1e-12
+CASES = layer_cases()
+SHAPES = [(ws, wl) for ws in (1, 2, 3) for wl in range(1, ws + 1)]
+BACKENDS = {"numpy": rowmath.NumpyRows(), "torch-float64": rowmath.make("torch-float64")}
+
+
+def torch_law(tm, p: Joint, n_rows: int):
+    """p as a torch dense law: rows of log p with row scores log(row mass), so p_beam = p."""
+    table = np.zeros((n_rows, p.vocab))
+    table.reshape(-1)[p.keys] = p.probs
+    mass = table.sum(axis=1)
+    with np.errstate(divide="ignore"):
+        rows = tm.rows(np.log(table))
+        return tm.law(rows, np.log(mass), Warp())
+
+
+def torch_q(tm, q: Joint, n_rows: int):
+    table = np.zeros((n_rows, q.vocab))
+    keys = q.keys[q.keys < n_rows * q.vocab]
+    table.reshape(-1)[keys] = q.lookup(keys)
+    return rowmath._QRows(tm, tm._tensor(table).view(n_rows, q.vocab))
+
+
+def laws(p: Joint, q: Joint, valid, W_S: int, W_L: int, run) -> dict:
+    """Law of the output keys over every i.i.d. draft tuple and every outcome of the verifier's randomness."""
+    law: dict = {}
+    for idx in itertools.product(range(len(q)), repeat=W_S):
+        keys = np.array([q.keys[i] for i in idx])
+        w = float(np.prod(q.probs[list(idx)]))
+        drafts = make_drafts(keys, q, valid)
+        for (_, out), pr in enumerate_paths(lambda rand: run(drafts, rand)):
+            k = tuple(key for key, _ in out)
+            law[k] = law.get(k, 0.0) + w * pr
+    return law
+
+
+def laws_without(p: Joint, q: Joint, valid, W_S: int, W_L: int, run) -> dict:
+    law: dict = {}
+    for idx in itertools.permutations(range(len(q)), W_S):
+        w, left, drafts = 1.0, 1.0, []
+        for i in idx:
+            k = int(q.keys[i])
+            drafts.append(DraftWOR(k, float(q.probs[i]), left, bool(valid[k // q.vocab])))
+            w *= q.probs[i] / left
+            left -= q.probs[i]
+        for (_, out), pr in enumerate_paths(lambda rand: run(drafts, rand)):
+            k = tuple(key for key, _ in out)
+            law[k] = law.get(k, 0.0) + w * pr
+    return law
+
+
+def gap(a: dict, b: dict) -> float:
+    return max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+
+
+def reference_with(p, q, W_S, W_L):
+    S, R, _ = residual_chain(p, q, W_S)
+    return lambda drafts, rand: verify_layer(drafts, S, R, W_L, rand)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("W_S,W_L", SHAPES)
+def test_torch_chain_and_verify_have_the_reference_law(name, W_S, W_L):
+    p, q, valid = CASES[name]
+    tm = BACKENDS["torch-float64"]
+    n_rows = len(valid)
+    pt, qt = torch_law(tm, p, n_rows), torch_q(tm, q, n_rows)
+    chain = tm.chain(pt, qt, W_S)
+    assert np.allclose(chain.alpha, residual_chain(p, q, W_S)[2], atol=EXACT, rtol=0)
+    want = laws(p, q, valid, W_S, W_L, reference_with(p, q, W_S, W_L))
+    got = laws(p, q, valid, W_S, W_L, lambda drafts, rand: tm.verify(chain, drafts, W_L, rand))
+    assert gap(got, want) < EXACT
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("W_S,W_L", SHAPES)
+def test_torch_verify_without_replacement_has_the_reference_law(name, W_S, W_L):
+    p, q, valid = CASES[name]
+    if W_S > len(q) or W_L > len(p):
+        pytest.skip("not enough distinct pairs")
+    tm, ref = BACKENDS["torch-float64"], BACKENDS["numpy"]
+    n_rows = len(valid)
+    pt, qt = torch_law(tm, p, n_rows), torch_q(tm, q, n_rows)
+    pr, qr = rowmath.NumpyLaw(p), rowmath.NumpyLaw(q)
+    want = laws_without(p, q, valid, W_S, W_L, lambda d, rand: ref.verify_without(pr, qr, d, W_L, rand))
+    got = laws_without(p, q, valid, W_S, W_L, lambda d, rand: tm.verify_without(pt, qt, d, W_L, rand))
+    assert gap(got, want) < EXACT
+
+
+def test_negative_control_a_chain_without_its_scalar_moves_the_law(monkeypatch):
+    """The closed form's threshold s_c accumulates the masses Z (s_1 = 1: r_1 = norm(max(p - q, 0))); a chain whose
+    scalar forgets them (s_c = c / 2, half of q taken out per rejection) must fail the same enumeration."""
+    p, q, valid = CASES["random"]
+    tm = BACKENDS["torch-float64"]
+    pt, qt = torch_law(tm, p, len(valid)), torch_q(tm, q, len(valid))
+    chain = tm.chain(pt, qt, 3)
+    want = laws(p, q, valid, 3, 2, reference_with(p, q, 3, 2))
+    chain.s = [c / 2 for c in range(len(chain.s))]
+    chain.Z = [1.0] + [rowmath._mass(tm, chain.pn, qt.flat, s) for s in chain.s[1:]]
+    got = laws(p, q, valid, 3, 2, lambda drafts, rand: tm.verify(chain, drafts, 2, rand))
+    assert gap(got, want) > 1e-3
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_distinct_draws_are_sequential_draws_without_replacement(backend):
+    """rm.distinct_keys' law (and each draw's recorded mass left) is sequential sampling without replacement."""
+    p, _, valid = CASES["three_parents"]
+    rm = BACKENDS[backend]
+    law = torch_law(rm, p, len(valid)) if backend != "numpy" else rowmath.NumpyLaw(p)
+    want: dict = {}
+    for idx in itertools.permutations(range(len(p)), 3):
+        w, left = 1.0, 1.0
+        for i in idx:
+            w *= p.probs[i] / left
+            left -= p.probs[i]
+        want[tuple(int(p.keys[i]) for i in idx)] = w
+    got: dict = {}
+    for keys, pr in enumerate_paths(lambda rand: tuple(rm.distinct_keys(law, 3, rand))):
+        got[keys] = got.get(keys, 0.0) + pr
+    assert gap(got, want) < EXACT
+    keys, rest = law.distinct(3, SeededRand(np.random.default_rng(0)))
+    assert np.allclose(rest, [1.0, 1.0 - p.lookup(keys[:1])[0], 1.0 - p.lookup(keys[:2]).sum()], atol=1e-12)
+
+
+def qwen_rows(rng, n: int) -> np.ndarray:
+    x = rng.normal(0, 2, (n, 151_936)).astype(np.float32)
+    for r in range(n):
+        x[r, rng.integers(0, x.shape[1], 8)] += 14
+    return x
+
+
+@pytest.fixture(scope="module")
+def qwen_pair():
+    rng = np.random.default_rng(3)
+    x = qwen_rows(rng, 4)
+    return x, x + rng.normal(0, 1, x.shape).astype(np.float32), np.array([-1.0, -1.5, -3.0, -2.2])
+
+
+@pytest.mark.parametrize("warp", [Warp(), Warp(0.7), Warp(1.0, top_k=20), Warp(0.7, top_p=0.9),
+                                  Warp(0.8, top_k=50, top_p=0.95)], ids=str)
+def test_float32_torch_draws_the_references_keys_on_qwen_sized_rows(qwen_pair, warp):
+    x, _, scores = qwen_pair
+    ref, tm = rowmath.NumpyRows(), rowmath.make("torch")
+    pr, pt = ref.law(ref.rows(x), scores, warp), tm.law(tm.rows(x), scores, warp)
+    assert len(pr) == len(pt)
+    keys = pr.keys
+    assert np.abs(pr.lookup(keys) - pt.lookup(keys)).max() < 1e-6
+    for seed in range(3):
+        a = pr.sample(16, SeededRand(np.random.default_rng(seed)))
+        b = pt.sample(16, SeededRand(np.random.default_rng(seed)))
+        assert (a == b).all()
+        a = ref.distinct_keys(pr, 8, SeededRand(np.random.default_rng(seed)))
+        b = tm.distinct_keys(pt, 8, SeededRand(np.random.default_rng(seed)))
+        assert a == b
+
+
+@pytest.mark.parametrize("without", [False, True], ids=["with", "without"])
+def test_float32_torch_verifies_as_the_reference_on_qwen_sized_rows(qwen_pair, without):
+    """The same drafts and seeds give the same accepted drafts, corrections and fills; alpha within 1e-6."""
+    x, y, scores = qwen_pair
+    ref, tm = rowmath.NumpyRows(), rowmath.make("torch")
+    pr, pt = ref.law(ref.rows(x), scores, Warp()), tm.law(tm.rows(x), scores, Warp())
+    qr, qt = ref.law(ref.rows(y), scores, Warp()), tm.law(tm.rows(y), scores, Warp())
+    one = [[0], [1], [2], [3]]
+    qor, qot = ref.on_rows(qr, one, [1] * 4), tm.on_rows(qt, one, [1] * 4)
+    for n in (8, 32):
+        assert np.abs(ref.chain(pr, qor, n).alpha - tm.chain(pt, qot, n).alpha).max() < 1e-6
+        keys, rest = qr.distinct(n, SeededRand(np.random.default_rng(n)))
+        if without:
+            drafts = [DraftWOR(int(k), float(qor.lookup([k])[0]), float(r), True) for k, r in zip(keys, rest)]
+        else:
+            drafts = [Draft(int(k), float(qor.lookup([k])[0]), True) for k in keys]
+        for seed in range(4):
+            if without:
+                a = ref.verify_without(pr, qor, drafts, 4, SeededRand(np.random.default_rng(seed)))
+                b = tm.verify_without(pt, qot, drafts, 4, SeededRand(np.random.default_rng(seed)))
+            else:
+                a = ref.verify(ref.chain(pr, qor, n), drafts, 4, SeededRand(np.random.default_rng(seed)))
+                b = tm.verify(tm.chain(pt, qot, n), drafts, 4, SeededRand(np.random.default_rng(seed)))
+            assert a == b
+
+
+def test_vectorised_width_law_equals_the_textbook_table():
+    rng = np.random.default_rng(0)
+    for m in (0, 1, 5, 32):
+        alpha = rng.random(m)
+        assert np.allclose(acceptance_count_law(alpha), acceptance_count_table(alpha)[-1], atol=1e-14, rtol=0)
+    assert choose_width([0.9, 0.8, 0.7, 0.2], 0.9, 1, 4) >= 1
+
+
+def test_an_unknown_backend_is_a_clear_error_and_auto_runs():
+    with pytest.raises(ValueError, match="unknown row-math backend 'gpu'"):
+        rowmath.make("gpu")
+    assert rowmath.make("auto").name in ("torch-cpu", "numpy")

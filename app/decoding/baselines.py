@@ -16,7 +16,8 @@ from backends.base import ROOT, Context, Forest, Path
 from . import Step, rng_streams
 from .beams import Beam, Pool, Stopper, common_prefix, final_choice
 from .metrics import Metrics
-from .sampling import Rand, SeededRand, Warp, draw_without_replacement, log_softmax, residual_chain, sample_iid, warp_joint
+from . import rowmath
+from .sampling import Rand, SeededRand, Warp, log_softmax, residual_chain, sample_iid, warp_joint
 
 
 def warp_of(params: DecodeParams) -> Warp:
@@ -35,9 +36,11 @@ def pad_vocab(logits: np.ndarray, vocab: int) -> np.ndarray:
 
 
 def _beam_loop(*, target: Context, prompt: Sequence[int], params: DecodeParams, stopper: Stopper, metrics: Metrics,
-               choose) -> Iterator[Step]:
-    """Shared loop of the target-only decoders: `choose(z, finishes) -> [(row, token)]` picks the next
-    pairs; `finishes(row, token)` tells whether that pair would end its beam."""
+               choose, rm=None) -> Iterator[Step]:
+    """Shared loop of the target-only decoders: `choose(rows, scores, finishes) -> [(row, token)]` picks the
+    next pairs from the rows' raw log-probs (`rm.rows`) and the beams' scores; `finishes(row, token)` tells
+    whether that pair would end its beam."""
+    rm = rm or rowmath.backend()
     width = MODE_FACTS[params.mode].rows(params.beams)
     target.prefill(prompt[:-1])
     metrics.mark_prefilled()
@@ -49,11 +52,12 @@ def _beam_loop(*, target: Context, prompt: Sequence[int], params: DecodeParams, 
         metrics.steps.append(1)
         metrics.iterations += 1
         metrics.track_kv(target)
-        lp = log_softmax(logits.roots)  # [rows, vocab]
-        z = np.array([b.score for b in live])[:, None] + lp  # joint log-scores [rows, vocab]
+        lp = rm.rows(logits.roots)  # raw log-probs [rows, vocab]
+        scores = np.array([b.score for b in live])
+        picked = choose(lp, scores, lambda r, x: stopper.finished(live[r].tokens + (x,)))
         nxt, rows = [], []
-        for r, x in choose(z, lambda r, x: stopper.finished(live[r].tokens + (x,))):
-            beam = Beam(live[r].tokens + (int(x),), float(z[r, x]), False)
+        for r, x in picked:
+            beam = Beam(live[r].tokens + (int(x),), float(scores[r] + lp.at(r, int(x))), False)
             if stopper.finished(beam.tokens):
                 pool.add(Beam(beam.tokens, beam.score, True))
             else:
@@ -77,7 +81,7 @@ def greedy(*, target: Context, prompt: Sequence[int], params: DecodeParams, stop
            metrics: Metrics) -> Iterator[Step]:
     """Argmax decoding (ties: lower token id)."""
     return _beam_loop(target=target, prompt=prompt, params=params, stopper=stopper, metrics=metrics,
-                      choose=lambda z, _: [(0, int(np.argmax(z[0])))])
+                      choose=lambda lp, s, _: [(0, int(np.argmax(s[0] + lp.lp[0])))], rm=rowmath.NumpyRows())
 
 
 def beam_search(*, target: Context, prompt: Sequence[int], params: DecodeParams, stopper: Stopper,
@@ -85,7 +89,8 @@ def beam_search(*, target: Context, prompt: Sequence[int], params: DecodeParams,
     """Baseline C: deterministic beam search over the 2W highest raw joint scores."""
     w = params.beams
 
-    def choose(z: np.ndarray, finishes) -> list[tuple[int, int]]:
+    def choose(lp, scores: np.ndarray, finishes) -> list[tuple[int, int]]:
+        z = scores[:, None] + lp.lp  # joint log-scores [rows, vocab]
         flat = z.ravel()
         k = min(2 * w, flat.size)
         top = np.argpartition(-flat, k - 1)[:k]
@@ -102,33 +107,29 @@ def beam_search(*, target: Context, prompt: Sequence[int], params: DecodeParams,
         return picked
 
     return _beam_loop(target=target, prompt=prompt, params=params, stopper=stopper, metrics=metrics,
-                      choose=choose)
+                      choose=choose, rm=rowmath.NumpyRows())
 
 
 def beam_sampling(*, target: Context, prompt: Sequence[int], params: DecodeParams, stopper: Stopper,
-                  metrics: Metrics, rand: Rand | None = None) -> Iterator[Step]:
-    """Baselines A (with replacement) and B (without replacement); W = 1 is multinomial sampling.
-    `rand` replaces the seeded stream (tests enumerate every outcome; B then draws sequentially)."""
+                  metrics: Metrics, rand: Rand | None = None, rm=None) -> Iterator[Step]:
+    """Baselines A (with replacement) and B (without replacement: W sequential draws, each from p over the pairs
+    not drawn yet); W = 1 is multinomial sampling. One uniform of the verify stream per draw, so DSBD's step
+    without a forest is this step. `rand` replaces the seeded stream (tests enumerate every outcome); `rm` the
+    row-math backend."""
     _, rng = rng_streams(params.seed)
     warp = warp_of(params)
     width = MODE_FACTS[params.mode].rows(params.beams)
     replace = params.mode != "beam-sample"
     draws = rand or SeededRand(rng)
+    rm = rm or rowmath.backend()
 
-    def choose(z: np.ndarray, _) -> list[tuple[int, int]]:
-        p = warp_joint(z, warp)
-        if replace:
-            keys = draws.draws(p, width)
-        elif rand is not None:
-            keys = draw_without_replacement(p, width, rand)
-        else:  # W distinct pairs: the W largest log p + Gumbel noise (the law of W sequential draws), in order
-            g = np.log(p.probs) + rng.gumbel(size=len(p.probs))
-            top = np.argpartition(-g, width - 1)[:width] if width < len(g) else np.arange(len(g))
-            keys = p.keys[top[np.lexsort((top, -g[top]))]]  # descending, ties by position: a stable argsort's
-        return [divmod(int(k), z.shape[1]) for k in keys]
+    def choose(lp, scores: np.ndarray, _) -> list[tuple[int, int]]:
+        p = rm.law(lp, scores, warp)
+        keys = p.sample(width, draws) if replace else rm.distinct_keys(p, width, draws)
+        return [divmod(int(k), p.vocab) for k in keys]
 
     return _beam_loop(target=target, prompt=prompt, params=params, stopper=stopper, metrics=metrics,
-                      choose=choose)
+                      choose=choose, rm=rm)
 
 
 def speculative_sampling(*, target: Context, draft: Context, prompt: Sequence[int], params: DecodeParams,

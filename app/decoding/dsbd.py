@@ -33,10 +33,9 @@ from .baselines import pad_vocab, warp_of
 from .beams import Beam, Pool, Stopper, common_prefix, final_choice
 from .forest_policy import ForestPolicy, decoder_costs, lookup_layer_cost
 from .lookups import Builder, Shape
+from . import rowmath
 from .metrics import Metrics
-from .sampling import (Draft, DraftWOR, Joint, Rand, SeededRand, draw_without_replacement, log_softmax,
-                       residual_chain, sample_without_replacement, verify_layer, verify_layer_without_replacement,
-                       warp_joint)
+from .sampling import Draft, DraftWOR, Joint, Rand, SeededRand
 from .width import choose_width
 
 
@@ -94,7 +93,7 @@ class Handle:
     chain: tuple[Node, ...]
     beam: Beam
     content: int
-    lp: np.ndarray | None  # [vocab] raw target log p(. | beam); None for an output beam
+    lp: rowmath.LogProbRow | None  # raw target log p(. | beam) (row math's); None for an output beam
 
 
 # lookups(depth, parent contents, previous layer's nodes or None, q_beam or None, drafts) -> [(parent, token)]:
@@ -120,7 +119,7 @@ def _timed(phase: str):
 def dsbd(*, target: Context, draft: Context | None, prompt: Sequence[int], params: DecodeParams,
          stopper: Stopper, metrics: Metrics, vocab: int, costs=None, policy: ForestPolicy | None = None,
          nodes: Builder | None = None, lookups: Lookups | None = None,
-         rands: tuple[Rand, Rand] | None = None) -> Iterator[Step]:
+         rands: tuple[Rand, Rand] | None = None, rm=None) -> Iterator[Step]:
     """DSBD generator; `params.mode` is "dsbd" (full) or "dsbd-mem" (one beam between iterations).
 
     params.replacement "with" reproduces beam sampling with replacement (baseline A), "without" conventional
@@ -128,10 +127,12 @@ def dsbd(*, target: Context, draft: Context | None, prompt: Sequence[int], param
     carrying what it learnt), else one priced by `costs` = (target, draft) pass-cost curves. `draft` None: no
     draft model; the forest holds model-free lookup nodes only. `nodes` chooses the model-free nodes (default:
     a Builder over params.lookup_sources). `lookups` replaces the draft-model lookup nodes (tests). `rands` =
-    (draft, verify) randomness replaces the seeded streams (tests enumerate every outcome).
+    (draft, verify) randomness replaces the seeded streams (tests enumerate every outcome); `rm` the row-math
+    backend (default: the process's, app/decoding/rowmath.py).
     """
     run = _Run(params, stopper, metrics, vocab, prompt, draft is not None, policy or _policy(params, costs, draft),
-               nodes if nodes is not None else _builder(params, prompt, costs, stopper, vocab), lookups, rands)
+               nodes if nodes is not None else _builder(params, prompt, costs, stopper, vocab), lookups, rands,
+               rm or rowmath.backend())
     run.prefill(target, draft, prompt)
     live, t_suffix, d_suffix = [Beam((), 0.0)], [(prompt[-1],)], [(prompt[-1],)]
     while True:
@@ -140,7 +141,7 @@ def dsbd(*, target: Context, draft: Context | None, prompt: Sequence[int], param
         roots = [contents.root(b.tokens) for b in live]
         layers, fed = run.draft(draft, live, roots, d_suffix, g, ws, n_look, contents)  # 1. draft
         root_lp, node_lp = run.score(target, t_suffix, layers)                           # 2. score
-        rows = [Handle(r, (), b, roots[r], root_lp[r]) for r, b in enumerate(live)]
+        rows = [Handle(r, (), b, roots[r], root_lp.row(r)) for r, b in enumerate(live)]
         output, stop = run.verify(layers, rows, node_lp, contents)                       # 3. verify
         nxt, done = run.retire(output, stop)                                             # 4. retire
         run.account(target, draft, live, output, nxt, layers, g, ws)
@@ -159,12 +160,13 @@ class _Run:
 
     def __init__(self, params: DecodeParams, stopper: Stopper, metrics: Metrics, vocab: int, prompt,
                  has_draft: bool, policy, builder: Builder | None, lookups: Lookups | None,
-                 rands: tuple[Rand, Rand] | None) -> None:
+                 rands: tuple[Rand, Rand] | None, rm) -> None:
+        self.rm = rm
         self.params, self.stopper, self.metrics, self.vocab = params, stopper, metrics, vocab
         self.has_draft, self.policy, self.builder = has_draft, policy, builder
         self.lookups = lookups or (lambda *a: _top_q_lookups(self.n_lookups, *a))
         self.n_lookups = params.lookup_nodes if "draft" in params.lookup_sources else 0
-        self.q_profile: np.ndarray | None = None  # the latest drafted q_beam's probabilities (for the policy)
+        self.q_profile = None  # the latest drafted q_beam (for the policy's distinct-draft estimate)
         self.memory = not MODE_FACTS[params.mode].keeps_rows
         self.without = params.replacement == "without"
         self.w, self.warp, self.lam = params.beams, warp_of(params), params.length_penalty
@@ -172,7 +174,7 @@ class _Run:
         self.n_extra = 1 if self.memory and params.select == "sample" else self.w
         self.pool = Pool(self.w, self.lam)
         self.snapshot: list[dict] = []
-        self.verified_rows: dict[tuple[int, ...], np.ndarray] = {}  # this iteration's rows (the builder learns)
+        self.verified_rows: dict[tuple[int, ...], rowmath.LogProbRow] = {}  # this iteration's rows (builder)
         self.forest_shape = (0, 0)
         self.sized = (1, 1)  # this iteration's distinct root query tokens in the target and the draft pass
         metrics.forest_policy = params.forest
@@ -226,14 +228,12 @@ class _Run:
         for l in range(1, g + 1):
             q, drafts = None, []
             if drafting:
-                lq = log_softmax(pad_vocab(logits, self.vocab))  # [parents, V] raw draft log-probs
-                z = dscore[:, None] + lq
-                z[ended] = -np.inf  # an ended path has no children
-                q = warp_joint(z, self.warp)
+                lq = self.rm.rows(pad_vocab(logits, self.vocab))  # [parents, V] raw draft log-probs
+                q = self.rm.law(lq, np.where(ended, -np.inf, dscore), self.warp)  # an ended path has no children
                 if self.without:  # distinct pairs, each with the q mass left before it (spec §16.5)
-                    keys, rest = sample_without_replacement(q, ws, self.draft_rand)
+                    keys, rest = q.distinct(ws, self.draft_rand)
                 else:  # i.i.d. (spec §4)
-                    keys, rest = self.draft_rand.draws(q, ws), np.ones(ws)
+                    keys, rest = q.sample(ws, self.draft_rand), np.ones(ws)
                 for k, qv, rs in zip(keys, q.lookup(keys), rest):
                     par, tok = int(k // self.vocab), int(k % self.vocab)
                     up = None if q_parents is None else q_parents[par]
@@ -249,7 +249,7 @@ class _Run:
                 break  # nothing left to verify at this depth: the extra layer follows
             layers.append(Layer(q, parent_content, drafts, looks))
             if l == 1 and q is not None:
-                self.q_profile = q.probs
+                self.q_profile = q
             if l == g:
                 break
             prev = drafts + looks
@@ -263,8 +263,7 @@ class _Run:
                 parents=tuple(ROOT if n.up is None else n.up.did for n in drafts),
                 rows=tuple(n.root for n in drafts)))
             fed += len(drafts)
-            par = np.array([n.parent for n in drafts])
-            dscore = dscore[par] + lq[par, [n.token for n in drafts]]
+            dscore = np.array([dscore[n.parent] + lq.at(n.parent, n.token) for n in drafts])
             paths = [paths[n.parent] + (n.token,) for n in drafts]
             ended = np.array([n.ended for n in drafts])
             q_parents, parent_content = drafts, [n.content for n in drafts]
@@ -338,7 +337,7 @@ class _Run:
                                      parents=tuple(ROOT if n.up is None else n.up.tid for n in nodes),
                                      rows=tuple(n.root for n in nodes)))
         self.metrics.target_passes += 1
-        return log_softmax(out.roots), _LazyRows(out.nodes)
+        return self.rm.rows(out.roots), self.rm.rows(out.nodes)
 
     # -- 3. verify ---------------------------------------------------------------------------------------
     @_timed("verify")
@@ -357,7 +356,7 @@ class _Run:
             if not passed:  # the output layer: its tokens are the next uncached suffix (spec §8)
                 return [self._extend(rows[k // self.vocab], k % self.vocab, None, drafted=i is not None)
                         for k, i in outputs], False
-            beams = [self._extend(rows[k // self.vocab], k % self.vocab, n, node_lp[n.tid], drafted=i is not None)
+            beams = [self._extend(rows[k // self.vocab], k % self.vocab, n, node_lp.row(n.tid), drafted=i is not None)
                      for (k, i), n in zip(outputs, nodes)]
             ended = [self.stopper.finished(h.beam.tokens) for h in beams]
             still = [h for h, e in zip(beams, ended) if not e]
@@ -371,11 +370,11 @@ class _Run:
                 return still, True
             rows = still
         self.verified_rows.update((h.beam.tokens, h.lp) for h in rows)
-        p = self._p_beam(rows)  # every layer passed: the extra layer from the last logits
+        p = self._p_beam(rows)  # every layer passed: the extra layer from the last logits (the plain step)
         if self.without:
-            keys = draw_without_replacement(p, self.n_extra, self.rand)
+            keys = self.rm.distinct_keys(p, self.n_extra, self.rand)
         else:
-            keys = self.rand.draws(p, self.n_extra)
+            keys = p.sample(self.n_extra, self.rand)
         return [self._extend(rows[k // self.vocab], int(k % self.vocab), None) for k in keys], False
 
     def verify_layer(self, layer: Layer, rows: list[Handle]):
@@ -383,19 +382,19 @@ class _Run:
         drafts alone filled it, and W_L."""
         p = self._p_beam(rows)
         q, drafts = self._drafts_on_rows(layer, rows)
-        if drafts:
-            S, R, alpha = residual_chain(p, q, len(drafts))
-        else:
-            S, R, alpha = p.keys, None, np.zeros(0)
+        chain = self.rm.chain(p, q, len(drafts)) if drafts and not self.without else None
+        alpha = chain.alpha if chain is not None else \
+            self.rm.chain(p, q, len(drafts)).alpha if drafts else np.zeros(0)
         width = choose_width(alpha, self.params.threshold, self.params.min_beams, self.w)
+        if not drafts:  # lookup nodes only: the plain step on cached logits (spec §16.3)
+            width = min(width, len(p)) if self.without else width
+            keys = self.rm.distinct_keys(p, width, self.rand) if self.without else p.sample(width, self.rand)
+            return [(int(k), None) for k in keys], drafts, False, width
         if self.without:
             width = min(width, len(p))
-            q_S = q.lookup(S) if drafts else np.zeros(len(S))
-            by_drafts, outputs = verify_layer_without_replacement(drafts, p, q_S, width, self.rand)
-        elif drafts:
-            by_drafts, outputs = verify_layer(drafts, S, R, width, self.rand)
-        else:  # lookup nodes only: baseline A's step on cached logits (spec §16.3)
-            by_drafts, outputs = False, [(int(k), None) for k in self.rand.draws(p, width)]
+            by_drafts, outputs = self.rm.verify_without(p, q, drafts, width, self.rand)
+        else:
+            by_drafts, outputs = self.rm.verify(chain, drafts, width, self.rand)
         return outputs, drafts, by_drafts, width
 
     def _drafts_on_rows(self, layer: Layer, rows: list[Handle]):
@@ -405,23 +404,15 @@ class _Run:
         rejection; its q mass stays off S)."""
         if not layer.drafts:
             return None, []
-        V, q = self.vocab, layer.q
+        V = self.vocab
         members: dict[int, list[int]] = defaultdict(list)
         for i, h in enumerate(rows):
             members[h.content].append(i)
-        par_content = np.array(layer.parent_content)[q.keys // V]  # [|q|] content of each pair's parent
-        keys, vals = [], []
-        for c, idx in members.items():
-            sel = par_content == c  # q's pairs under content c
-            if sel.any():  # else: a valid row with no drafted children (q mass 0 there)
-                for i in idx:
-                    keys.append(i * V + q.keys[sel] % V)
-                    vals.append(q.probs[sel] / len(idx))
-        if keys:
-            uk, inv = np.unique(np.concatenate(keys), return_inverse=True)  # slots of one content add up
-            q_rows = Joint(uk.astype(np.int64), np.bincount(inv, weights=np.concatenate(vals)), V)
-        else:
-            q_rows = Joint(np.zeros(0, np.int64), np.zeros(0), V)
+        by_content: dict[int, list[int]] = defaultdict(list)  # content -> q's parents holding it
+        for j, c in enumerate(layer.parent_content):
+            by_content[c].append(j)
+        parents = [by_content.get(h.content, []) for h in rows]
+        q_rows = self.rm.on_rows(layer.q, parents, [len(members[h.content]) for h in rows])
         out: list = []
         for n in layer.drafts:
             idx = members.get(layer.parent_content[n.parent], [])
@@ -433,9 +424,9 @@ class _Run:
             out.append(DraftWOR(key, qv, n.rest, bool(idx)) if self.without else Draft(key, qv, bool(idx)))
         return q_rows, out
 
-    def _p_beam(self, rows: Sequence[Handle]) -> Joint:
+    def _p_beam(self, rows: Sequence[Handle]):
         """p_beam over rows x V: joint raw target log-scores, warped (spec §2.1)."""
-        return warp_joint(np.stack([h.beam.score + h.lp for h in rows]), self.warp)  # [rows, V]
+        return self.rm.law(self.rm.stack([h.lp for h in rows]), np.array([h.beam.score for h in rows]), self.warp)
 
     def _extend(self, h: Handle, token: int, node: Node | None, lp=None, *, drafted: bool = False) -> Handle:
         """h + token; on a node, the beam runs through that node's own path (equal content, same tokens)."""
@@ -558,18 +549,15 @@ class _Run:
         return {"layers": layers, "gamma": g, "draft_beams": ws, "adaptive": self.policy is not None}
 
 
-def _top_q_lookups(n: int, l: int, parent_content: list[int], prev, q: Joint | None,
+def _top_q_lookups(n: int, l: int, parent_content: list[int], prev, q,
                    drafts: list[Node]) -> list[tuple[int, int]]:
     """Lookup nodes: the layer's n most likely q_beam pairs whose content no draft holds."""
     if n <= 0 or q is None or not len(q):
         return []
     drafted = {(parent_content[d.parent], d.token) for d in drafts}
-    k = min(len(q), n + len(drafts))
-    top = np.argpartition(-q.probs, k - 1)[:k] if k < len(q) else np.arange(len(q))
-    top = top[np.lexsort((q.keys[top], -q.probs[top]))]  # descending q, ties by lower key
     out, seen = [], set()
-    for i in top:
-        par, tok = int(q.keys[i] // q.vocab), int(q.keys[i] % q.vocab)
+    for key in q.top(n + len(drafts)):  # descending q, ties by lower key
+        par, tok = int(key // q.vocab), int(key % q.vocab)
         c = (parent_content[par], tok)
         if c in seen or c in drafted or (prev is not None and prev[par].ended):
             continue
@@ -578,20 +566,6 @@ def _top_q_lookups(n: int, l: int, parent_content: list[int], prev, q: Joint | N
         if len(out) == n:
             break
     return out
-
-
-class _LazyRows:
-    """Row-wise log_softmax on demand: only the nodes outputs land on need their target log-probs.
-    A row gives bit-for-bit the values of log_softmax over the whole [n, V] block."""
-
-    def __init__(self, logits: np.ndarray) -> None:
-        self.logits, self.rows = logits, {}
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        row = self.rows.get(i)
-        if row is None:
-            row = self.rows[i] = log_softmax(self.logits[i])  # [V]
-        return row
 
 
 def _policy(params: DecodeParams, costs, draft) -> ForestPolicy | None:

@@ -297,22 +297,29 @@ class ForestPolicy:
         return min(float(ws), _mean(seen, model, self.strength)) if seen else model
 
     def set_profile(self, q_rows) -> None:
-        """Price distinct drafts on this q (the latest drafted layer's joint): once per W_S candidate, since q
-        may hold W x |V| entries."""
+        """Price distinct drafts on this q (the latest drafted layer's joint: probabilities of any shape, or a
+        row-math law, which reads only its cells >= _TINY): once per W_S candidate, since q may hold W x |V|
+        entries."""
         import numpy as np
 
-        q = np.asarray(q_rows, dtype=np.float64).ravel()
-        q = q[q > 0]
-        if q.size == 0:
+        if hasattr(q_rows, "profile"):
+            size = len(q_rows)
+            big, rest = q_rows.profile(_TINY) if size else (None, 0.0)
+        else:
+            q = np.asarray(q_rows, dtype=np.float64).ravel()
+            q = q[q > 0]
+            size = q.size
+            if size:
+                q /= q.sum()
+                big = q[q >= _TINY]  # the rest counts ws * q (expected_distinct's rule): one pass over q in all
+                rest = 1.0 - big.sum()
+        if size == 0:
             self._profile = {}
             return
-        q /= q.sum()
         self._choice.clear()
-        big = q[q >= _TINY]  # the rest counts ws * q (expected_distinct's rule): one pass over q in all
         if not self.replacement:
-            self._profile = {ws: float(min(ws, q.size)) for ws in set(self.widths)}
+            self._profile = {ws: float(min(ws, size)) for ws in set(self.widths)}
         else:
-            rest = 1.0 - big.sum()
             self._profile = {ws: float(np.sum(1.0 - (1.0 - big) ** ws) + ws * rest) for ws in set(self.widths)}
 
     def verify_seconds(self, ws: int) -> float:

@@ -35,8 +35,8 @@ from typing import Sequence
 import numpy as np
 
 from .sampling import (CDF_BLOCK, RESIDUAL_EPS, TOP_P_HEAD, Draft, DraftWOR, Joint, Rand, SeededRand, Warp,
-                       draw_without_replacement, log_softmax, positions, residual_chain, sample_without_replacement,
-                       verify_layer, verify_layer_without_replacement, warp_joint)
+                       draw_without_replacement, log_softmax, residual_chain, sample_without_replacement,
+                       verify_layer, verify_layer_without_replacement, warp_entries, warp_joint)
 
 log = logging.getLogger(__name__)
 
@@ -425,10 +425,6 @@ class TorchRows:
         lse = np.where(valid, rows.lse_all(), 0.0)
         inv_t = 1.0 / warp.temperature
         x = rows.x
-        if warp.truncating:
-            law = self._truncated(x, s, lse, valid, warp)
-            if law is not None:
-                return law
         m = rows.max_all()
         if inv_t == 1.0:
             row_lse = lse  # log sum_t exp(x_t / T)
@@ -436,6 +432,10 @@ class TorchRows:
             t = self.torch
             mt = t.as_tensor(m, dtype=self.dtype, device=x.device)[:, None]
             row_lse = m * inv_t + np.log(self._host(((x - mt) * inv_t).exp_().sum(dim=1)).astype(np.float64))
+        if warp.truncating:
+            law = self._truncated(x, s, lse, valid, warp, m, row_lse)
+            if law is not None:
+                return law
         w = np.where(valid, (s - lse) * inv_t + row_lse, -np.inf)  # log mass of each row
         w_max = w[valid].max()
         log_z = w_max + math.log(float(np.exp(w[valid] - w_max).sum()))
@@ -443,40 +443,39 @@ class TorchRows:
         scale = np.where(valid, np.exp(np.where(valid, c + m * inv_t, 0.0)), 0.0)
         return TorchLaw(self, x, m, scale, inv_t)
 
-    def _truncated(self, x, s, lse, valid, warp: Warp):
-        """top-k / top-p: the support chosen on the device, then the reference warp on the few survivors (the
-        k largest pairs hold every top-k survivor; top-p reads a sorted head and the whole support's total)."""
+    def _truncated(self, x, s, lse, valid, warp: Warp, m: np.ndarray, row_lse: np.ndarray):
+        """top-k / top-p: each valid row's largest cells on the device (a row's order does not depend on its
+        score, so the joint's k largest pairs are among the rows' k largest), then the reference warp on those
+        candidates; top-p alone reads a head, grown until it holds top_p of the whole support's mass."""
         t = self.torch
         n, V = int(x.shape[0]), int(x.shape[1])
-        off = t.as_tensor(np.where(valid, s - lse, -np.inf), device=x.device)
-        z = (x.double() + off[:, None]).view(-1)  # [n V] joint raw log-scores, float64
-        finite = int(t.isfinite(z).sum())
-        if 0 < warp.top_k < finite:
-            vals, idx = t.topk(z, min(finite, warp.top_k + 8))  # a few more: ties at the cut go to lower keys
-            zz = np.full(n * V, -np.inf)
-            zz[self._host(idx)] = self._host(vals)
-            return NumpyLaw(warp_joint(zz.reshape(n, V), warp))
-        if warp.top_p >= 1.0:
-            return None  # top-k at least the support: no truncation
-        zt = z / warp.temperature
-        top = float(zt.max())
-        total = float(t.exp(zt - top).sum())
-        M = min(finite, TOP_P_HEAD)
+        vrows = np.flatnonzero(valid)
+        off = (s - lse)[vrows]  # z = x + off: the joint raw log-scores
+        head_total = None
+        if not 0 < warp.top_k < V * len(vrows):
+            if warp.top_p >= 1.0:
+                return None  # top-k at least the support: no truncation
+            inv_t = 1.0 / warp.temperature
+            w = off * inv_t + row_lse[vrows]  # log of each row's sum of exp(z / T)
+        k = warp.top_k or TOP_P_HEAD
         while True:
-            vals, idx = t.topk(zt, M)
-            v, keys = self._host(vals), self._host(idx).astype(np.int64)
-            order = np.lexsort((keys, -v))  # the reference's order: -value, then key
-            cum = np.cumsum(np.exp(v[order] - top) / total)
-            i = int(np.searchsorted(cum, warp.top_p, side="left"))
-            if i < M or M == finite:
-                break
-            M = min(finite, 8 * M)
-        kept = order[: min(i + 1, M)]
-        kept = kept[np.argsort(keys[kept])]
-        probs = np.exp(v[kept] - v[kept].max())
-        probs /= probs.sum()
-        nz = probs > 0
-        return NumpyLaw(Joint(keys[kept][nz], probs[nz], V))
+            kk = min(V, k + 8)  # a few more: ties at the cut go to the lower key
+            vals, idx = t.topk(x[t.as_tensor(vrows, device=x.device)], kk, dim=1)
+            keys = (vrows[:, None] * V + self._host(idx)).reshape(-1).astype(np.int64)
+            z = (self._host(vals).astype(np.float64) + off[:, None]).reshape(-1)
+            ok = np.isfinite(z)
+            keys, z = keys[ok], z[ok]
+            order = np.argsort(keys)
+            keys, z = keys[order], z[order]
+            if warp.top_k:
+                return NumpyLaw(warp_entries(keys, z, V, warp))
+            top = z.max() / warp.temperature
+            head_total = float(np.exp(w - top).sum())
+            law = warp_entries(keys, z, V, warp, head_total=head_total)
+            # complete unless the cut reached a row's last candidate (a longer head could hold more of it)
+            if kk == V or np.bincount(law.keys // V).max() < kk:
+                return NumpyLaw(law)
+            k = 8 * k
 
     def on_rows(self, q, parents: Sequence[Sequence[int]], counts: Sequence[int]):
         """q_rows(i, t) = (sum of q(j, t) over row i's parents j) / counts_i (spec §16.2), as an [n, V] tensor."""

@@ -199,6 +199,13 @@ def warp_joint(z: np.ndarray, warp: Warp) -> Joint:
         raise ValueError(f"z must be [n_parents, V], got shape {z.shape}")
     V = int(z.shape[1])
     keys, v = _finite_entries(z)  # [m] ascending keys of the finite entries, their values
+    return warp_entries(keys, v, V, warp)
+
+
+def warp_entries(keys: np.ndarray, v: np.ndarray, V: int, warp: Warp, *, head_total: float | None = None) -> Joint:
+    """`warp_joint` on the finite entries (keys ascending, values z): temperature, top_k, top_p, softmax.
+    head_total: the entries are only the head of a larger support (top_p without top_k): sum of
+    exp(z / T - max) over the whole support, so top_p's cut is the whole support's."""
     # 1. temperature (after dropping -inf, so invalid parents and masked ids never enter top_k)
     if warp.temperature != 1.0:
         v = v / warp.temperature
@@ -212,7 +219,7 @@ def warp_joint(z: np.ndarray, warp: Warp) -> Joint:
     # reaches top_p. cumsum is sequential, so the head's prefix sums equal a full sort's bit for bit.
     if warp.top_p < 1.0 and v.size > 1:
         e = np.exp(v - v.max())  # [k]
-        total = e.sum()
+        total = e.sum() if head_total is None else head_total
         M = min(v.size, TOP_P_HEAD)
         while True:
             head = _top_indices(v, M)  # [M] the first M of the order, ascending by key

@@ -1,0 +1,149 @@
+"""The decoder's row math on synthetic rows at Qwen's vocabulary (151,936): ms per operation and per iteration,
+the numpy reference and the torch backend side by side in one run, and each as a share of the rtx4090-7b and
+rtx4090-1.5b target passes at that many tokens. No model needed; a minute or two on 2 cores.
+
+    python scripts/measure_rowmath.py [--rows 4 16 64 260] [--repeats 5] [--backends numpy torch] [--json F]
+
+Rows are peaked like an LLM's (normal(0, 2) plus 14 on 8 ids per row); the draft's rows are the target's plus
+normal(0, 1) noise, so a chain of n drafts meets real rejections. "iteration" rows are what a decoder does per
+iteration outside the passes: the plain steps of sample (1 row), beam-sample-repl and beam-sample (W rows), and a
+verified layer at n = 8 and n = 32 drafts (warp p, map q onto the rows, chain, width, tests, draws).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import numpy as np
+
+import _common  # noqa: F401  (the repository on sys.path)
+from app.decoding import rowmath
+from app.decoding.sampling import Draft, DraftWOR, SeededRand, Warp
+from app.decoding.width import choose_width
+from app.engine.timing import cost_profile
+
+V = 151_936
+
+
+def rows(rng, n: int) -> np.ndarray:
+    x = rng.normal(0, 2, (n, V)).astype(np.float32)
+    for r in range(n):
+        x[r, rng.integers(0, V, 8)] += 14
+    return x
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # warm: buffers, first-call dispatch
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def operations(rm, x, y, scores, n_drafts: int):
+    """name -> a callable doing that part of an iteration once on backend rm."""
+    n = x.shape[0]
+    seeded = lambda s=0: SeededRand(np.random.default_rng(s))
+    warp, hot = Warp(), Warp(0.7)
+    one = [[i] for i in range(n)]
+
+    def law(w=warp):
+        return rm.law(rm.rows(x), scores, w)
+
+    def verified(without: bool, k: int):
+        def run():
+            p = law()
+            q = rm.law(rm.rows(y), scores, warp)
+            q_on = rm.on_rows(q, one, [1] * n)
+            if without:
+                keys, rest = q.distinct(k, seeded(1))
+                drafts = [DraftWOR(int(a), float(b), float(r), True)
+                          for a, b, r in zip(keys, q_on.lookup(keys), rest)]
+            else:
+                keys = q.sample(k, seeded(1))
+                drafts = [Draft(int(a), float(b), True) for a, b in zip(keys, q_on.lookup(keys))]
+            chain = rm.chain(p, q_on, k)
+            width = choose_width(chain.alpha, 0.9, min(4, n), min(4, n))
+            if without:
+                rm.verify_without(p, q_on, drafts, min(width, len(p)), seeded(2))
+            else:
+                rm.verify(chain, drafts, width, seeded(2))
+        return run
+
+    ops = {
+        "normaliser (rows)": lambda: rm.rows(x).lse_all() if hasattr(rm.rows(x), "lse_all") else rm.rows(x).lp,
+        "warp T=1": lambda: law().lookup([0]),
+        "warp T=0.7": lambda: law(hot).lookup([0]),
+        "warp top-k 20": lambda: law(Warp(1.0, top_k=20)).lookup([0]),
+        "warp top-p 0.95": lambda: law(Warp(1.0, top_p=0.95)).lookup([0]),
+        "plain step, with replacement (W draws)": lambda: law().sample(min(4, n), seeded()),
+        "plain step, without replacement (W draws)": lambda: rm.distinct_keys(law(), min(4, n), seeded()),
+        f"verified layer, with, n={n_drafts}": verified(False, n_drafts),
+        f"verified layer, without, n={n_drafts}": verified(True, n_drafts),
+    }
+    return ops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[4, 16, 64, 260])
+    ap.add_argument("--drafts", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--backends", nargs="+", default=["numpy", "torch"])
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    backends = {name: rowmath.make(name) for name in a.backends}
+    profiles = {name: cost_profile(name) for name in ("rtx4090-7b", "rtx4090-1.5b")}
+    out = {"cpu": _cpu(), "vocab": V, "repeats": a.repeats, "results": []}
+    for n in a.rows:
+        x = rows(rng, n)
+        y = x + rng.normal(0, 1, x.shape).astype(np.float32)
+        scores = -np.sort(rng.random(n) * 3)
+        for k in a.drafts:
+            ms = {name: {op: timed(fn, a.repeats) for op, fn in operations(rm, x, y, scores, k).items()}
+                  for name, rm in backends.items()}
+            for op in next(iter(ms.values())):
+                if k != a.drafts[0] and "verified" not in op:
+                    continue
+                row = {"rows": n, "op": op, **{f"{b}_ms": round(ms[b][op], 3) for b in ms}}
+                if "numpy" in ms and len(ms) > 1:
+                    for b in ms:
+                        if b != "numpy":
+                            row[f"numpy/{b}"] = round(ms["numpy"][op] / max(ms[b][op], 1e-9), 1)
+                for pname, prof in profiles.items():
+                    pass_ms = prof.target(n) * 1e3
+                    for b in ms:
+                        row[f"{b}/{pname} pass"] = round(ms[b][op] / pass_ms, 3)
+                out["results"].append(row)
+                print(json.dumps(row))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def _cpu() -> dict:
+    flags = ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = line.split(":", 1)[1]
+                break
+    except OSError:
+        model = platform.processor()
+    import os
+    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f" {f}" in flags]
+    import torch
+    return {"model": model, "simd": simd, "cores": os.cpu_count(), "numpy": np.__version__,
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+
+
+if __name__ == "__main__":
+    main()

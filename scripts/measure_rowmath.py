@@ -95,6 +95,8 @@ def main() -> None:
     ap.add_argument("--drafts", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--backends", nargs="+", default=["numpy", "torch"])
+    ap.add_argument("--check", action="store_true",
+                    help="also check every backend against the numpy reference (p, alpha, seeded keys)")
     ap.add_argument("--json")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -122,9 +124,53 @@ def main() -> None:
                         row[f"{b}/{pname} pass"] = round(ms[b][op] / pass_ms, 3)
                 out["results"].append(row)
                 print(json.dumps(row))
+    if a.check:
+        out["check"] = check(backends, rng)
+        print(json.dumps(out["check"]))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
+
+
+def check(backends: dict, rng, trials: int = 20) -> dict:
+    """Each backend against the numpy reference on 4 Qwen-sized rows: max |p - p_ref| per warp, max |alpha -
+    alpha_ref| at n = 8 and 32, and how many seeded draws / verified layers gave the same keys."""
+    ref = rowmath.NumpyRows()
+    x = rows(rng, 4)
+    y = x + rng.normal(0, 1, x.shape).astype(np.float32)
+    scores = np.array([-1.0, -1.5, -3.0, -2.2])
+    one = [[0], [1], [2], [3]]
+    out = {}
+    for name, rm in backends.items():
+        if name == "numpy":
+            continue
+        res: dict = {"p_max_abs_diff": {}, "alpha_max_abs_diff": {}, "same_keys": {}}
+        for warp in (Warp(), Warp(0.7), Warp(1.0, top_k=20), Warp(1.0, top_p=0.95)):
+            pr, pt = ref.law(ref.rows(x), scores, warp), rm.law(rm.rows(x), scores, warp)
+            res["p_max_abs_diff"][str(warp)] = float(np.abs(pr.lookup(pr.keys) - pt.lookup(pr.keys)).max())
+            same = sum((pr.sample(4, SeededRand(np.random.default_rng(s)))
+                        == pt.sample(4, SeededRand(np.random.default_rng(s)))).all()
+                       and ref.distinct_keys(pr, 4, SeededRand(np.random.default_rng(s)))
+                       == rm.distinct_keys(pt, 4, SeededRand(np.random.default_rng(s))) for s in range(trials))
+            res["same_keys"][f"draws {warp}"] = f"{same}/{trials}"
+        pr, pt = ref.law(ref.rows(x), scores, Warp()), rm.law(rm.rows(x), scores, Warp())
+        qr, qt = ref.law(ref.rows(y), scores, Warp()), rm.law(rm.rows(y), scores, Warp())
+        qor, qot = ref.on_rows(qr, one, [1] * 4), rm.on_rows(qt, one, [1] * 4)
+        for k in (8, 32):
+            cr, ct = ref.chain(pr, qor, k), rm.chain(pt, qot, k)
+            res["alpha_max_abs_diff"][k] = float(np.abs(cr.alpha - ct.alpha).max())
+            keys, rest = qr.distinct(k, SeededRand(np.random.default_rng(k)))
+            dw = [DraftWOR(int(a), float(b), float(r), True) for a, b, r in zip(keys, qor.lookup(keys), rest)]
+            dr = [Draft(int(a), float(b), True) for a, b in zip(keys, qor.lookup(keys))]
+            same_w = sum(ref.verify(cr, dr, 4, SeededRand(np.random.default_rng(s)))
+                         == rm.verify(ct, dr, 4, SeededRand(np.random.default_rng(s))) for s in range(trials))
+            same_wo = sum(ref.verify_without(pr, qor, dw, 4, SeededRand(np.random.default_rng(s)))
+                          == rm.verify_without(pt, qot, dw, 4, SeededRand(np.random.default_rng(s)))
+                          for s in range(trials))
+            res["same_keys"][f"verify with n={k}"] = f"{same_w}/{trials}"
+            res["same_keys"][f"verify without n={k}"] = f"{same_wo}/{trials}"
+        out[name] = res
+    return out
 
 
 def _cpu() -> dict:

@@ -215,10 +215,22 @@ def summarize(runs: list[dict], modes: list[str]) -> dict:
             if "projected_tokens_per_s_overall" in s and "projected_tokens_per_s_overall" in summary[base]:
                 s[f"projected_speed_vs_{ref}"] = (s["projected_tokens_per_s_overall"]
                                                   / summary[base]["projected_tokens_per_s_overall"])
+            s[f"same_answers_as_{ref}"] = same_answers(runs, mode, base)
         if ref == "beam-sample":
             for mode, s in summary.items():
                 s["logprob_vs_beam_sample"] = paired_logprob(runs, mode, base)
     return summary
+
+
+def same_answers(runs: list[dict], mode: str, ref: str) -> str:
+    """"k/n": of the n prompts (and repeats) both modes answered, how many answers are the same text: a speed
+    ratio over identical answers compares the decoders alone, not two realisations of one law."""
+    text: dict = {}
+    for r in runs:
+        if r["mode"] in (mode, ref):
+            text.setdefault((r["repeat"], r["prompt"]), {})[r["mode"]] = r.get("text")
+    pairs = [x for x in text.values() if mode in x and ref in x]
+    return f"{sum(x[mode] == x[ref] for x in pairs)}/{len(pairs)}"
 
 
 def _summary(mine: list[dict]) -> dict:
@@ -299,6 +311,9 @@ def _outcomes(mine: list[dict]) -> dict:
     tokens = sum(s["new_tokens"] for s in stats)
     seconds = sum(s.get("decode_s") or s["new_tokens"] / max(s["tokens_per_s"], 1e-9) for s in stats)
     out = {"tokens_per_s_overall": tokens / max(1e-9, seconds)}
+    if all("pass_s" in s for s in stats):  # the decoder's own time: everything outside the model passes
+        own = sum(max(0.0, s["decode_s"] - s["pass_s"] - s.get("draft_pass_s", 0.0)) for s in stats)
+        out["decoder_share"] = own / max(1e-9, seconds)
     graded = [r["passed"] for r in mine if "passed" in r]
     if graded:
         out["pass_rate"] = sum(graded) / len(graded)

@@ -115,28 +115,34 @@ def expected_distinct(q, ws: int, *, replacement: bool = True) -> float:
     return float(np.sum(1.0 - (1.0 - big) ** ws) + ws * (1.0 - big.sum()))
 
 
-# The decoder's own time, measured on qwen-coder (W = 4, |V| = 151,936; docs/measurements/decoder-time.md): about
-# 14 ms per verified layer with top-k 20 (log-softmax and the joint warp over W x |V| cells dominate) and 26 ms
-# with top-k off (the residual chain runs over all cells). Scaled per (beam, token) cell for other shapes.
-_WARP_S_PER_CELL = 0.014 / (4 * 151_936)
-_CHAIN_S_PER_CELL = 0.012 / (4 * 151_936)
-
-
-def decoder_costs(params, vocab: int) -> dict:
-    """Priors for `verify_cost` (seconds per verified layer) and `step_cost` (per iteration: the output step's
-    warp over the rows carried, one in memory mode) from the measured decoder time, for a target vocabulary of
-    `vocab` ids; observed verify_s replace the first."""
+def decoder_costs(params, vocab: int, rm=None) -> dict:
+    """Priors for `verify_cost` (seconds per verified layer, by W_S: the target side's warp and residual chain
+    over W x |V| cells, the chain one pass per draft, plus the draft side's warp over W_S x |V| cells for the
+    layer below) and `step_cost` (per iteration: the output step's warp over the rows carried, one in memory
+    mode), for a target vocabulary of `vocab` ids, at the row-math backend's cell costs (`rm`, default the
+    process's); observed verify_s replace the first."""
+    warp, chain = _cell_seconds(rm)
     cells = params.beams * vocab
     carried = (params.beams if MODE_FACTS[params.mode].keeps_rows else 1) * vocab
-    return {"verify_cost": cells * _WARP_S_PER_CELL + (0.0 if params.top_k else cells * _CHAIN_S_PER_CELL),
-            "step_cost": carried * _WARP_S_PER_CELL}
+
+    def verify_cost(ws: int) -> float:
+        return cells * warp + (0.0 if params.top_k else cells * chain * ws) + ws * vocab * warp
+
+    return {"verify_cost": verify_cost, "step_cost": carried * warp}
 
 
-def lookup_layer_cost(params, vocab: int) -> float:
+def lookup_layer_cost(params, vocab: int, rm=None) -> float:
     """The decoder's seconds per verified layer of lookup nodes only (a warp and draws, no residual chain) over
     its rows: W in full mode, the W_min outputs of the layer before in memory mode."""
     rows = params.beams if MODE_FACTS[params.mode].keeps_rows else params.min_beams
-    return rows * vocab * _WARP_S_PER_CELL
+    return rows * vocab * _cell_seconds(rm)[0]
+
+
+def _cell_seconds(rm=None) -> tuple[float, float]:
+    """(warp and draws, residual chain per draft) seconds per (beam, token) cell of the row-math backend."""
+    from . import rowmath
+
+    return (rm or rowmath.backend()).cell_seconds
 
 
 def setting_key(params) -> tuple:

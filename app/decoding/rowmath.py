@@ -106,11 +106,19 @@ class NumpyLaw:
         return q.keys[top[np.lexsort((q.keys[top], -q.probs[top]))]]
 
 
+# Seconds per (beam, token) cell, for the forest policy's prices (forest_policy.decoder_costs): the warp with its
+# draws, and one residual-chain step of one draft. Measured on Qwen-sized rows, 4 rows, by
+# scripts/measure_rowmath.py (docs/measurements/rowmath.md); the numpy figures are the qwen-coder decoder's.
+NUMPY_CELL_SECONDS = (0.014 / (4 * 151_936), 0.012 / (5 * 4 * 151_936))
+TORCH_CELL_SECONDS = (NUMPY_CELL_SECONDS[0] / 4, NUMPY_CELL_SECONDS[1] / 8)
+
+
 class NumpyRows:
     """The reference backend: `sampling.py`'s float64 functions."""
 
     name = "numpy"
     device = "cpu"
+    cell_seconds = NUMPY_CELL_SECONDS
 
     def rows(self, logits) -> NumpyLogProbs:
         return NumpyLogProbs(logits)
@@ -350,6 +358,7 @@ class TorchRows:
     """The row math on torch tensors where the logits are (module docstring)."""
 
     name = "torch"
+    cell_seconds = TORCH_CELL_SECONDS
 
     def __init__(self, device: str = "cpu", dtype: str = "float32", threads: int | None = None) -> None:
         import torch

@@ -170,6 +170,9 @@ class Engine(ModelEngine):
         if self.draft is not None:
             d |= {"draft": self.draft.info.name, "draft_backend": self.draft.info.backend}
         d["machine"] = self.machine_class()
+        from app.decoding import rowmath
+
+        d["row_math"] = rowmath.backend().name
         if self.cost_profile.name != TIMED:
             d["cost_profile"] = self.cost_profile.name
         repack = {m.info.extra.get("weight_repack") for m in (self.target, self.draft) if m is not None} - {None}

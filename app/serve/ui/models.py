@@ -629,7 +629,8 @@ def create_library_view(first: tuple[list[list], str]) -> dict:
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=400):
             w["selected"] = gr.Textbox(label="Selected file", interactive=False, max_lines=1,
-                                       elem_id="models-selected")
+                                       elem_id="models-selected")  # shown with ~ for the home folder
+            w["selected_path"] = gr.State("")  # the file's path
             with gr.Row():
                 w["use_target"] = gr.Button("Use as target", size="sm", elem_id="models-use-target")
                 w["use_draft"] = gr.Button("Use as draft", size="sm", elem_id="models-use-draft")
@@ -696,26 +697,28 @@ def wire_library_view(ui: ModelsUI, w: dict) -> None:
 
     def on_row(evt: gr.SelectData):
         row = evt.row_value or []
-        return ui.card(row[0]) if row else ("", "")
-    w["table"].select(on_row, None, [w["card"], w["selected"]], **FAST)
-    w["use_target"].click(lambda p: (p, to_form) if p else (gr.skip(), gr.skip()), w["selected"],
+        card, path = ui.card(row[0]) if row else ("", "")
+        return card, tilde(path), path
+    w["table"].select(on_row, None, [w["card"], w["selected"], w["selected_path"]], **FAST)
+    w["use_target"].click(lambda p: (p, to_form) if p else (gr.skip(), gr.skip()), w["selected_path"],
                           [w["target"], w["views"]], **FAST).then(
         _drafts_update(ui), [w["target"], w["draft"]], [w["draft"], w["draft_notes"]], **FAST)
-    w["use_draft"].click(lambda p: (p, to_form) if p else (gr.skip(), gr.skip()), w["selected"],
+    w["use_draft"].click(lambda p: (p, to_form) if p else (gr.skip(), gr.skip()), w["selected_path"],
                          [w["draft"], w["views"]], **FAST)
 
     def ask_delete(path):
         text, ok = ui.delete_plan(path)
         return (gr.update(visible=True), text, "") if ok else (gr.update(visible=False), "", text)
-    w["delete"].click(ask_delete, w["selected"], [w["confirm"], w["confirm_text"], w["lib_status"]], **FAST)
+    w["delete"].click(ask_delete, w["selected_path"], [w["confirm"], w["confirm_text"], w["lib_status"]], **FAST)
     w["confirm_no"].click(lambda: (gr.update(visible=False), "Kept."), None, [w["confirm"], w["lib_status"]],
                           **FAST)
 
     def do_delete(path, ctx, d):
         text, rows, summary, choices = ui.delete(path, ctx, d)
-        return gr.update(visible=False), text, rows, summary, gr.update(choices=choices), "", ""
-    w["confirm_yes"].click(do_delete, [w["selected"], *lib_in],
-                           [w["confirm"], w["lib_status"], *lib_out, w["selected"], w["card"]], **FAST)
+        return gr.update(visible=False), text, rows, summary, gr.update(choices=choices), "", "", ""
+    w["confirm_yes"].click(do_delete, [w["selected_path"], *lib_in],
+                           [w["confirm"], w["lib_status"], *lib_out, w["selected"], w["selected_path"], w["card"]],
+                           **FAST)
 
     def do_add(path, ctx, d):
         text, rows, summary, choices = ui.add_folder(path, ctx, d)

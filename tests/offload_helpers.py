@@ -1,5 +1,6 @@
-"""What the offload tests share (tests/test_offload.py on the CPU, tests/test_gpu.py on CUDA): a small random
-llama's shape, a PyTorchModel around a bare transformer, and one session whose every logit is compared."""
+"""What the offload tests share (tests/test_offload.py on the CPU, tests/test_gpu.py on CUDA, tests/test_rpc.py's
+plans): a model geometry with round sizes, a small random llama's shape, a PyTorchModel around a bare
+transformer, and one session whose every logit is compared."""
 
 from __future__ import annotations
 
@@ -9,9 +10,22 @@ import torch
 from backends.base import ROOT, Forest, Path
 from backends.pytorch.model import ModelArgs
 from backends.pytorch.runtime import PyTorchModel, model_info
+from offload.geometry import ModelGeometry
+from offload.plan import MiB
 
 ARGS = ModelArgs(arch="llama", vocab_size=97, dim=64, n_layers=5, n_heads=4, n_kv_heads=2, hidden_dim=96,
                  max_seq_len=256)
+
+
+def synthetic(n_layers=10, layer=100 * MiB, params=None, name="t", vocab=1000, kv_heads=2, head_dim=64,
+              quant="Q8_0") -> ModelGeometry:
+    """A model with round sizes: layer_bytes stored, params = bytes (1 B/param) unless given."""
+    p = params or layer
+    return ModelGeometry(name=name, format="gguf", arch="llama", quant=quant, n_layers=n_layers, dim=512,
+                         n_heads=8, n_kv_heads=kv_heads, head_dim=head_dim, hidden_dim=1024, vocab_size=vocab,
+                         n_ctx_train=32768, layer_bytes=(layer,) * n_layers, layer_params=(p,) * n_layers,
+                         embed_bytes=50 * MiB, embed_params=50 * MiB, head_bytes=50 * MiB, head_params=50 * MiB,
+                         tied_embeddings=False)
 
 
 def wrap(transformer, dtype) -> PyTorchModel:

@@ -18,23 +18,12 @@ from backends.registry import ModelSpec
 from backends.base import BackendError
 from backends.pytorch.model import init_random
 from offload.cost import HardwareProfile, pass_cost, profile, project
-from offload.geometry import ModelGeometry, read_geometry
+from offload.geometry import read_geometry
 from app.engine.planning import assumed_stats, plan_for, plan_request, read_bench, shape
 from offload.plan import GiB, MiB, Budget, PlanError, PlanRequest, parse_size, plan
 from offload.runtimes import resident_mask
 from offload.stream import LayerStreamer, offload_model
-from offload_helpers import ARGS, session, wrap
-
-
-def synthetic(n_layers=10, layer=100 * MiB, params=None, name="t", vocab=1000, kv_heads=2, head_dim=64,
-              quant="Q8_0") -> ModelGeometry:
-    """A model with round sizes: layer_bytes stored, params = bytes (1 B/param) unless given."""
-    p = params or layer
-    return ModelGeometry(name=name, format="gguf", arch="llama", quant=quant, n_layers=n_layers, dim=512,
-                         n_heads=8, n_kv_heads=kv_heads, head_dim=head_dim, hidden_dim=1024, vocab_size=vocab,
-                         n_ctx_train=32768, layer_bytes=(layer,) * n_layers, layer_params=(p,) * n_layers,
-                         embed_bytes=50 * MiB, embed_params=50 * MiB, head_bytes=50 * MiB, head_params=50 * MiB,
-                         tied_embeddings=False)
+from offload_helpers import ARGS, session, synthetic, wrap
 
 
 def request(mode: str = "auto", *, draft: bool = True, **numbers) -> PlanRequest:

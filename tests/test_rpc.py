@@ -369,7 +369,7 @@ def test_the_models_tab_keeps_the_workers_for_the_target_only():
 
 
 def test_the_per_machine_plan_splits_like_the_loader_and_keeps_the_head_here():
-    from test_offload import synthetic
+    from offload_helpers import synthetic
 
     from offload.plan import GiB, MiB, plan_hosts
 

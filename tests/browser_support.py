@@ -37,11 +37,14 @@ def serve(engine, data_dir: Path):
     return app, f"http://{HOST}:{port}/"
 
 
-def launch_browser(playwright, profile: Path):
+LAPTOP = {"width": 1366, "height": 768}  # the screen each view of the Models tab is sized for
+
+
+def launch_browser(playwright, profile: Path, viewport: dict | None = None):
     """A persistent Chromium context with the project's flags and the tests' default timeout."""
     ctx = playwright.chromium.launch_persistent_context(
         str(profile), executable_path=str(CHROMIUM), args=ARGS, headless=True,
-        viewport={"width": 1500, "height": 1000})
+        viewport=viewport or {"width": 1500, "height": 1000})
     ctx.set_default_timeout(WAIT_MS)
     return ctx
 
@@ -51,6 +54,11 @@ def wait_text(page, selector: str, pattern: str, timeout_ms: int = WAIT_MS) -> s
     page.wait_for_function("([sel, pat]) => new RegExp(pat).test(document.querySelector(sel)?.innerText || '')",
                            arg=[selector, pattern], timeout=timeout_ms)
     return page.inner_text(selector)
+
+
+def page_height(page) -> int:
+    """The page's height in CSS pixels (what a full-page screenshot shows)."""
+    return page.evaluate("document.documentElement.scrollHeight")
 
 
 def pick(page, dropdown: str, label_starts: str) -> None:

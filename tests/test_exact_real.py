@@ -1,12 +1,12 @@
 """DSBD is exact on a real model and a real vocabulary.
 
-The black-box check that found `dsbd --beams 2 --draft-beams 3 --min-beams 2 --threshold 0` and
-`beam-sample-repl --beams 2` different on the qwen-coder pair (2 new tokens, T = 1, raw prompt) mixes two causes:
-the algorithm and llama.cpp's forest pass, whose logits differ from sequential scoring (Q4 weights re-quantise
-activations to 8 bits; a masked cell shifts a SIMD lane). Here both decoders read logits through
-`SequentialModel`: one score per token sequence, whatever forest it is in. Any remaining difference in the
-returned answers would be the algorithm's. Same settings as the issue: real vocabulary (49,152 ids on tiny,
-151,936 on qwen), top-k / top-p off, EOS live, the final choice, seeds far apart, chi-square homogeneity at 1e-4.
+Comparing `dsbd --beams 2 --draft-beams 3 --min-beams 2 --threshold 0` with `beam-sample-repl --beams 2` through
+llama.cpp's forest pass (2 new tokens, T = 1, raw prompt) mixes two causes: the algorithm and that pass, whose
+logits differ from sequential scoring (Q4 weights re-quantise activations to 8 bits; a masked cell shifts a SIMD
+lane). Here both decoders read logits through `SequentialModel`: one score per token sequence, whatever forest it
+is in, so any difference in the returned answers is the algorithm's. The settings of that comparison throughout:
+real vocabulary (49,152 ids on tiny, 151,936 on qwen), top-k / top-p off, EOS live, the final choice, seeds far
+apart, chi-square homogeneity at 1e-4.
 The draft is the target at temperature 1.6 on `tiny` (so drafts get rejected), the real 0.5B draft on qwen.
 """
 
@@ -159,7 +159,8 @@ def test_negative_control_on_tiny_real_vocabulary(tiny_pair):
 @pytest.mark.slow
 @pytest.mark.qwen
 def test_dsbd_fixed_width_equals_beam_sampling_on_qwen_pair():
-    """The issue's exact case on the qwen-coder pair, logits sequential: the algorithm alone."""
+    """The comparison above on the qwen-coder pair with its real 0.5B draft, logits sequential: the algorithm
+    alone."""
     from backends.registry import resolve
 
     try:

@@ -1,6 +1,6 @@
 """Cost-aware DSBD forests: app/decoding/forest_policy.py and its use in the decoder and the engine.
 
-Reductions (policy off == the decoder before the policy, token for token; a one-candidate policy == fixed;
+Reductions (policy off == the fixed-forest decoder, token for token; a one-candidate policy == fixed;
 a gamma-0-only policy == beam sampling), the policy's choices on hand-made costs, the draft cache staying
 right when gamma = 0 iterations sit between drafted ones, the pricing of distinct tokens, verifier time and
 lookup nodes (spec §16.4), exploration, counts carried across answers, and the engine path on the real tiny
@@ -60,9 +60,8 @@ class Scripted(ForestPolicy):
 
 # --- (a) reductions --------------------------------------------------------------------------------------
 
-# Answers of the fixed-forest decoder (cache rule on, no lookup nodes), seeds 0..5, on the sequence-hash models.
-# Seeds whose run never hit the cache nor merged equal beams give the answers of the decoder before the cache
-# rule (commit db616c4) token for token: 14 of these 24.
+# Answers of the fixed-forest decoder (cache rule on, no lookup nodes), seeds 0..5, on the sequence-hash models:
+# with the policy off, the decoder must give them token for token.
 BEFORE = {
     ("dsbd", (("beams", 3), ("draft_beams", 4), ("gamma", 3), ("max_new_tokens", 12))): [
         "9,11,1,2,4,8,0,3,11,5,10,0", "4,6,6,9,5,5,10,6,0,6,0,8", "10,3,1,7,4,11,4,10,5,5,7,4",
@@ -82,7 +81,7 @@ CASES = [(mode, dict(kw)) for mode, kw in BEFORE]
 
 
 @pytest.mark.parametrize("mode,kw", CASES, ids=[f"{m}-{i}" for i, (m, _) in enumerate(CASES)])
-def test_policy_off_equals_the_decoder_before_it(mode, kw):
+def test_policy_off_gives_the_fixed_forest_answers(mode, kw):
     want = BEFORE[(mode, tuple(sorted(kw.items())))]
     for seed in range(6):
         tokens, m, _ = decode(mode, SEQ_TARGET, SEQ_DRAFT, seed=seed, vocab=SV, **kw)

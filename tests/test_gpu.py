@@ -22,7 +22,7 @@ from app.config import DecodeParams
 from backends.registry import ModelSpec
 from backends.pytorch.model import ModelArgs, Transformer, init_random
 from offload.stream import offload_model
-from test_offload import ARGS, _session, _wrap
+from offload_helpers import ARGS, session, wrap
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -54,12 +54,12 @@ def _sync_time(fn, repeat: int) -> float:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_streamed_equals_resident_random(dtype):
-    resident = _wrap(init_random(ARGS, seed=4, dtype=dtype), dtype)
+    resident = wrap(init_random(ARGS, seed=4, dtype=dtype), dtype)
     offload_model(resident, gpu_layers=ARGS.n_layers, device=CUDA)  # everything resident, same device
-    streamed = _wrap(init_random(ARGS, seed=4, dtype=dtype), dtype)
+    streamed = wrap(init_random(ARGS, seed=4, dtype=dtype), dtype)
     s = offload_model(streamed, gpu_layers=2, device=CUDA, ring=2)
     assert len(s.streamed_layers) == 3 and s.ring == 2
-    for want, got in zip(_session(resident), _session(streamed)):
+    for want, got in zip(session(resident), session(streamed)):
         assert np.array_equal(want, got)
 
 
@@ -71,7 +71,7 @@ def test_cuda_streamed_equals_resident_tiny_gguf(tiny_gguf_path):
     offload_model(cpu, gpu_layers=cpu.info.n_layers, device=CUDA)
     s = offload_model(twin, gpu_layers=8, device=CUDA, ring=2)
     assert len(s.streamed_layers) == 22
-    for want, got in zip(_session(cpu), _session(twin)):
+    for want, got in zip(session(cpu), session(twin)):
         assert np.array_equal(want, got)
 
 

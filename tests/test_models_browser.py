@@ -1,7 +1,8 @@
 """The Models tab in a real browser (Debian's headless Chromium, Playwright) over the real supervised model process,
 with a local stand-in for the Hugging Face Hub (HF_ENDPOINT on 127.0.0.1) serving the shipped tiny model's file:
-search -> download -> pick a compatible draft -> a load cancelled mid-way keeps the old model -> load with its
-stages -> the chat answers on the new pair. Screenshots go to $DSBD_CHAT_ARTIFACTS (or tmp_path)."""
+search (Discover) -> download (Downloads) -> the file's card and Use as target (Library) -> pick a compatible draft
+-> a load cancelled mid-way keeps the old model -> load with its stages -> the chat answers on the new pair. Each
+view fits a laptop screen (1366x768). Screenshots go to $DSBD_CHAT_ARTIFACTS (or tmp_path)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,22 @@ from pathlib import Path
 import pytest
 
 pytestmark = [pytest.mark.browser, pytest.mark.filterwarnings("ignore:::gradio.queueing")]
-from browser_support import (SLOW_MS, launch_browser, pick, serve, sync_api,  # noqa: E402  (skips without Chromium)
-                             wait_text)
+from browser_support import (LAPTOP, SLOW_MS, launch_browser, page_height,  # noqa: E402  (skips without Chromium)
+                             pick, serve, sync_api, wait_text)
 
 REPO, FILE = "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF", "SmolLM2-135M-Instruct-Q4_1.gguf"
 BOT = '#chatbot [data-testid="bot"]'
+
+
+def open_view(page, name: str) -> None:
+    """Open one of the Models tab's views (its sub-tabs)."""
+    page.get_by_role("tab", name=name, exact=True).click()
+
+
+def fits(page, view: str) -> None:
+    """The view needs no scrolling on a laptop screen."""
+    height = page_height(page)
+    assert height <= LAPTOP["height"], f"the {view} view is {height} px tall"
 
 
 def test_search_download_pick_a_draft_load_with_stages_and_chat(tmp_path, monkeypatch):
@@ -35,14 +47,15 @@ def test_search_download_pick_a_draft_load_with_stages_and_chat(tmp_path, monkey
         tiny = ModelSpec("tiny", n_ctx=1024, llama_extra_bufts="off")
         engine = WorkerEngine.load(tiny)  # the target alone: the flow below adds a draft
         app, url = serve(engine, tmp_path / "data")
-        browser = launch_browser(p, tmp_path / "profile")
+        browser = launch_browser(p, tmp_path / "profile", LAPTOP)
         try:
             page = browser.new_page()
             page.goto(url)
             page.wait_for_selector("#message textarea")
             page.get_by_role("tab", name="Models").click()
 
-            # 1. search the Hub, list the repo's files with fit badges, download one
+            # 1. Discover: search the Hub, list the repo's files with fit badges, download one
+            open_view(page, "Discover")
             page.fill("#hub-query textarea", "smollm2")
             page.click("#hub-search")
             wait_text(page, "#hub-status", r"^1 GGUF repo")
@@ -52,21 +65,39 @@ def test_search_download_pick_a_draft_load_with_stages_and_chat(tmp_path, monkey
             page.click('#hub-files [data-testid="cell-0-1"]')
             page.wait_for_function(f"document.querySelector('#hub-file textarea').value === '{FILE}'")
             page.click("#hub-download")
+            wait_text(page, "#hub-status", r"^Queued")
+            fits(page, "Discover")
+
+            # 2. Downloads: the queue until the file is complete
+            open_view(page, "Downloads")
             wait_text(page, "#hub-queue", r"\bdone\b")
             assert "98 MB / 98 MB" in page.inner_text("#hub-queue")
             downloaded = paths["cache"] / "hub" / REPO / FILE
             assert downloaded.read_bytes() == data
-            wait_text(page, "#models-library", str(downloaded).replace(".", r"\."))  # listed in place
+            fits(page, "Downloads")
 
-            # 2. the download as the target; the draft list: compatible files first
-            pick(page, "#models-target", "Smollm2 135M")
+            # 3. Library: the download listed in place; its card; Use as target opens the load form
+            open_view(page, "Library")
+            wait_text(page, "#models-library", str(downloaded).replace(".", r"\."))
+            # the download's row (its header names it "Smollm2 135M"; the preset's file is "SmolLM2-135M-...")
+            page.locator('#models-library [data-testid$="-1"]', has_text="Smollm2 135M").first.click()
+            wait_text(page, "#models-card", "chat template")
+            page.wait_for_function(f"document.querySelector('#models-selected input').value === '{downloaded}'")
+            page.screenshot(path=str(artifacts / "06-models-library.png"), full_page=True)
+            fits(page, "Library")
+            page.click("#models-use-target")
+            page.locator("#models-target").wait_for(state="visible")  # the Loaded & load view
+
+            # 4. the draft list: compatible files first
             notes = wait_text(page, "#models-draft-notes", r"2 compatible file")
             pick(page, "#models-draft", "✓ SmolLM2-135M-Instruct-Q4_1 · Q4_1 · 98 MB · 1.0x")  # the preset's file
             page.fill("#models-ctx input", "1024")
             page.press("#models-ctx input", "Tab")
+            page.get_by_text("Memory plan of this load").click()  # closed unless the plan warns
             wait_text(page, "#models-form-plan", "context 1024")
+            page.get_by_text("Memory plan of this load").click()
 
-            # 3. a PyTorch load cancelled between its tensors: the old model keeps serving
+            # 5. a PyTorch load cancelled between its tensors: the old model keeps serving
             page.get_by_label("pytorch").first.check()
             page.click("#models-load")
             wait_text(page, "#models-status", r"Loading…")
@@ -76,7 +107,7 @@ def test_search_download_pick_a_draft_load_with_stages_and_chat(tmp_path, monkey
             assert "Still serving the previous models" in status and "s after Cancel" in status
             assert engine.specs == (tiny, None)
 
-            # 4. the real load: each model's stage, then the warm-up, then the chat on the new pair
+            # 6. the real load: each model's stage, then the warm-up, then the chat on the new pair
             page.get_by_label("llamacpp").first.check()
             page.click("#models-load")
             wait_text(page, "#models-status", r"Loading…")
@@ -87,6 +118,7 @@ def test_search_download_pick_a_draft_load_with_stages_and_chat(tmp_path, monkey
                          "timing the passes (warm-up)"):
                 assert line in stages, stages
             assert engine.specs[0].source == str(downloaded) and engine.specs[1].n_ctx == 1024
+            fits(page, "Loaded & load")
             page.screenshot(path=str(artifacts / "07-models.png"), full_page=True)
             page.get_by_role("tab", name="Chat").click()
             page.click("#mode input")

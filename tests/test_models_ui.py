@@ -19,7 +19,7 @@ from backends.base import BackendError  # noqa: E402
 from backends.registry import ModelSpec  # noqa: E402
 from backends.tokenizer import VocabMismatch  # noqa: E402
 from fake_engine import FakeEngine  # noqa: E402
-from test_ui_handlers import say, values as default_values  # noqa: E402
+from ui_helpers import say, values as default_values  # noqa: E402
 
 FORM = dict(target_backend="llamacpp", draft="", draft_backend="llamacpp", n_ctx=None, gpu_auto=True,
             gpu_layers=None, threads=None)

@@ -15,29 +15,15 @@ import torch
 
 from app.cli import main
 from backends.registry import ModelSpec
-from backends.base import ROOT, BackendError, Forest, Path
-from backends.pytorch.model import ModelArgs, init_random
-from backends.pytorch.runtime import PyTorchModel, model_info
+from backends.base import BackendError
+from backends.pytorch.model import init_random
 from offload.cost import HardwareProfile, pass_cost, profile, project
-from offload.geometry import ModelGeometry, read_geometry
+from offload.geometry import read_geometry
 from app.engine.planning import assumed_stats, plan_for, plan_request, read_bench, shape
 from offload.plan import GiB, MiB, Budget, PlanError, PlanRequest, parse_size, plan
 from offload.runtimes import resident_mask
 from offload.stream import LayerStreamer, offload_model
-
-ARGS = ModelArgs(arch="llama", vocab_size=97, dim=64, n_layers=5, n_heads=4, n_kv_heads=2, hidden_dim=96,
-                 max_seq_len=256)
-
-
-def synthetic(n_layers=10, layer=100 * MiB, params=None, name="t", vocab=1000, kv_heads=2, head_dim=64,
-              quant="Q8_0") -> ModelGeometry:
-    """A model with round sizes: layer_bytes stored, params = bytes (1 B/param) unless given."""
-    p = params or layer
-    return ModelGeometry(name=name, format="gguf", arch="llama", quant=quant, n_layers=n_layers, dim=512,
-                         n_heads=8, n_kv_heads=kv_heads, head_dim=head_dim, hidden_dim=1024, vocab_size=vocab,
-                         n_ctx_train=32768, layer_bytes=(layer,) * n_layers, layer_params=(p,) * n_layers,
-                         embed_bytes=50 * MiB, embed_params=50 * MiB, head_bytes=50 * MiB, head_params=50 * MiB,
-                         tied_embeddings=False)
+from offload_helpers import ARGS, session, synthetic, wrap
 
 
 def request(mode: str = "auto", *, draft: bool = True, **numbers) -> PlanRequest:
@@ -232,30 +218,14 @@ def test_plan_is_printable_and_serialisable():
 # ---------------------------------------------------------------- streaming (CPU path)
 
 
-def _wrap(transformer, dtype) -> PyTorchModel:
-    dev = torch.device("cpu")
-    return PyTorchModel(transformer, info=model_info(transformer, name="r", dtype=dtype, device=dev),
-                        device=dev, dtype=dtype)
-
-
-def _session(model: PyTorchModel) -> list[np.ndarray]:
-    """Prefill, a forest, a commit that reorders/duplicates rows, another forest: every logit returned."""
-    ctx = model.context(rows=3, max_tokens=48)
-    ctx.prefill([1, 5, 9, 13, 17, 21, 25])
-    a = ctx.evaluate(Forest(suffix=((29,),), tokens=(3, 4, 7, 8), parents=(ROOT, ROOT, 0, 1), rows=(0,) * 4))
-    ctx.commit([Path(0, (0, 2)), Path(0, (1,)), Path(0, ())])
-    b = ctx.evaluate(Forest(suffix=((11,), (12,), (13,)), tokens=(40, 41), parents=(ROOT, ROOT), rows=(0, 2)))
-    return [a.roots, a.nodes, b.roots, b.nodes]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gpu_layers, ring", [(0, 2), (2, 2), (1, 1), (0, 3)])
 def test_streamed_equals_resident_random_model(dtype, gpu_layers, ring):
-    resident = _session(_wrap(init_random(ARGS, seed=4, dtype=dtype), dtype))
-    model = _wrap(init_random(ARGS, seed=4, dtype=dtype), dtype)
+    resident = session(wrap(init_random(ARGS, seed=4, dtype=dtype), dtype))
+    model = wrap(init_random(ARGS, seed=4, dtype=dtype), dtype)
     streamer = offload_model(model, gpu_layers=gpu_layers, device="cpu", ring=ring)
     assert streamer.ring == ring < ARGS.n_layers and len(streamer.streamed_layers) == 5 - gpu_layers
-    got = _session(model)
+    got = session(model)
     for want, out in zip(resident, got):
         assert np.array_equal(want, out)  # bit for bit
     assert streamer.loads > len(streamer.streamed_layers) > ring  # the ring is reloaded every pass
@@ -266,7 +236,7 @@ def test_streamed_equals_resident_random_model(dtype, gpu_layers, ring):
 def test_streaming_keeps_the_state_dict():
     src = init_random(ARGS, seed=5, dtype=torch.float32)
     want = {k: v.clone() for k, v in src.state_dict().items()}
-    streamer = offload_model(_wrap(src, torch.float32), gpu_layers=1, device="cpu")
+    streamer = offload_model(wrap(src, torch.float32), gpu_layers=1, device="cpu")
     got = src.state_dict()
     assert all(torch.equal(want[k], got[k]) for k in want)
     layer_bytes = sum(p.numel() * 4 for p in src.layers[0].parameters())
@@ -292,10 +262,10 @@ def test_streamed_equals_resident_tiny_gguf(tiny_gguf_path):
     from backends.pytorch import load
 
     model = load(tiny_gguf_path, ModelSpec(source=str(tiny_gguf_path), backend="pytorch"))
-    want = _session(model)
+    want = session(model)
     streamer = offload_model(model, gpu_layers=10, device="cpu", ring=2)
     assert len(streamer.streamed_layers) == 20 and streamer.ring == 2
-    for w, g in zip(want, _session(model)):
+    for w, g in zip(want, session(model)):
         assert np.array_equal(w, g)
 
 

@@ -172,7 +172,8 @@ def test_commit_then_step_matches_recompute(tiny, case):
     m.evaluate(step)
     # second iteration after compaction: commit a path, then score again
     m.commit([Path(r, (r,)) for r in range(n)][::-1])
-    m.evaluate(Forest(suffix=tuple((90,) for _ in range(n)), tokens=(91, 92), parents=(ROOT, 0), rows=(0, 0)))
+    out = m.evaluate(Forest(suffix=tuple((90,) for _ in range(n)), tokens=(91, 92), parents=(ROOT, 0), rows=(0, 0)))
+    assert np.abs(out.nodes[-1] - scratch_logits(tiny, m.seq(len(m.nodes) - 1))).max() <= F64_TOL  # = recomputed
 
 
 def test_memory_mode_one_row_holds_all_nodes(tiny):
@@ -494,8 +495,9 @@ def test_gguf_forest_matches_sequential_and_commit(smol):
     m.evaluate(Forest(suffix=((282,),), tokens=(4649, 4649, 314, 1345, 30), parents=(ROOT, ROOT, ROOT, 0, 3),
                       rows=(0,) * 5))
     m.commit([Path(0, (0, 3)), Path(0, (2,))])
-    m.evaluate(Forest(suffix=((30,), (1345,)), tokens=(378, 379, 314), parents=(ROOT, ROOT, 0), rows=(0, 1, 0)))
+    out = m.evaluate(Forest(suffix=((30,), (1345,)), tokens=(378, 379, 314), parents=(ROOT, ROOT, 0), rows=(0, 1, 0)))
     print(f"\nSmolLM2 float32 forest vs sequential: max abs logit diff {m.worst:.2e}")
+    assert np.abs(out.nodes[-1] - scratch_logits(smol, m.seq(len(m.nodes) - 1))).max() <= GGUF_TOL  # = sequential
 
 
 def test_pytorch_matches_llamacpp(smol, tiny_gguf_path):

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from backends.base import BackendError
-from backends.tokenizer import HFTokenizer, Tokenizer, VocabMismatch, check_compatible, load_tokenizer
+from backends.tokenizer import (HFTokenizer, Tokenizer, VocabMismatch, check_compatible, load_tokenizer,
+                               vocab_differences)
 
 TEXTS = ["Hello world", "héllo wörld — 你好 🙂", "  two  spaces\nand\ttabs", "<|im_end|> as text", ""]
 
@@ -98,8 +99,11 @@ def test_incompatible_named(gguf_tok, change, words):
 
 
 def test_padding_ids_allowed(gguf_tok):
-    check_compatible(Doctored(gguf_tok, extra=64), gguf_tok)  # e.g. an embedding padded to a multiple of 64
-    check_compatible(gguf_tok, Doctored(gguf_tok, extra=64))
+    padded = Doctored(gguf_tok, extra=64)  # e.g. an embedding padded to a multiple of 64
+    assert padded.n_vocab == gguf_tok.n_vocab + 64
+    assert vocab_differences(padded, gguf_tok) == [] and vocab_differences(gguf_tok, padded) == []
+    check_compatible(padded, gguf_tok)  # the check at load agrees: it raises on any difference
+    check_compatible(gguf_tok, padded)
 
 
 # -- Hugging Face folder --------------------------------------------------------------------------------

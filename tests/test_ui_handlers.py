@@ -17,17 +17,12 @@ from app.compare.store import ResultStore  # noqa: E402
 from app.serve.ui.compare import CompareUI, cards_html, scatter  # noqa: E402
 from app.serve.ui.forest import COLOURS, forest_svg, origin_html  # noqa: E402
 from app.storage import ENV_VAR, HistoryError, HistoryStore, check_id, resolve_data_dir  # noqa: E402
-from app.serve.ui.settings import (FIELDS, default_settings, load_presets, params_from,  # noqa: E402
-                             settings_from_values, visibility, widget_updates)
+from app.serve.ui.settings import (FIELDS, load_presets, params_from, settings_from_values,  # noqa: E402
+                                   visibility, widget_updates)
 from app.serve.ui.stats import stats_markdown  # noqa: E402
 from backends.base import BackendError  # noqa: E402
 from fake_engine import FakeEngine  # noqa: E402
-
-
-def values(**over) -> list:
-    """Decoding-panel widget values in FIELDS order (as the browser sends them: sliders as floats)."""
-    s = default_settings() | {"mode": "greedy", "max_new_tokens": 64.0} | over
-    return [s[k] for k in FIELDS]
+from ui_helpers import say, values  # noqa: E402
 
 
 @pytest.fixture
@@ -43,12 +38,6 @@ def engine() -> FakeEngine:
 @pytest.fixture
 def ui(engine, store) -> ChatUI:
     return ChatUI(engine, store)
-
-
-def say(ui: ChatUI, session: Session, text: str, system: str = "", **settings) -> list[ChatView]:
-    """Submit a message and run the answer to the end; returns every view the generator yielded."""
-    ui.submit(session, text, system, *values(**settings))
-    return list(ui.generate(session))
 
 
 def roles(session: Session) -> list[tuple[str, str]]:

@@ -1,10 +1,11 @@
-"""The Models tab's Hugging Face part: search (GGUF repos), a repo's files by quantization with fit badges, and
-the download queue (bytes, speed, ETA; pause, resume, cancel with confirmation), over backends.hub.
+"""The Models tab's Hugging Face views, over backends.hub: Discover (search GGUF repos, a repo's files by
+quantization with fit badges, Download) and Downloads (the queue: bytes, speed, ETA; pause, resume, cancel with
+confirmation).
 
 Downloads resume after a stop or an app restart (the hub module's partial files come back as paused jobs). A
 finished download appears in the library and in the target and draft lists. `HubUI` holds the handlers (plain
-values, tested without a server); `build(models_ui)` makes the widgets and `wire(...)` connects them to the
-load form's target, context and draft.
+values, tested without a server); `create(models_ui)` makes both views' widgets and `HubUI.wire(...)` connects
+them to the load form's target, context and draft.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ SEARCH_HEADERS = ["repo", "params", "downloads", "likes", "updated", "as a draft
 FILE_HEADERS = ["quantization", "file", "size", "shards", "fits", "plan"]
 _ACTIVE = ("queued", "running")
 FILE_TYPES = ["str", "str", "str", "str", "html", "str"]
+FAST = dict(concurrency_limit=None, show_progress="hidden")  # quick handlers: no queue slot, no spinner
+NET = dict(concurrency_id="hub", concurrency_limit=2, show_progress="minimal")  # Hub requests: two at a time
+VIEW_DISCOVER, VIEW_DOWNLOADS = "discover", "downloads"  # the Models tab's views (sub-tabs) made here
 
 
 def on_disk(source: str, role: str) -> bool:
@@ -229,7 +233,7 @@ class HubUI:
                 self.manager.add(repo, f.path, revision=listing.revision)
         except BackendError as e:
             return queue_html(self.jobs()), f"⚠️ {e}"
-        return queue_html(self.jobs()), f"Queued {name} ({_size(group.size)})."
+        return queue_html(self.jobs()), f"Queued {name} ({_size(group.size)}); Downloads shows its progress."
 
     def jobs(self) -> list:
         return self.manager.jobs() if self._manager is not None else []
@@ -284,35 +288,46 @@ class HubUI:
 
     @property
     def queue_outputs(self) -> list:
+        """The widgets queue_view() fills, the Downloads view's status line among them."""
         w = self.widgets
-        return [w["queue"], w["job"], w["status"], w["timer"]]
+        return [w["queue"], w["job"], w["queue_status"], w["timer"]]
 
-    def wire(self, *, family, target, n_ctx, draft, library) -> None:
-        """Connect the widgets made by build() to the load form (set by models.build once both exist)."""
+    def wire(self, *, family, target, n_ctx, draft, views, library) -> None:
+        """Connect the widgets made by create() to the load form (its family button, target, context and draft),
+        the Models tab's views (`views`: the family button opens Discover) and the library (`library`: its
+        refresh handler, inputs and outputs, run when a download finishes)."""
+        self.wire_discover(family=family, target=target, n_ctx=n_ctx, draft=draft, views=views)
+        self.wire_downloads(library)
+
+    def wire_discover(self, *, family, target, n_ctx, draft, views) -> None:
+        """Search, Drafts of the same family, a repo's files, Download."""
         w = self.widgets
-        fast = dict(concurrency_limit=None, show_progress="hidden")
-        net = dict(concurrency_id="hub", concurrency_limit=2, show_progress="minimal")
-        lib_fn, lib_in, lib_out = library
-
-        w["search"].click(self.search, [w["query"], w["sort"]], [w["results"], w["status"]], **net)
-        w["query"].submit(self.search, [w["query"], w["sort"]], [w["results"], w["status"]], **net)
-        family.click(self.family, target, [w["results"], w["status"]], **net)
+        found = [w["results"], w["status"]]
+        w["search"].click(self.search, [w["query"], w["sort"]], found, **NET)
+        w["query"].submit(self.search, [w["query"], w["sort"]], found, **NET)
+        family.click(lambda: gr.update(selected=VIEW_DISCOVER), None, views, **FAST).then(
+            self.family, target, found, **NET)
 
         def pick_repo(evt: gr.SelectData, ctx, d):
             repo = (evt.row_value or [""])[0]
             return (repo, *self.files(repo, ctx, d))
-        w["results"].select(pick_repo, [n_ctx, draft], [w["repo"], w["files"], w["status"]], **net)
-        w["list"].click(self.files, [w["repo"], n_ctx, draft], [w["files"], w["status"]], **net)
+        w["results"].select(pick_repo, [n_ctx, draft], [w["repo"], w["files"], w["status"]], **NET)
+        w["list"].click(self.files, [w["repo"], n_ctx, draft], [w["files"], w["status"]], **NET)
+
         def pick_file(evt: gr.SelectData):
             return (evt.row_value or ["", ""])[1]
-        w["files"].select(pick_file, None, w["file"], **fast)
-
-        queue_view, queue_out = self.queue_view, self.queue_outputs
+        w["files"].select(pick_file, None, w["file"], **FAST)
 
         def start(repo, name):
             html, status = self.download(repo, name)
-            return queue_view(status, pick=f"{(repo or '').strip()}:{(name or '').strip()}")
-        w["download"].click(start, [w["repo"], w["file"]], queue_out, **fast)
+            return self.queue_view(status, pick=f"{(repo or '').strip()}:{(name or '').strip()}")
+        w["download"].click(start, [w["repo"], w["file"]], [w["queue"], w["job"], w["status"], w["timer"]], **FAST)
+
+    def wire_downloads(self, library) -> None:
+        """The queue's timer (a finished download refreshes the library), Pause, Resume, Cancel with
+        confirmation, Refresh."""
+        w, queue_view, queue_out = self.widgets, self.queue_view, self.queue_outputs
+        lib_fn, lib_in, lib_out = library
 
         def tick(seen, *lib_args):
             done = self.done_count()
@@ -320,62 +335,76 @@ class HubUI:
             if done > seen:  # a download finished: the library and the target list know it now
                 return (html, jobs, timer, done, *lib_fn(*lib_args))
             return (html, jobs, timer, seen, *(gr.skip() for _ in lib_out))
-        w["timer"].tick(tick, [w["seen"], *lib_in], [w["queue"], w["job"], w["timer"], w["seen"], *lib_out], **fast)
-        w["pause"].click(lambda j: queue_view(self.pause(j)), w["job"], queue_out, **fast)
-        w["resume"].click(lambda j: queue_view(self.resume(j)), w["job"], queue_out, **fast)
+        w["timer"].tick(tick, [w["seen"], *lib_in], [w["queue"], w["job"], w["timer"], w["seen"], *lib_out], **FAST)
+        w["pause"].click(lambda j: queue_view(self.pause(j)), w["job"], queue_out, **FAST)
+        w["resume"].click(lambda j: queue_view(self.resume(j)), w["job"], queue_out, **FAST)
 
         def ask_cancel(j):
             text, ok = self.cancel_plan(j)
             return gr.update(visible=ok), text if ok else "", gr.skip() if ok else text
-        w["cancel"].click(ask_cancel, w["job"], [w["confirm"], w["confirm_text"], w["status"]], **fast)
+        w["cancel"].click(ask_cancel, w["job"], [w["confirm"], w["confirm_text"], w["queue_status"]], **FAST)
         w["cancel_no"].click(lambda: (gr.update(visible=False), "The download stays."), None,
-                             [w["confirm"], w["status"]], **fast)
+                             [w["confirm"], w["queue_status"]], **FAST)
 
         def do_cancel(j):
             said = self.cancel(j)
             return (gr.update(visible=False), *queue_view(said))
-        w["cancel_yes"].click(do_cancel, w["job"], [w["confirm"], *queue_out], **fast)
-        w["refresh"].click(lambda: queue_view(), None, queue_out, **fast)
+        w["cancel_yes"].click(do_cancel, w["job"], [w["confirm"], *queue_out], **FAST)
+        w["refresh"].click(lambda: queue_view(), None, queue_out, **FAST)
 
 
-def build(models_ui) -> HubUI:
-    """The Hugging Face widgets (inside the Models tab); wire() connects them."""
+def create(models_ui) -> HubUI:
+    """The Discover and Downloads views (sub-tabs of the Models tab's gr.Tabs); HubUI.wire() connects them."""
+    ui = HubUI(models_ui)
+    with gr.Tab("Discover", id=VIEW_DISCOVER, elem_id="models-view-discover"):
+        ui.widgets = create_discover()
+    with gr.Tab("Downloads", id=VIEW_DOWNLOADS, elem_id="models-view-downloads"):
+        ui.widgets |= create_downloads(ui)
+    return ui
+
+
+def create_discover() -> dict:
+    """Discover: the search and its results, then the picked repo (List files), the picked file (Download) and
+    the repo's files."""
     from backends import hub
 
-    ui = HubUI(models_ui)
-    gr.Markdown("### Hugging Face: find and download GGUF models")
+    w = {}
     with gr.Row():
-        query = gr.Textbox(label="Search", placeholder="e.g. qwen2.5 coder, llama 3.2 1b, smollm2", scale=4,
-                           elem_id="hub-query")
-        sort = gr.Dropdown(list(hub.SORTS), value="downloads", label="Sort by", scale=1, elem_id="hub-sort")
-        search = gr.Button("Search", size="sm", elem_id="hub-search")
-    status = gr.Markdown("", elem_id="hub-status")
-    results = gr.Dataframe(headers=SEARCH_HEADERS, interactive=False, elem_id="hub-results", wrap=True)
+        w["query"] = gr.Textbox(label="Search Hugging Face (GGUF repos)",
+                                placeholder="e.g. qwen2.5 coder, llama 3.2 1b, smollm2", scale=4, elem_id="hub-query")
+        w["sort"] = gr.Dropdown(list(hub.SORTS), value="downloads", label="Sort by", scale=1, elem_id="hub-sort")
+        w["search"] = gr.Button("Search", size="sm", elem_id="hub-search", scale=0, min_width=100)
+    w["status"] = gr.Markdown("", elem_id="hub-status")
+    w["results"] = gr.Dataframe(headers=SEARCH_HEADERS, interactive=False, elem_id="hub-results", wrap=True,
+                                max_height=200)
     with gr.Row():
-        repo = gr.Textbox(label="Repo", placeholder="org/name", scale=3, elem_id="hub-repo")
-        list_btn = gr.Button("List files", size="sm", elem_id="hub-list")
-    files = gr.Dataframe(headers=FILE_HEADERS, datatype=FILE_TYPES, interactive=False, elem_id="hub-files", wrap=True)
-    with gr.Row():
-        file = gr.Textbox(label="File", scale=3, elem_id="hub-file")
-        download = gr.Button("Download", variant="primary", size="sm", elem_id="hub-download")
-    gr.Markdown("#### Downloads")
+        w["repo"] = gr.Textbox(label="Repo", placeholder="org/name", scale=3, elem_id="hub-repo")
+        w["list"] = gr.Button("List files", size="sm", elem_id="hub-list", scale=1)
+        w["file"] = gr.Textbox(label="File (click one below)", scale=3, elem_id="hub-file")
+        w["download"] = gr.Button("Download", variant="primary", size="sm", elem_id="hub-download", scale=1)
+    w["files"] = gr.Dataframe(headers=FILE_HEADERS, datatype=FILE_TYPES, interactive=False, elem_id="hub-files",
+                              wrap=True, max_height=200)
+    return w
+
+
+def create_downloads(ui: HubUI) -> dict:
+    """Downloads: the queue, then the picked download's Pause, Resume and Cancel (with its confirmation)."""
+    from backends import hub
+
     if hub.partial_downloads():  # an earlier run's partial files come back as paused downloads
         ui.manager
-    queue = gr.HTML(queue_html(ui.jobs()), elem_id="hub-queue")
+    w = {"queue": gr.HTML(queue_html(ui.jobs()), elem_id="hub-queue")}
     with gr.Row():
-        job = gr.Dropdown(ui.job_ids(), label="Download", scale=3, elem_id="hub-job")
-        pause = gr.Button("Pause", size="sm", elem_id="hub-pause")
-        resume = gr.Button("Resume", size="sm", elem_id="hub-resume")
-        cancel = gr.Button("Cancel…", size="sm", variant="stop", elem_id="hub-cancel")
-        refresh = gr.Button("Refresh", size="sm", elem_id="hub-refresh")
-    with gr.Row(visible=False) as confirm:
-        confirm_text = gr.Markdown(elem_id="hub-cancel-text")
-        cancel_yes = gr.Button("Yes, cancel and delete", variant="stop", size="sm", elem_id="hub-cancel-yes")
-        cancel_no = gr.Button("Keep downloading", size="sm", elem_id="hub-cancel-no")
-    timer = gr.Timer(1.0, active=False)
-    seen = gr.State(ui.done_count())
-    ui.widgets = dict(query=query, sort=sort, search=search, status=status, results=results, repo=repo, list=list_btn,
-                      files=files, file=file, download=download, queue=queue, job=job, pause=pause, resume=resume,
-                      cancel=cancel, refresh=refresh, confirm=confirm, confirm_text=confirm_text,
-                      cancel_yes=cancel_yes, cancel_no=cancel_no, timer=timer, seen=seen)
-    return ui
+        w["job"] = gr.Dropdown(ui.job_ids(), label="Download", scale=3, elem_id="hub-job")
+        w["pause"] = gr.Button("Pause", size="sm", elem_id="hub-pause")
+        w["resume"] = gr.Button("Resume", size="sm", elem_id="hub-resume")
+        w["cancel"] = gr.Button("Cancel…", size="sm", variant="stop", elem_id="hub-cancel")
+        w["refresh"] = gr.Button("Refresh", size="sm", elem_id="hub-refresh")
+    with gr.Row(visible=False) as w["confirm"]:
+        w["confirm_text"] = gr.Markdown(elem_id="hub-cancel-text")
+        w["cancel_yes"] = gr.Button("Yes, cancel and delete", variant="stop", size="sm", elem_id="hub-cancel-yes")
+        w["cancel_no"] = gr.Button("Keep downloading", size="sm", elem_id="hub-cancel-no")
+    w["queue_status"] = gr.Markdown("", elem_id="hub-queue-status")
+    w["timer"] = gr.Timer(1.0, active=False)
+    w["seen"] = gr.State(ui.done_count())
+    return w

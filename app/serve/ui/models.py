@@ -1,6 +1,8 @@
-"""Models tab: the models on this machine (library), Hugging Face search and downloads (app.serve.ui.downloads),
-a draft picker that says why a file is refused, and a load form (context, GPU layers, threads, backends) with
-the memory plan of what it would load, the load's progress by stage, Cancel and Unload.
+"""Models tab, in four views (sub-tabs): Loaded & load (a load form: context, GPU layers, threads, backends, a
+draft picker that says why a file is refused; the memory plan of what it would load, the load's progress by
+stage, Cancel and Unload), Library (the models on this machine), and Discover and Downloads (Hugging Face
+search and the download queue, app.serve.ui.downloads). Each view's widgets are made by a `create_*` function
+and connected by a `wire_*` one.
 
 Handlers are methods of `ModelsUI` returning plain values (one per output widget), so tests drive them without a
 server. A load is a `LoadJob`: `engine.swap` on a background thread with a progress listener and a cancel
@@ -24,7 +26,7 @@ import gradio as gr
 from app.config import MODE_FACTS, ConfigError
 from app.engine.interface import NoModelLoaded
 from app.serve.ui import downloads
-from app.serve.ui.downloads import fit_html, form_int, on_disk
+from app.serve.ui.downloads import FAST, fit_html, form_int, on_disk
 from app.serve.ui.settings import default_settings, params_from
 from app.serve.ui.stats import memory_line
 from backends.base import BackendError
@@ -50,6 +52,7 @@ _MARKS = {"done": "✓", "now": "▸", "cancelled": "■", "failed": "✗"}  # s
 LIBRARY_HEADERS = ["id", "model", "arch", "params", "quant", "context", "size", "fits", "source", "location"]
 LIBRARY_TYPES = ["str", "str", "str", "str", "str", "number", "str", "html", "str", "str"]
 _STEP_EVERY_S = 0.25  # how often the page's progress is redrawn while a load runs
+VIEW_LOAD, VIEW_LIBRARY = "load", "library"  # the views (sub-tabs) the page switches to
 
 
 class ModelsView(NamedTuple):
@@ -515,142 +518,223 @@ def _form_values(target: ModelSpec, draft: ModelSpec | None, n_ctx) -> tuple:
             n_ctx, target.n_gpu_layers is None, target.n_gpu_layers, target.n_threads or 0)
 
 
+# -- the tab's views: widgets first (create_*), then their events (wire_*) -----------------------------------
+ONE_LOAD = dict(concurrency_id=LOAD_QUEUE, concurrency_limit=1)
+
+
 def build(engine):
-    """Create the Models tab's widgets over `engine`; returns the ModelsUI."""
-
+    """The Models tab over `engine` in four views (sub-tabs, each sized for a laptop screen): Loaded & load,
+    Library, Discover (Hugging Face search) and Downloads. Returns the ModelsUI; its `page_load` is the
+    (handler, inputs, outputs) a page runs when it opens."""
     ui = ModelsUI(engine)
+    library0 = ui.library()  # (rows, summary, target choices) as the page first shows them
+    with gr.Tabs(selected=VIEW_LOAD, elem_id="models-views") as views:
+        with gr.Tab("Loaded & load", id=VIEW_LOAD, elem_id="models-view-load"):
+            w = create_load_view(ui, library0[2])
+        with gr.Tab("Library", id=VIEW_LIBRARY, elem_id="models-view-library"):
+            w |= create_library_view(library0[:2])
+        hub_ui = downloads.create(ui)  # the Discover and Downloads views
+    w["views"] = views
+    wire_load_view(ui, w)
+    wire_library_view(ui, w)
+    hub_ui.wire(family=w["family"], target=w["target"], n_ctx=w["n_ctx"], draft=w["draft"], views=views,
+                library=library_refresh(ui, w))
+    ui.page_load = page_load(ui, w, hub_ui)
+    return ui
+
+
+def create_load_view(ui: ModelsUI, target_choices: list) -> dict:
+    """Loaded & load: the load form and the memory plan of its load on the left; what is loaded, the load's
+    stages and its status on the right."""
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=5, min_width=520):
+            w = create_load_form(ui, target_choices)
+        with gr.Column(scale=4, min_width=400):
+            w |= create_loaded(ui)
+    return w
+
+
+def create_load_form(ui: ModelsUI, target_choices: list) -> dict:
+    """The load form: target and draft with their runtimes, the draft list's notes, context, GPU layers,
+    threads, Load and Cancel, the memory plan of that load (open by itself when it warns), and what a load
+    does to the models serving meanwhile."""
+    target0, draft0 = _specs(ui.engine)
+    choices, draft_value, notes0 = ui.drafts(target0.source if target0 else "", draft0.source if draft0 else "")
+    w = {}
+    with gr.Row():
+        with gr.Column(min_width=240):
+            w["target"] = gr.Dropdown(target_choices, value=target0.source if target0 else None,
+                                      allow_custom_value=True, label="Target", info=SOURCE_HINT,
+                                      elem_id="models-target")
+            w["target_backend"] = gr.Radio(list(BACKENDS), value=target0.backend if target0 else BACKENDS[0],
+                                           label="Target backend", elem_id="models-target-backend")
+        with gr.Column(min_width=240):
+            w["draft"] = gr.Dropdown(choices, value=draft_value, allow_custom_value=True,
+                                     label="Draft (compatible files first)", elem_id="models-draft")
+            w["draft_backend"] = gr.Radio(list(BACKENDS), value=draft0.backend if draft0 else BACKENDS[0],
+                                          label="Draft backend", elem_id="models-draft-backend")
+            w["family"] = gr.Button("Drafts of the same family on Hugging Face", size="sm", elem_id="models-family")
+    w["draft_notes"] = gr.Markdown(notes0, elem_id="models-draft-notes", elem_classes="dsbd-small")
+    manual = target0 is not None and target0.n_gpu_layers is not None
+    with gr.Row():
+        w["n_ctx"] = gr.Number(value=getattr(ui.engine, "n_ctx", 0) or (target0.n_ctx if target0 else 4096),
+                               precision=0, label="Context (tokens)", elem_id="models-ctx", min_width=120)
+        w["gpu_auto"] = gr.Checkbox(value=not manual, label="GPU layers from the plan",
+                                    elem_id="models-gpu-auto", min_width=120)
+        w["gpu_layers"] = gr.Number(value=target0.n_gpu_layers if manual else 0, precision=0,
+                                    label="GPU layers (-1 = all)", elem_id="models-gpu-layers", interactive=manual,
+                                    min_width=120)
+        w["threads"] = gr.Number(value=(target0.n_threads or 0) if target0 else 0, precision=0,
+                                 label="Threads (0 = physical cores)", elem_id="models-threads", min_width=120)
+    with gr.Row():
+        w["load"] = gr.Button("Load", variant="primary", elem_id="models-load")
+        w["cancel"] = gr.Button("Cancel load", variant="stop", elem_id="models-cancel")
+    plan0 = ui.form_plan(*_form_values(target0, draft0, w["n_ctx"].value)) if target0 else ""
+    with gr.Accordion("Memory plan of this load", open=_warns(plan0), elem_id="models-form-plan-box") as box:
+        w["form_plan"] = gr.Markdown(plan0, elem_id="models-form-plan")
+    w["form_plan_box"] = box
+    gr.Markdown(SWITCH_NOTE, elem_classes="dsbd-small")
+    return w
+
+
+def _warns(plan: str) -> bool:
+    """Whether the form's memory plan says the load will not fit (or cannot be planned): then it opens."""
+    return plan.startswith("⚠️")
+
+
+def create_loaded(ui: ModelsUI) -> dict:
+    """What is loaded (with its memory and Unload buttons), then the stages and status of a load."""
     first = ui.view()
-    target0, draft0 = _specs(engine)
-    rows0, summary0, choices0 = ui.library()
-    fast = dict(concurrency_limit=None, show_progress="hidden")
-
-    gr.Markdown("### Loaded models")
-    info = gr.Markdown(first.info, elem_id="models-info")
-    mem = gr.Markdown(first.memory, elem_id="models-memory")
-    with gr.Accordion("Memory plan of the loaded models (at the default decoding settings)", open=False):
-        plan = gr.Markdown(first.plan, elem_id="models-plan")
+    w = {"info": gr.Markdown(first.info, elem_id="models-info", elem_classes="dsbd-compact"),
+         "memory": gr.Markdown(first.memory, elem_id="models-memory", elem_classes="dsbd-small")}
     with gr.Row():
-        refresh = gr.Button("Refresh", size="sm")
-        unload_draft = gr.Button("Unload draft", size="sm", elem_id="models-unload-draft")
-        unload_all = gr.Button("Unload all", size="sm", variant="stop", elem_id="models-unload")
+        w["refresh"] = gr.Button("Refresh", size="sm", elem_id="models-refresh")
+        w["unload_draft"] = gr.Button("Unload draft", size="sm", elem_id="models-unload-draft")
+        w["unload_all"] = gr.Button("Unload all", size="sm", variant="stop", elem_id="models-unload")
+    with gr.Accordion("Memory plan of the loaded models", open=False):
+        gr.Markdown("At the default decoding settings.", elem_classes="dsbd-small")
+        w["plan"] = gr.Markdown(first.plan, elem_id="models-plan")
+    w["progress"] = gr.HTML("", elem_id="models-progress")
+    w["status"] = gr.Markdown("", elem_id="models-status")
+    return w
 
-    gr.Markdown("### Load models")
-    with gr.Row():
-        with gr.Column():
-            target = gr.Dropdown(choices0, value=target0.source if target0 else None, allow_custom_value=True,
-                                 label="Target", info=SOURCE_HINT, elem_id="models-target")
-            target_backend = gr.Radio(list(BACKENDS), value=target0.backend if target0 else BACKENDS[0],
-                                      label="Target backend", elem_id="models-target-backend")
-        with gr.Column():
-            choices, draft_value, notes0 = ui.drafts(target0.source if target0 else "", draft0.source if draft0 else "")
-            draft = gr.Dropdown(choices, value=draft_value, allow_custom_value=True,
-                                label="Draft (compatible files first)", elem_id="models-draft")
-            draft_backend = gr.Radio(list(BACKENDS), value=draft0.backend if draft0 else BACKENDS[0],
-                                     label="Draft backend", elem_id="models-draft-backend")
-    draft_notes = gr.Markdown(notes0, elem_id="models-draft-notes")
-    family_btn = gr.Button("Drafts of the same family on Hugging Face", size="sm", elem_id="models-family")
-    with gr.Row():
-        n_ctx = gr.Number(value=getattr(engine, "n_ctx", 0) or (target0.n_ctx if target0 else 4096), precision=0,
-                          label="Context length (tokens)", elem_id="models-ctx")
-        gpu_auto = gr.Checkbox(value=target0 is None or target0.n_gpu_layers is None,
-                               label="GPU layers from the memory plan", elem_id="models-gpu-auto")
-        gpu_layers = gr.Number(value=(target0.n_gpu_layers if target0 and target0.n_gpu_layers is not None else 0),
-                               precision=0, label="GPU layers (-1 = all)", elem_id="models-gpu-layers",
-                               interactive=target0 is not None and target0.n_gpu_layers is not None)
-        threads = gr.Number(value=(target0.n_threads or 0) if target0 else 0, precision=0,
-                            label="Threads (0 = physical cores)", elem_id="models-threads")
-    gr.Markdown(SWITCH_NOTE)
-    with gr.Accordion("Memory plan of this load", open=True):
-        form_plan = gr.Markdown(ui.form_plan(*_form_values(target0, draft0, n_ctx.value)) if target0 else "",
-                                elem_id="models-form-plan")
-    with gr.Row():
-        load_btn = gr.Button("Load", variant="primary", elem_id="models-load")
-        cancel_btn = gr.Button("Cancel load", variant="stop", elem_id="models-cancel")
-    progress = gr.HTML("", elem_id="models-progress")
-    status = gr.Markdown("", elem_id="models-status")
 
-    gr.Markdown("### Library: the models on this machine")
-    lib_summary = gr.Markdown(summary0, elem_id="models-library-summary")
-    lib_table = gr.Dataframe(rows0, headers=LIBRARY_HEADERS, datatype=LIBRARY_TYPES, interactive=False,
-                             elem_id="models-library", wrap=True)
-    with gr.Row():
-        selected = gr.Textbox(label="Selected file", interactive=False, elem_id="models-selected", scale=3)
-        use_target = gr.Button("Use as target", size="sm", elem_id="models-use-target")
-        use_draft = gr.Button("Use as draft", size="sm", elem_id="models-use-draft")
-        delete_btn = gr.Button("Delete…", size="sm", variant="stop", elem_id="models-delete")
-    with gr.Row(visible=False) as confirm_row:
-        confirm_text = gr.Markdown(elem_id="models-delete-confirm-text")
-        confirm_yes = gr.Button("Yes, delete", variant="stop", size="sm", elem_id="models-delete-yes")
-        confirm_no = gr.Button("Keep it", size="sm", elem_id="models-delete-no")
-    lib_status = gr.Markdown("", elem_id="models-library-status")
-    card = gr.Markdown("", elem_id="models-card")
-    with gr.Row():
-        folder = gr.Textbox(label="Add a folder of models (scanned in place, nothing is copied)", scale=3,
-                            elem_id="models-folder")
-        add_btn = gr.Button("Add folder", size="sm", elem_id="models-add-folder")
-        rescan = gr.Button("Rescan", size="sm", elem_id="models-rescan")
+def create_library_view(first: tuple[list[list], str]) -> dict:
+    """Library: the table of model files on this machine (`first`: its rows and summary); beside the selected
+    file's card, its actions and the folders to scan."""
+    rows0, summary0 = first
+    w = {"summary": gr.Markdown(summary0, elem_id="models-library-summary", elem_classes="dsbd-small")}
+    w["table"] = gr.Dataframe(rows0, headers=LIBRARY_HEADERS, datatype=LIBRARY_TYPES, interactive=False,
+                              elem_id="models-library", wrap=True, max_height=250)
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=2, min_width=400):
+            w["selected"] = gr.Textbox(label="Selected file", interactive=False, max_lines=1,
+                                       elem_id="models-selected")  # shown with ~ for the home folder
+            w["selected_path"] = gr.State("")  # the file's path
+            with gr.Row():
+                w["use_target"] = gr.Button("Use as target", size="sm", elem_id="models-use-target")
+                w["use_draft"] = gr.Button("Use as draft", size="sm", elem_id="models-use-draft")
+                w["delete"] = gr.Button("Delete…", size="sm", variant="stop", elem_id="models-delete")
+            with gr.Row(visible=False) as w["confirm"]:
+                w["confirm_text"] = gr.Markdown(elem_id="models-delete-confirm-text")
+                w["confirm_yes"] = gr.Button("Yes, delete", variant="stop", size="sm", elem_id="models-delete-yes")
+                w["confirm_no"] = gr.Button("Keep it", size="sm", elem_id="models-delete-no")
+            w["lib_status"] = gr.Markdown("", elem_id="models-library-status")
+            with gr.Row():
+                w["folder"] = gr.Textbox(label="Add a folder of models (scanned in place, nothing is copied)",
+                                         scale=4, elem_id="models-folder")
+                with gr.Column(scale=1, min_width=120):
+                    w["add_folder"] = gr.Button("Add folder", size="sm", elem_id="models-add-folder")
+                    w["rescan"] = gr.Button("Rescan", size="sm", elem_id="models-rescan")
+        with gr.Column(scale=3, min_width=480):
+            w["card"] = gr.Markdown("", elem_id="models-card", elem_classes="dsbd-compact")
+    return w
 
-    hub_ui = downloads.build(ui)
 
-    # -- wiring
-    form = [target, target_backend, draft, draft_backend, n_ctx, gpu_auto, gpu_layers, threads]
-    loaded_out = [status, info, plan, mem]
-    lib_out = [lib_table, lib_summary, target]
-
-    def lib_update(*args):
+def library_refresh(ui: ModelsUI, w: dict) -> tuple:
+    """(handler, inputs, outputs) that redraw the library and the target list at the form's context and draft."""
+    def update(*args):
         rows, summary, choices = ui.library(*args)
         return rows, summary, gr.update(choices=choices)
+    return update, [w["n_ctx"], w["draft"]], [w["table"], w["summary"], w["target"]]
 
-    def drafts_update(t, d):
-        choices, keep, notes = ui.drafts(t, d)
+
+def _drafts_update(ui: ModelsUI):
+    def update(target, draft):
+        choices, keep, notes = ui.drafts(target, draft)
         return gr.update(choices=choices, value=keep), notes
+    return update
 
-    load_btn.click(ui.load, form, [progress, *loaded_out], concurrency_id=LOAD_QUEUE, concurrency_limit=1,
-                   show_progress="hidden").then(lib_update, [n_ctx, draft], lib_out, **fast)
-    cancel_btn.click(ui.cancel_load, None, status, **fast)
+
+def wire_load_view(ui: ModelsUI, w: dict) -> None:
+    """The load form (Load, Cancel, the plan redrawn on every change, the draft list) and the Unload buttons."""
+    form = [w[k] for k in ("target", "target_backend", "draft", "draft_backend", "n_ctx", "gpu_auto", "gpu_layers",
+                           "threads")]
+    loaded_out = [w["status"], w["info"], w["plan"], w["memory"]]
+    lib_fn, lib_in, lib_out = library_refresh(ui, w)
+    drafts = _drafts_update(ui)
+
+    w["load"].click(ui.load, form, [w["progress"], *loaded_out], **ONE_LOAD, show_progress="hidden").then(
+        lib_fn, lib_in, lib_out, **FAST)
+    w["cancel"].click(ui.cancel_load, None, w["status"], **FAST)
+    def form_plan(*values):
+        text = ui.form_plan(*values)
+        return text, gr.update(open=True) if _warns(text) else gr.skip()
     for c in form:
-        c.change(ui.form_plan, form, form_plan, **fast)
-    target.input(drafts_update, [target, draft], [draft, draft_notes], **fast)
-    gpu_auto.change(lambda auto: gr.update(interactive=not auto), gpu_auto, gpu_layers, **fast)
-    n_ctx.blur(lambda *a: ui.library(*a)[:2], [n_ctx, draft], [lib_table, lib_summary], **fast)
-    refresh.click(lambda: ui.view()._replace(status=gr.skip()), None, loaded_out, **fast)
-    unload_draft.click(lambda: ui.unload("draft"), None, loaded_out, concurrency_id=LOAD_QUEUE, concurrency_limit=1)
-    unload_all.click(lambda: ui.unload("all"), None, loaded_out, concurrency_id=LOAD_QUEUE, concurrency_limit=1)
+        c.change(form_plan, form, [w["form_plan"], w["form_plan_box"]], **FAST)
+    w["target"].input(drafts, [w["target"], w["draft"]], [w["draft"], w["draft_notes"]], **FAST)
+    w["gpu_auto"].change(lambda auto: gr.update(interactive=not auto), w["gpu_auto"], w["gpu_layers"], **FAST)
+    w["n_ctx"].blur(lambda *a: ui.library(*a)[:2], lib_in, lib_out[:2], **FAST)
+    w["refresh"].click(lambda: ui.view()._replace(status=gr.skip()), None, loaded_out, **FAST)
+    w["unload_draft"].click(lambda: ui.unload("draft"), None, loaded_out, **ONE_LOAD)
+    w["unload_all"].click(lambda: ui.unload("all"), None, loaded_out, **ONE_LOAD)
+
+
+def wire_library_view(ui: ModelsUI, w: dict) -> None:
+    """A row's card; Use as target / draft (they open the load form); Delete with confirmation; folders."""
+    lib_fn, lib_in, lib_out = library_refresh(ui, w)
+    to_form = gr.update(selected=VIEW_LOAD)  # the views' Tabs: open Loaded & load
 
     def on_row(evt: gr.SelectData):
         row = evt.row_value or []
-        return ui.card(row[0]) if row else ("", "")
-    lib_table.select(on_row, None, [card, selected], **fast)
-    use_target.click(lambda p: p or gr.skip(), selected, target, **fast).then(
-        drafts_update, [target, draft], [draft, draft_notes], **fast)
-    use_draft.click(lambda p: p or gr.skip(), selected, draft, **fast)
+        card, path = ui.card(row[0]) if row else ("", "")
+        return card, tilde(path), path
+    w["table"].select(on_row, None, [w["card"], w["selected"], w["selected_path"]], **FAST)
+    w["use_target"].click(lambda p: (p, to_form) if p else (gr.skip(), gr.skip()), w["selected_path"],
+                          [w["target"], w["views"]], **FAST).then(
+        _drafts_update(ui), [w["target"], w["draft"]], [w["draft"], w["draft_notes"]], **FAST)
+    w["use_draft"].click(lambda p: (p, to_form) if p else (gr.skip(), gr.skip()), w["selected_path"],
+                         [w["draft"], w["views"]], **FAST)
 
     def ask_delete(path):
         text, ok = ui.delete_plan(path)
         return (gr.update(visible=True), text, "") if ok else (gr.update(visible=False), "", text)
-    delete_btn.click(ask_delete, selected, [confirm_row, confirm_text, lib_status], **fast)
-    confirm_no.click(lambda: (gr.update(visible=False), "Kept."), None, [confirm_row, lib_status], **fast)
+    w["delete"].click(ask_delete, w["selected_path"], [w["confirm"], w["confirm_text"], w["lib_status"]], **FAST)
+    w["confirm_no"].click(lambda: (gr.update(visible=False), "Kept."), None, [w["confirm"], w["lib_status"]],
+                          **FAST)
 
     def do_delete(path, ctx, d):
         text, rows, summary, choices = ui.delete(path, ctx, d)
-        return gr.update(visible=False), text, rows, summary, gr.update(choices=choices), "", ""
-    confirm_yes.click(do_delete, [selected, n_ctx, draft],
-                      [confirm_row, lib_status, lib_table, lib_summary, target, selected, card], **fast)
+        return gr.update(visible=False), text, rows, summary, gr.update(choices=choices), "", "", ""
+    w["confirm_yes"].click(do_delete, [w["selected_path"], *lib_in],
+                           [w["confirm"], w["lib_status"], *lib_out, w["selected"], w["selected_path"], w["card"]],
+                           **FAST)
 
     def do_add(path, ctx, d):
         text, rows, summary, choices = ui.add_folder(path, ctx, d)
         return text, rows, summary, gr.update(choices=choices)
-    add_btn.click(do_add, [folder, n_ctx, draft], [lib_status, *lib_out], **fast)
-    rescan.click(lib_update, [n_ctx, draft], lib_out, **fast)
-    hub_ui.wire(family=family_btn, target=target, n_ctx=n_ctx, draft=draft, library=(lib_update, [n_ctx, draft],
-                                                                                     lib_out))
+    w["add_folder"].click(do_add, [w["folder"], *lib_in], [w["lib_status"], *lib_out], **FAST)
+    w["rescan"].click(lib_fn, lib_in, lib_out, **FAST)
 
-    def page_load(ctx, t, d):
-        """A page opens on what is on disk and loaded now, not on what was there when the app started."""
+
+def page_load(ui: ModelsUI, w: dict, hub_ui) -> tuple:
+    """(handler, inputs, outputs): a page opens on what is on disk and loaded now, not on what was there when
+    the app started."""
+    def on_open(ctx, t, d):
         rows, summary, choices = ui.library(ctx, d)
         drafts, keep, notes = ui.drafts(t, d)
-        return (rows, summary, gr.update(choices=choices), gr.update(choices=drafts, value=keep), notes, *ui.view()[1:],
-                *hub_ui.queue_view())
-    ui.page_load = (page_load, [n_ctx, target, draft], [*lib_out, draft, draft_notes, info, plan, mem,
-                                                        *hub_ui.queue_outputs])
-    return ui
+        return (rows, summary, gr.update(choices=choices), gr.update(choices=drafts, value=keep), notes,
+                *ui.view()[1:], *hub_ui.queue_view())
+    outputs = [w["table"], w["summary"], w["target"], w["draft"], w["draft_notes"], w["info"], w["plan"],
+               w["memory"], *hub_ui.queue_outputs]
+    return on_open, [w["n_ctx"], w["target"], w["draft"]], outputs

@@ -30,7 +30,9 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
                         "sum(min(p, q)); see docs/measurements/draft-cost.md")
     g.add_argument("--dtype", choices=DTYPES, default="float32", help="pytorch runtime dtype")
     g.add_argument("--device", default="cpu", help="pytorch runtime device: cpu | cuda | cuda:N")
-    g.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: physical cores)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="llama.cpp threads (default: auto, up to the physical cores and one fewer for each core "
+                        "other programs keep busy; a number pins it)")
     g.add_argument("--n-gpu-layers", type=int, default=None,
                    help="llama.cpp layers on the GPU (-1 = all; default: from the memory plan)")
     g.add_argument("--ctx", type=int, default=4096, help="context window in tokens (prompt + answer + draft tree)")

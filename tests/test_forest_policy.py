@@ -291,20 +291,30 @@ def test_verifier_time_favours_shallower_forests():
     assert p.verify_seconds(3) == pytest.approx(0.4) and p.verify_seconds(4) == 0.0
 
 
-def test_decoder_cost_priors_follow_the_measured_decoder_time():
+def test_decoder_cost_priors_follow_the_backend_and_the_forest_shape():
+    """On the numpy reference's cell costs (the measured qwen-coder decoder): a verified layer of W_S = 5 drafts
+    over 4 x 152k cells costs 14 ms of warp + 12 ms of chain (none with top-k), plus the draft side's warp over
+    W_S rows; the chain grows with W_S; a faster backend's prices are lower by its cell costs."""
+    from app.decoding import rowmath
     from app.decoding.forest_policy import decoder_costs
 
-    dense = decoder_costs(DecodeParams(mode="dsbd", beams=4).validated(), 151_936)
-    topk = decoder_costs(DecodeParams(mode="dsbd", beams=4, top_k=20).validated(), 151_936)
-    assert dense == pytest.approx({"verify_cost": 0.026, "step_cost": 0.014})
-    assert topk == pytest.approx({"verify_cost": 0.014, "step_cost": 0.014})
-    half = decoder_costs(DecodeParams(mode="dsbd", beams=2, top_k=20).validated(), 151_936)
-    assert half["verify_cost"] == pytest.approx(0.007)  # per (beam, token) cell
+    ref = rowmath.NumpyRows()
+    dense = decoder_costs(DecodeParams(mode="dsbd", beams=4).validated(), 151_936, ref)
+    topk = decoder_costs(DecodeParams(mode="dsbd", beams=4, top_k=20).validated(), 151_936, ref)
+    draft_side = 5 / 4 * 0.014
+    assert dense["verify_cost"](5) == pytest.approx(0.026 + draft_side) and dense["step_cost"] == pytest.approx(0.014)
+    assert topk["verify_cost"](5) == pytest.approx(0.014 + draft_side)
+    assert dense["verify_cost"](10) - dense["verify_cost"](5) == pytest.approx(0.012 + draft_side)
+    half = decoder_costs(DecodeParams(mode="dsbd", beams=2, top_k=20).validated(), 151_936, ref)
+    assert half["verify_cost"](4) == pytest.approx(0.007 + 0.014)  # per (beam, token) cell
+    fast = decoder_costs(DecodeParams(mode="dsbd", beams=4).validated(), 151_936, rowmath.make("torch"))
+    assert fast["verify_cost"](5) < dense["verify_cost"](5) and fast["step_cost"] < dense["step_cost"]
     p = ForestPolicy.for_params(DecodeParams(mode="dsbd", beams=4, gamma=2).validated(), *CPU, **dense)
     bare = ForestPolicy.for_params(DecodeParams(mode="dsbd", beams=4, gamma=2).validated(), *CPU)
     assert p.seconds(0, 4, roots=4, draft_roots=4) == pytest.approx(bare.seconds(0, 4, roots=4, draft_roots=4) + 0.014)
     extra = p.seconds(2, 5, roots=4, draft_roots=4) - bare.seconds(2, 5, roots=4, draft_roots=4)
-    assert extra == pytest.approx(0.014 + 0.026 * (1 + p.pass_rate(1, 5)))  # layer 2 is verified if layer 1 passed
+    # layer 2 is verified if layer 1 passed
+    assert extra == pytest.approx(0.014 + (0.026 + draft_side) * (1 + p.pass_rate(1, 5)))
 
 
 def test_lookup_nodes_only_raise_the_pass_rate_and_are_priced():

@@ -12,7 +12,7 @@ import llama_cpp.llama_cpp as ll
 from backends.base import BackendError, Closing, ContextFull, Forest, Logits, ModelInfo, OutOfMemory
 from backends.base import Path as KeepPath
 from backends.llamacpp import probe
-from backends.llamacpp._native import ModelHandle, check_gguf_header, default_threads, take_errors
+from backends.llamacpp._native import ModelHandle, ThreadGovernor, check_gguf_header, default_threads, take_errors
 from backends.llamacpp.layout import LayoutU
 from backends.llamacpp.tokenizer import GGUFTokenizer
 from offload.runtimes import KV_TYPE_BYTES, RUNTIMES
@@ -51,6 +51,8 @@ class LlamaModel(Closing):
         self._h = ModelHandle(Path(path), vocab_only=False, n_gpu_layers=n_gpu_layers,
                               extra_bufts=self.repack.extra_bufts, placement=placement)
         self.n_threads = n_threads or default_threads()
+        # threads not pinned: fewer while other programs keep cores busy (one governor for every context)
+        self.governor = ThreadGovernor(self.n_threads) if n_threads is None else None
         self.kv_type = kv_type
         self.tokenizer = GGUFTokenizer(self._h)
         self.info = _model_info(self._h, kv_type, self.repack)
@@ -156,6 +158,7 @@ class LlamaContext(Closing):
             raise cls(f"llama.cpp could not create a context of {max_tokens} tokens for "
                       f"{model.info.name}: {why or 'out of memory?'}")
         self._ctx = ctx
+        self._threads = model.n_threads
         self._batch = ll.llama_batch_init(n_batch, 0, n_seq)
         self._mem = _Memory(ctx)
         self._vocab = model.info.vocab_size
@@ -249,6 +252,10 @@ class LlamaContext(Closing):
             sid = b.seq_id[i]
             for k, s in enumerate(ss):
                 sid[k] = s
+        gov = self._model.governor
+        if gov is not None and gov.threads() != self._threads:
+            self._threads = gov.current
+            ll.llama_set_n_threads(self._ctx, self._threads, self._threads)
         take_errors()
         rc = ll.llama_decode(self._ctx, b)
         if rc != 0:

@@ -322,6 +322,15 @@ def message_content(message: dict) -> str:
     return render(message["content"], files, plan.parts if plan is not None else None)
 
 
+def task_prompt(item) -> str:
+    """The user turn of a prompt-set item: a prompt string, or a task's prompt after its files ({name, text}),
+    rendered as the chat sends attached files that fit."""
+    if not isinstance(item, dict):
+        return item
+    files = [Attachment(f["name"], f["text"], len(f["text"].encode())) for f in item.get("files") or []]
+    return render(item["prompt"], files)
+
+
 # ------------------------------------------------------------------------------------- fit, then retrieval
 
 def estimate_tokens(text: str) -> int:
@@ -574,4 +583,4 @@ __all__ = ["Attachment", "AttachmentError", "TooManyFiles", "FileTooLarge", "Emp
            "UnreadableFile", "UnsupportedEncoding", "PdfWithoutText", "Limits", "LIMITS", "Part", "Budget",
            "ContextPlan", "BM25", "FileDiff", "from_bytes", "read_path", "read_paths", "check_count", "render",
            "render_whole", "render_part", "plan_context", "chunks", "terms", "diffs", "code_blocks",
-           "estimate_tokens", "human_size", "clean_name", "unique_names", "message_files", "message_content"]
+           "estimate_tokens", "human_size", "clean_name", "unique_names", "message_files", "message_content", "task_prompt"]

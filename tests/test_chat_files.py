@@ -105,7 +105,7 @@ def test_files_that_do_not_fit_are_retrieved_and_shown(store, tmp_path):
     ui, s = ChatUI(engine, store), Session()
     shown = ui.preview(s, box("why did the disk error happen?", str(tmp_path / "app.log")), "",
                        *values(max_new_tokens=64.0))
-    assert "the relevant passages will be retrieved" in shown and "app.log:" in shown
+    assert "the relevant passages will be retrieved" in shown
     v = ui.submit(s, box("why did the disk error happen?", str(tmp_path / "app.log")), "",
                   *values(max_new_tokens=64.0))
     plan = att.ContextPlan.from_dict(s.chat["messages"][-1]["context"])

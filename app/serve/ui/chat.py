@@ -210,10 +210,13 @@ class ChatUI:
         files = att.unique_names([a for a, _ in read if isinstance(a, att.Attachment)])
         if len(paths) > att.MAX_FILES:
             lines.append(f"⚠️ {len(paths)} files: at most {att.MAX_FILES} per message")
-        if files:
+        if files:  # priced from the cached counts: this runs as the text is typed (retrieval runs on Send)
             try:
-                plan, budget = self._fit(session, system, settings_from_values(*values), text, files)
-                lines.append(budget.line() + (f" ({plan.describe(files)})" if plan.retrieved else ""))
+                budget = att.Budget(files=sum(t for a, t in read if isinstance(a, att.Attachment)),
+                                    history=self._history_tokens(session.chat, system, text),
+                                    answer=att.answer_reserve(params_from(settings_from_values(*values))),
+                                    n_ctx=int(getattr(self.engine, "n_ctx", 4096) or 4096))
+                lines.append(budget.line())
             except (ConfigError, ValueError) as e:
                 lines.append(f"Context budget unknown: {e}")
         return "  \n".join(lines)

@@ -389,8 +389,11 @@ class ContextPlan:
         if not isinstance(d, dict):
             return None
         parts = d.get("parts")
-        return cls(None if parts is None else [Part(**p) for p in parts], int(d.get("tokens", 0)),
-                   int(d.get("chunks", 0)))
+        try:
+            return cls(None if parts is None else [Part(**p) for p in parts], int(d.get("tokens", 0)),
+                       int(d.get("chunks", 0)))
+        except (TypeError, ValueError):  # an edited chat file: the files go in whole
+            return None
 
     def describe(self, files: Sequence[Attachment]) -> str:
         if not self.retrieved:

@@ -226,6 +226,7 @@ def test_nothing_scores_first_passage_of_each_file():
 def test_plan_round_trips():
     plan = att.ContextPlan([att.Part("a.py", 1, 30)], 120, 9)
     assert att.ContextPlan.from_dict(json.loads(json.dumps(plan.as_dict()))) == plan
+    assert att.ContextPlan.from_dict({"parts": [{"nme": 1}]}) is None  # a hand-edited chat: files go in whole
 
 
 # -- answers as diffs -----------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ def test_attach_ask_for_an_edit_see_the_diff_download_the_patch(page, tmp_path):
     page.fill("#message textarea", "Fix the bug in add.")
     page.click("#send")
     wait_text(page, "#status", "^Done")
+    wait_text(page, "#chatbot", "Changes to calc.py")  # the final bubble renders after the status line
     bot = page.locator('#chatbot [data-testid="bot"]').last.inner_text()
     assert "Changes to calc.py" in bot and "return a + b" in bot
     user = page.locator('#chatbot [data-testid="user"]').last.inner_text()

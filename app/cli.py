@@ -151,17 +151,27 @@ def cmd_generate(a) -> int:
     params = _params(a)  # invalid combinations fail here, before any model loads
     if a.n < 1:
         raise ConfigError(f"--n must be >= 1, got {a.n}")
+    from app import attachments
+
+    files = attachments.unique_names(attachments.read_paths(a.file))  # unreadable files fail before loading
     target, draft = _specs(a, need_draft=params.needs_draft)
     engine = open_engine(target, draft if params.uses_draft or params.mode == "auto" else None,
                          profile=_profile(a))
     try:
         tok = engine.tokenizer
-        if a.raw:
-            prompt = ([tok.bos_id] if tok.add_bos and tok.bos_id is not None else []) + tok.encode(a.prompt)
-        else:
-            messages = ([{"role": "system", "content": a.system}] if a.system else []) + \
-                [{"role": "user", "content": a.prompt}]
-            prompt = engine.encode(messages)
+
+        def encode(question: str) -> list[int]:
+            if a.raw:
+                return ([tok.bos_id] if tok.add_bos and tok.bos_id is not None else []) + tok.encode(question)
+            return engine.encode(([{"role": "system", "content": a.system}] if a.system else []) +
+                                 [{"role": "user", "content": question}])
+
+        prompt = encode(a.prompt)
+        if files:  # whole when they fit, else the passages the prompt needs (said on stderr)
+            plan, budget = attachments.fit(a.prompt, files, rest=len(prompt), reserve=attachments.answer_reserve(
+                params), n_ctx=engine.n_ctx, count=lambda text: len(tok.encode(text)))
+            print(f"dsbd-chat: {budget.line()}; {plan.describe(files)}", file=sys.stderr)
+            prompt = encode(attachments.render(a.prompt, files, plan.parts))
         if a.n == 1 and not a.json:  # stream to the terminal
             shown = ""
             for i, ev in enumerate(engine.generate(prompt, params)):
@@ -748,6 +758,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--system", default=None, help="system prompt")
     gen.add_argument("--raw", action="store_true", help="no chat template: continue the raw text")
+    gen.add_argument("--file", action="append", default=[], metavar="PATH",
+                     help="attach a file (repeatable): text, code, Markdown, CSV, JSON or PDF, put before the prompt "
+                          "whole when the files fit the context, else the passages the prompt needs (BM25), cited "
+                          "by file and lines")
     gen.add_argument("--n", type=int, default=1, help="independent completions (derived seeds), one model load")
     gen.add_argument("--json", action="store_true")
     bench = sub.add_parser("bench", help="benchmark decoding modes interleaved (JSON summary, optional plot)")
@@ -821,13 +835,14 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     handlers = {"chat": cmd_chat, "generate": cmd_generate, "models": cmd_models, "bench": cmd_bench,
                 "plan": cmd_plan, "compare": cmd_compare, "rpc-worker": cmd_rpc_worker}
+    from app.attachments import AttachmentError
     from app.chat import ChatError
     from app.compare.records import ResultsError
     from backends.base import BackendError
 
     try:
         return handlers[a.command](a)
-    except (ConfigError, BackendError, ChatError, ResultsError) as e:
+    except (ConfigError, BackendError, ChatError, ResultsError, AttachmentError) as e:
         print(f"dsbd-chat: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

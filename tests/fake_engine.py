@@ -25,6 +25,10 @@ class FakeTokenizer:
     def decode(self, ids) -> bytes:
         return "".join(self.words[i % len(self.words)] for i in ids).encode()
 
+    def encode(self, text: str, **_) -> list[int]:
+        """One token per word (what the fake engine's context counts)."""
+        return [0] * len(text.split())
+
 
 class FakeEngine:
     """Engine stand-in: `chat(messages, params, cancel=)` -> Iterator[Event]; `swap(target, draft)`."""
@@ -95,6 +99,10 @@ class FakeEngine:
             from app.engine.interface import NoModelLoaded
 
             raise NoModelLoaded()
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        """The prompt as chat() counts it: a token per word plus two per message."""
+        return [0] * sum(len(m["content"].split()) + 2 for m in messages)
 
     def check_params(self, params: DecodeParams) -> DecodeParams:
         self._require()

@@ -22,6 +22,20 @@ def test_edit_suite_references_pass_and_the_pasted_code_fails():
         assert not bench.grade(f"```python\n{pasted}```", t), t["entry_point"]
 
 
+def test_edit_files_suite_sends_the_files_and_grades_the_edit():
+    """The suite with attached files: the prompt holds each file as the chat renders it; references pass,
+    the unedited file does not."""
+    tasks = bench.load_suite("edit-files")
+    assert len(tasks) >= 5
+    for t in tasks:
+        (f,) = t["files"]
+        text = bench.prompt_text(t)
+        assert text.startswith(f"File {f['name']} (") and f["text"].rstrip("\n") in text
+        assert text.endswith(t["prompt"])
+        assert bench.grade(f"```python\n{t['reference']}```", t), t["entry_point"]
+        assert not bench.grade(f"```python\n{f['text']}```", t), t["entry_point"]
+
+
 def test_parse_mode_accepts_auto_with_a_quality_level():
     base = DecodeParams(max_new_tokens=8)
     label, p = bench.parse_mode("auto:quality=beam", base)

@@ -55,6 +55,47 @@ def test_generate_raw_streams_text(capsys, tiny_gguf_path):
 
 
 
+def test_unreadable_file_fails_before_loading(capsys, tmp_path):
+    (tmp_path / "pic.png").write_bytes(b"\x89PNG\r\n\x1a\nrest")
+    for path, message in [(tmp_path / "nope.txt", "nope.txt: no such file"),
+                          (tmp_path / "pic.png", "pic.png is a PNG image, not text")]:
+        rc = main(["generate", "--prompt", "hi", "--target", "missing-model.gguf", "--file", str(path)])
+        err = capsys.readouterr().err
+        assert rc == 2 and message in err and "missing-model" not in err
+
+
+def test_too_many_files_is_one_clear_line(capsys, tmp_path):
+    from app.attachments import MAX_FILES
+
+    paths = []
+    for i in range(MAX_FILES + 1):
+        (tmp_path / f"f{i}.txt").write_text("x")
+        paths += ["--file", str(tmp_path / f"f{i}.txt")]
+    rc = main(["generate", "--prompt", "hi", "--target", "missing-model.gguf", *paths])
+    assert rc == 2 and f"at most {MAX_FILES} per message" in capsys.readouterr().err
+
+
+def test_generate_with_files_on_tiny(capsys, tmp_path, tiny_gguf_path):
+    (tmp_path / "fruit.txt").write_text("The fruit of the day is a mango.\n")
+    (tmp_path / "b.md").write_text("# Notes\nNothing else.\n")
+    rc = main(["generate", "--prompt", "What is the fruit of the day?", "--file", str(tmp_path / "fruit.txt"),
+               "--file", str(tmp_path / "b.md"), "--max-tokens", "12", "--ctx", "512", "--json"])
+    out = capsys.readouterr()
+    assert rc == 0 and "2 file(s) whole" in out.err and "fits" in out.err
+    assert "mango" in json.loads(out.out)["text"].lower()
+
+
+def test_generate_retrieves_when_files_do_not_fit(capsys, tmp_path, tiny_gguf_path):
+    lines = [f"Line {i}: the weather report says cloudy with light rain." for i in range(300)]
+    lines[200] = "The fruit of the day is a mango."
+    (tmp_path / "big.txt").write_text("\n".join(lines) + "\n")
+    rc = main(["generate", "--prompt", "What is the fruit of the day?", "--file", str(tmp_path / "big.txt"),
+               "--max-tokens", "8", "--ctx", "1024", "--json"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "retrieved" in err and "big.txt:" in err
+    start, end = map(int, err.split("big.txt:")[1].split()[0].rstrip(",").split("-"))
+    assert start <= 201 <= end  # the passage holding line 201 went in
+
 
 # -- models: library, check, rm, search, download ----------------------------------------------------------
 

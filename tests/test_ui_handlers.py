@@ -48,7 +48,7 @@ def roles(session: Session) -> list[tuple[str, str]]:
 def test_send_streams_live_beams_then_answer_with_stats(ui, store):
     s = Session()
     first = ui.submit(s, "hello there", "Be brief.", *values(mode="beam", beams=2.0))
-    assert first.textbox == "" and first.chatbot[-1] == {"role": "user", "content": "hello there"}
+    assert first.textbox == {"text": "", "files": []} and first.chatbot[-1] == {"role": "user", "content": "hello there"}
     views = list(ui.generate(s))
     streaming = [v.chatbot[-1]["content"] for v in views[:-1]]
     assert any("deciding between 2 beams" in c for c in streaming)
@@ -118,7 +118,7 @@ def test_edit_and_resend_replaces_the_last_user_turn(ui):
     say(ui, s, "first question")
     say(ui, s, "second question")
     v = ui.start_edit(s)
-    assert v.textbox == "second question" and "Editing" in v.status
+    assert v.textbox == {"text": "second question", "files": []} and "Editing" in v.status
     views = say(ui, s, "edited question")
     assert [c for r, c in roles(s) if r == "user"] == ["first question", "edited question"]
     assert len(s.chat["messages"]) == 4 and s.chat["messages"][-1]["content"].startswith("Answer 3 to edited")

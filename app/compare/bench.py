@@ -22,6 +22,7 @@ from pathlib import Path
 
 from app.compare.grading import grade
 from app.compare.projection import projected_seconds
+from app.attachments import task_prompt as prompt_text
 from app.config import ConfigError, DecodeParams, load_presets
 from app.engine.engine import final_event
 
@@ -36,10 +37,6 @@ def load_suite(name: str) -> list:
         raise ConfigError(f"unknown bench suite {name!r}: use one of {known} or a .json file path")
     data = json.loads(path.read_text())
     return data["tasks"] if "tasks" in data else data["prompts"]
-
-
-def _prompt(item) -> str:
-    return item["prompt"] if isinstance(item, dict) else item
 
 
 # ---------------------------------------------------------------- modes
@@ -115,7 +112,7 @@ def run_bench(engine, *, modes: list[str], prompts: list, base: DecodeParams, re
         seed = (base.seed or 0) + 1000 * r + i
         run: dict = {"repeat": r, "prompt": i, "mode": label}
         with PeakRSS() as rss:
-            last = final_event(engine.chat([{"role": "user", "content": _prompt(prompts[i])}],
+            last = final_event(engine.chat([{"role": "user", "content": prompt_text(prompts[i])}],
                                            replace(params, seed=seed)))
         run |= {"text": last.text, "stats": last.stats, "peak_rss_bytes": rss.peak}
         if "auto" in last.stats:  # what auto picked, in parse_mode syntax

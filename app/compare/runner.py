@@ -10,6 +10,7 @@ import threading
 from dataclasses import replace
 from typing import Callable, Iterator
 
+from app.attachments import task_prompt as prompt_text
 from app.compare.grading import grade
 from app.compare.records import ResultsError, load_prompt_source, needs_vote, new_comparison, new_run, params_of_run
 from app.compare.stats import mode_summary
@@ -90,7 +91,7 @@ def iter_run(engine, store: ResultStore, run: dict, params: dict[str, DecodePara
             if cancel.is_set():
                 break
             task = item if isinstance(item, dict) else None
-            rec = new_comparison(prompt=task["prompt"] if task else item, modes=run["modes"],
+            rec = new_comparison(prompt=prompt_text(item), modes=run["modes"],
                                  seed=run["seed"] + i, settings=run["settings"], models=run["models"],
                                  system=run.get("system", ""), kind="set", run_id=run["id"], item=i, task=task,
                                  rng=rng)

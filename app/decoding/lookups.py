@@ -2,9 +2,10 @@
 decides which of them a forest gets.
 
 Sources (each proposes (token, evidence) children for a text, from what is fixed before the target pass):
-    match     continuations of the longest suffix of the text found in the prompt (the whole conversation)
-              and in every beam of this answer, pruned ones too; several per n-gram with counts (prompt
-              lookup / n-gram caches)
+    match     continuations of the longest suffix of the text found in the prompt (the whole conversation,
+              attached files included) and in every beam of this answer, pruned ones too; several per n-gram
+              with counts (prompt lookup / n-gram caches); with a `CorpusIndex`, also in earlier chats (the
+              cross-chat index: the longer match of the two wins)
     recycled  the target's own top-k successors of the text's last one or two tokens, harvested from rows
               scored in earlier passes of this answer (token recycling)
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -42,6 +44,9 @@ LAYER_STRENGTH = 1.0  # expected passes behind the prior that a lookup-only laye
 # recycled successors of a 2-token / 1-token key.
 _MATCH_PRIOR = (0.0, 0.08, 0.15, 0.3, 0.45, 0.55, 0.6, 0.65, 0.7)
 _RECYCLED_PRIOR = (0.0, 0.12, 0.2)
+CORPUS_TOKENS = 200_000  # the cross-chat index's bound: the oldest chats leave beyond this many tokens
+CORPUS_KEY = 2  # positions are found by the last two tokens, then matched backwards up to MAX_NGRAM
+CORPUS_SCAN = 256  # positions looked at per proposal (the newest): bounds a proposal's time for common keys
 
 
 # ------------------------------------------------------------------------------------------------- sources
@@ -72,6 +77,73 @@ class MatchIndex:
                 best = sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))[:PER_KEY]
                 return [(tok, n, c / total) for tok, c in best]
         return []
+
+
+class CorpusIndex:
+    """Earlier chats' token sequences (the cross-chat index, spec §16.7: fixed before any pass of this answer),
+    bounded to `max_tokens`: adding past it drops the oldest chats. A position index (last CORPUS_KEY tokens ->
+    where they occur) rather than MatchIndex's table of every n-gram: about one entry per token, not eight.
+    `add` with a key already held replaces that chat (a conversation that grew)."""
+
+    def __init__(self, max_tokens: int = CORPUS_TOKENS, max_n: int = MAX_NGRAM) -> None:
+        self.max_tokens, self.max_n = max_tokens, max_n
+        self.docs: OrderedDict[object, tuple[int, ...]] = OrderedDict()
+        self.where: dict[tuple[int, ...], list[tuple[object, int]]] = {}
+        self.size = 0
+        self._dead = 0  # positions of dropped chats still listed in `where` (swept when they are half)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def add(self, key: object, seq: Sequence[int]) -> None:
+        seq = tuple(int(t) for t in seq)[-self.max_tokens:]
+        if key in self.docs:
+            self._drop(key)
+        self.docs[key] = seq
+        self.size += len(seq)
+        where, k = self.where, CORPUS_KEY
+        for i in range(k, len(seq)):
+            where.setdefault(seq[i - k:i], []).append((key, i))
+        while self.size > self.max_tokens and len(self.docs) > 1:
+            self._drop(next(iter(self.docs)))
+        if self._dead > self.size:
+            self._sweep()
+
+    def _drop(self, key: object) -> None:
+        seq = self.docs.pop(key)
+        self.size -= len(seq)
+        self._dead += max(0, len(seq) - CORPUS_KEY)
+
+    def _sweep(self) -> None:
+        live = self.docs
+        self.where = {g: kept for g, ps in self.where.items()
+                      if (kept := [(d, i) for d, i in ps if d in live and i < len(live[d])])}
+        self._dead = 0
+
+    def propose(self, text: Sequence[int], exclude: object = None) -> list[tuple[int, int, float]]:
+        """[(token, match length, share)] for the longest suffix of text (>= CORPUS_KEY tokens) found in the
+        chats (not in the one keyed `exclude`: the prompt's own index holds that one), most frequent first."""
+        if len(text) < CORPUS_KEY:
+            return []
+        tail = tuple(text[-self.max_n:])
+        hits = self.where.get(tail[-CORPUS_KEY:])
+        if not hits:
+            return []
+        best_n, found = 0, Counter()
+        for doc, i in reversed(hits[-CORPUS_SCAN:]):
+            seq = self.docs.get(doc)
+            if seq is None or doc == exclude or i >= len(seq) or seq[i - CORPUS_KEY:i] != tail[-CORPUS_KEY:]:
+                continue
+            n = CORPUS_KEY
+            while n < len(tail) and i - n - 1 >= 0 and seq[i - n - 1] == tail[-n - 1]:
+                n += 1
+            if n > best_n:
+                best_n, found = n, Counter()
+            if n == best_n:
+                found[seq[i]] += 1
+        total = sum(found.values())
+        best = sorted(found.items(), key=lambda kv: (-kv[1], kv[0]))[:PER_KEY]
+        return [(tok, best_n, c / total) for tok, c in best]
 
 
 class Recycler:
@@ -182,9 +254,11 @@ class Builder:
     def __init__(self, prompt: Sequence[int], *, sources: Iterable[str] = SOURCES,
                  calibration: Calibration | None = None,
                  target_cost: Callable[[float], float] | None = None, verify_cost: float = 0.0,
-                 step_cost: float = 0.0, finished: Callable[[tuple[int, ...]], bool] = lambda t: False) -> None:
+                 step_cost: float = 0.0, finished: Callable[[tuple[int, ...]], bool] = lambda t: False,
+                 corpus: CorpusIndex | None = None, corpus_exclude: object = None) -> None:
         """target_cost(n): seconds of a target pass scoring n tokens (None: no pricing, the likeliest nodes up
-        to the cap); verify_cost: the decoder's seconds per verified layer; step_cost: per iteration."""
+        to the cap); verify_cost: the decoder's seconds per verified layer; step_cost: per iteration;
+        corpus: earlier chats for the match source (not the one keyed corpus_exclude)."""
         self.prompt = tuple(prompt)
         self.sources = tuple(s for s in SOURCES if s in set(sources))
         self.calibration = calibration or Calibration()
@@ -195,12 +269,27 @@ class Builder:
         self.recycler = Recycler() if "recycled" in self.sources else None
         if self.index is not None:
             self.index.add(self.prompt)
+        self.corpus, self.corpus_exclude = None, None
+        self.use_corpus(corpus, corpus_exclude)
         self.proposed: list[Candidate] = []  # this iteration's depth-1 candidates, added or not (calibration)
         self.predicted: list[float] = []  # per depth: P(the chosen nodes cover every output | layer reached),
         # from the per-token chances alone (what settle_layer weighs against the layers' outcomes)
         self.shape: Shape | None = None
 
+    def use_corpus(self, corpus: CorpusIndex | None, exclude: object = None) -> None:
+        """Let the match source also continue text found in earlier chats (None: the prompt and beams only)."""
+        self.corpus = corpus if "match" in self.sources and corpus is not None and len(corpus) else None
+        self.corpus_exclude = exclude
+
     # -- proposals -------------------------------------------------------------------------------------
+    def _match(self, full: tuple[int, ...]) -> list[tuple[int, int, float]]:
+        """The match source: the prompt and beams' index, or the earlier chats' when they match longer."""
+        here = self.index.propose(full)
+        if self.corpus is None:
+            return here
+        there = self.corpus.propose(full, self.corpus_exclude)
+        return there if there and (not here or there[0][1] > here[0][1]) else here
+
     def propose(self, text: tuple[int, ...]) -> list[tuple[int, str, str, float]]:
         """[(token, source, bucket, est)] for a parent whose generated tokens are `text`; one per token (the
         likeliest source's)."""
@@ -209,7 +298,8 @@ class Builder:
         for source, finder in (("match", self.index), ("recycled", self.recycler)):
             if finder is None:
                 continue
-            for rank, (tok, ev, share) in enumerate(finder.propose(full)):
+            found = self._match(full) if source == "match" else finder.propose(full)
+            for rank, (tok, ev, share) in enumerate(found):
                 est = self.calibration.estimate(source, ev, rank, share)
                 if tok not in best or est > best[tok][3]:
                     best[tok] = (tok, source, _bucket(source, ev, rank), est)

@@ -23,6 +23,7 @@ from app.config import MODE_FACTS, ConfigError, DecodeParams
 from backends.registry import ModelSpec
 from app.decoding import derive_seed, start
 from app.decoding.beams import Stopper
+from app.decoding.lookups import CorpusIndex
 from app.decoding.metrics import Metrics
 from app.engine.interface import Event, ModelEngine, NoModelLoaded, PromptTooLong
 from app.engine.learned import Learned, entry_key, model_key
@@ -53,6 +54,9 @@ class Engine(ModelEngine):
         self._acceptance: dict = {}
         self._calibration: dict = {}
         self._unsaved: set[str] = set()  # keys of models without a file identity: learnt in memory only
+        # Earlier chats' tokens (prompt + answer, the newest version of each chat) for the match source's
+        # lookup nodes: in memory, bounded (lookups.CORPUS_TOKENS), dropped with the target's tokenizer.
+        self.corpus = CorpusIndex()
         if draft is not None:
             from backends.tokenizer import check_compatible
 
@@ -127,6 +131,8 @@ class Engine(ModelEngine):
             old = {id(m): m for m in (self.target, self.draft) if m is not None and id(m) not in keep}
             # The new state first, so a failing close below cannot leave the engine half switched.
             self._ctx.clear()
+            if staged.target is not self.target:  # token ids mean nothing to another tokenizer
+                self.corpus = CorpusIndex()
             self.target, self.draft = staged.target, staged.draft
             self.n_ctx, self.tokenizer, self.specs = staged.n_ctx, staged.tokenizer, (target, draft)
             self.plan, self.policy = plan, None  # pass costs and acceptance belong to the old models
@@ -400,6 +406,7 @@ class Engine(ModelEngine):
                             stats["draft_tokens"] = sum(drafted)
                             segments = stopper.runs(step.output.tokens, drafted)
                         self.observe(params, stats)
+                        self.corpus.add(chat_key(prompt), list(prompt) + list(step.output.tokens))
                         if notice:
                             stats["notice"] = notice
                         if auto:
@@ -445,6 +452,7 @@ class Engine(ModelEngine):
                                      calibration=known.carried() if known is not None else None)
         if builder is not None:
             builder.setting = key
+            builder.use_corpus(self.corpus, exclude=chat_key(prompt))  # this chat is in its prompt already
         return builder
 
     def _learn_key(self, kind: str, models, *extra) -> str:
@@ -588,6 +596,15 @@ def load_planned(spec: ModelSpec, role: str, plan):
         model.close()
         raise
     return model
+
+
+CHAT_KEY_TOKENS = 32  # a chat is known by its prompt's first tokens (template, system prompt, first words)
+
+
+def chat_key(prompt: Sequence[int]) -> int:
+    """The cross-chat index's key of the chat a prompt continues: a chat grows at its end, so its later prompts
+    keep the key (and replace its entry); two chats opening with the same ~25 words share one entry."""
+    return hash(tuple(prompt[:CHAT_KEY_TOKENS]))
 
 
 def _is_oom(e: BaseException) -> bool:

@@ -24,7 +24,7 @@ import secrets
 import threading
 import time
 from dataclasses import replace
-from typing import Any, AsyncIterator, Callable, Literal
+from typing import Annotated, Any, AsyncIterator, Callable, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backends.base import BackendError
 
+from app import attachments
 from app.chat import ChatError
 from app.config import API_MODES, MODE_FACTS, ConfigError, DecodeParams
 from app.decoding import derive_seed
@@ -88,9 +89,23 @@ class TextPart(BaseModel):
     text: str
 
 
+class FileData(BaseModel):
+    """OpenAI's file content part body: the file's bytes as base64 (a data: URL or bare) and its name."""
+
+    model_config = ConfigDict(extra="ignore")
+    file_data: str | None = None
+    filename: str | None = None
+    file_id: str | None = None
+
+
+class FilePart(BaseModel):
+    type: Literal["file"]
+    file: FileData
+
+
 class Message(BaseModel):
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | FilePart, Field(discriminator="type")]] | None = None
 
 
 class ChatRequest(_Sampling):
@@ -178,11 +193,69 @@ def decode_params(req: _Sampling) -> DecodeParams:
 
 
 def _messages(req: ChatRequest) -> list[dict]:
+    """Request messages -> chat messages; a message's file parts become its `attachments` (read and checked
+    here, with the part that failed named in the error)."""
     out = []
-    for m in req.messages:
-        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    for i, m in enumerate(req.messages):
+        parts = [] if isinstance(m.content, str) else list(m.content or [])
+        content = m.content if isinstance(m.content, str) else "".join(p.text for p in parts if p.type == "text")
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        files = [(j, p.file) for j, p in enumerate(parts) if p.type == "file"]
+        if files:
+            try:
+                attachments.check_count(len(files))
+            except attachments.AttachmentError as e:
+                raise ApiError(400, str(e), param=f"messages.{i}.content", code="too_many_files") from None
+            msg["attachments"] = attachments.unique_names([_file_part(f, f"messages.{i}.content.{j}.file")
+                                                           for j, f in files])
+        out.append(msg)
     return out
+
+
+def _file_part(f: FileData, param: str) -> attachments.Attachment:
+    name = f.filename or "attachment.txt"
+    if f.file_data is None:
+        raise ApiError(400, "files are taken inline only: send the file's bytes as base64 in file_data"
+                       + (" (file_id needs the Files API, which this server does not have)" if f.file_id else ""),
+                       param=f"{param}.file_data", code="file_data_required")
+    data = f.file_data
+    if data.startswith("data:"):
+        head, sep, data = data.partition(",")
+        if not sep or not head.endswith(";base64"):
+            raise ApiError(400, f"{name}: file_data must be base64 (data:<type>;base64,<data>)",
+                           param=f"{param}.file_data", code="invalid_file_data")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, f"{name}: file_data is not valid base64", param=f"{param}.file_data",
+                       code="invalid_file_data") from None
+    try:
+        return attachments.from_bytes(name, raw)
+    except attachments.AttachmentError as e:
+        raise ApiError(400, str(e), param=param, code="invalid_file") from None
+
+
+def _with_files(engine, messages: list[dict], params: DecodeParams) -> tuple[list[dict], dict | None]:
+    """Messages as the model sees them: every file rendered into its turn, the last turn's files whole when they
+    fit the context, else the passages its text needs (BM25); plus what went in (the response's dsbd_files)."""
+    last = max((i for i, m in enumerate(messages) if m.get("attachments")), default=None)
+    if last is None:
+        return messages, None
+    out = [{"role": m["role"], "content": attachments.render(m["content"], m["attachments"])}
+           if m.get("attachments") and i != last else {"role": m["role"], "content": m["content"]}
+           for i, m in enumerate(messages)]
+    files = messages[last]["attachments"]
+    tok = engine.tokenizer
+    plan, budget = attachments.fit(messages[last]["content"], files, rest=len(engine.encode(out)),
+                                   reserve=attachments.answer_reserve(params), n_ctx=engine.n_ctx,
+                                   count=lambda text: len(tok.encode(text)))
+    out[last] = {"role": out[last]["role"], "content": attachments.render(messages[last]["content"], files,
+                                                                          plan.parts)}
+    info = {"message": last, "files": [{"name": a.name, "size": a.size, "kind": a.kind} for a in files],
+            "retrieved": plan.retrieved, "tokens": plan.tokens, "budget": {
+                "files": budget.files, "history": budget.history, "answer": budget.answer, "n_ctx": budget.n_ctx},
+            "parts": None if plan.parts is None else [p.cite() for p in plan.parts]}
+    return out, info
 
 
 def _prompts(engine, prompt) -> list[list[int]]:
@@ -364,10 +437,16 @@ def build_api(engine, *, api_key: str | None = None, auth: tuple[str, str] | Non
 
     @router.post("/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request) -> Response:
-        messages = _messages(req)
-        return await _serve(request, req, "chat", "messages", lambda p, cancel: [
-            engine.chat(messages, replace(p, seed=derive_seed(p.seed, j)) if req.n > 1 else p, cancel=cancel)
-            for j in range(req.n)])
+        messages, extra = _messages(req), {}
+
+        def open_streams(p, cancel):
+            sent, info = _with_files(engine, messages, p)
+            if info is not None:
+                extra["dsbd_files"] = info
+            return [engine.chat(sent, replace(p, seed=derive_seed(p.seed, j)) if req.n > 1 else p, cancel=cancel)
+                    for j in range(req.n)]
+
+        return await _serve(request, req, "chat", "messages", open_streams, extra)
 
     @router.post("/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
@@ -381,7 +460,8 @@ def build_api(engine, *, api_key: str | None = None, auth: tuple[str, str] | Non
     def unknown(rest: str) -> None:
         raise ApiError(404, f"unknown endpoint /v1/{rest}", code="not_found")
 
-    async def _serve(request: Request, req: _Sampling, kind: str, prompt_param: str, open_streams) -> Response:
+    async def _serve(request: Request, req: _Sampling, kind: str, prompt_param: str, open_streams,
+                     extra: dict | None = None) -> Response:
         try:
             params = engine.check_params(decode_params(req))
             leave = gate.admit()
@@ -396,7 +476,7 @@ def build_api(engine, *, api_key: str | None = None, auth: tuple[str, str] | Non
         run = _Run(streams, cancel, leave)
         head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}",
                 "object": "chat.completion" if kind == "chat" else "text_completion",
-                "created": int(time.time()), "model": model_id(engine)}
+                "created": int(time.time()), "model": model_id(engine)} | (extra or {})
         if req.stream:
             usage = bool((req.stream_options or {}).get("include_usage"))
             return StreamingResponse(_sse(run, request, kind, head, prompt_param, usage, req.n),

@@ -1,4 +1,5 @@
-"""Chat tab: streamed answers, Stop / Regenerate / Edit / New chat, history sidebar, stats and forest.
+"""Chat tab: streamed answers, Stop / Regenerate / Edit / New chat, history sidebar, stats and forest; attached
+files (button, drag and drop, paste) with their token budget, and answers that rewrite a file shown as diffs.
 
 Handlers are methods of `ChatUI` taking a `Session` (one per browser tab) plus widget values, and
 returning or yielding a `ChatView` (one value per output widget), so tests drive them without a server.
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import re
 import threading
 import time
 from typing import Iterator, NamedTuple
@@ -17,8 +20,9 @@ import gradio as gr
 
 from backends.base import BackendError
 
+from app import attachments as att
 from app.config import ConfigError
-from app.engine.interface import PromptTooLong
+from app.engine.interface import NoModelLoaded, PromptTooLong
 from app.serve.ui.forest import forest_svg, origin_html
 from app.storage import CorruptChat, HistoryError, HistoryStore, title_of
 from app.serve.ui.settings import (FIELDS, DecodingPanel, default_settings, params_from, settings_from_values, summary,
@@ -60,6 +64,11 @@ class ChatView(NamedTuple):
     chats: object
     system: object
     title: object
+    patched: object  # the latest answer's patched files (download)
+    files: object  # the message box's files: name, size, tokens, and the context budget
+
+
+EMPTY_BOX = {"text": "", "files": []}
 
 
 def skip_view(**changes) -> ChatView:
@@ -67,10 +76,61 @@ def skip_view(**changes) -> ChatView:
 
 
 def prompt_messages(chat: dict) -> list[dict]:
-    """What the model sees: the system prompt and the turns from `context_from` on."""
+    """What the model sees: the system prompt and the turns from `context_from` on, each user turn with its files
+    (whole, or the passages chosen when it was sent)."""
     sys_msg = [{"role": "system", "content": chat["system"]}] if chat.get("system", "").strip() else []
     turns = chat["messages"][chat.get("context_from", 0):]
-    return sys_msg + [{"role": m["role"], "content": m["content"]} for m in turns]
+    return sys_msg + [{"role": m["role"], "content": att.message_content(m)} for m in turns]
+
+
+def context_files(chat: dict | None) -> list[att.Attachment]:
+    """The files of the turns the model sees, the newest of each name (what an answer's code may rewrite)."""
+    if chat is None:
+        return []
+    latest: dict[str, att.Attachment] = {}
+    for m in chat["messages"][chat.get("context_from", 0):]:
+        for a in att.message_files(m):
+            latest.pop(a.name, None)
+            latest[a.name] = a
+    return list(latest.values())
+
+
+def box_value(value) -> tuple[str, list[str]]:
+    """The message box's value (a MultimodalTextbox dict, or plain text) -> (text, uploaded file paths)."""
+    if isinstance(value, dict):
+        files = [f if isinstance(f, str) else (f.get("path") if isinstance(f, dict) else getattr(f, "path", None))
+                 for f in value.get("files") or []]
+        return str(value.get("text") or ""), [f for f in files if f]
+    return str(value or ""), []
+
+
+def files_line(m: dict) -> str:
+    """The chips under a user turn: each file with its size, and what of it went into the prompt."""
+    files = att.message_files(m)
+    if not files:
+        return ""
+    plan = att.ContextPlan.from_dict(m.get("context"))
+    used: dict[str, list[str]] = {}
+    for p in (plan.parts or []) if plan is not None and plan.retrieved else []:
+        used.setdefault(p.name, []).append(f"{p.start}-{p.end}")
+    chips = []
+    for a in files:
+        if plan is None or not plan.retrieved:
+            what = "whole"
+        else:
+            what = f"lines {', '.join(used[a.name])}" if a.name in used else "not used"
+        chips.append(f"📎 `{a.name}` · {att.human_size(a.size)} · {what}")
+    head = f"*{plan.describe(files)}*  \n" if plan is not None else ""
+    return "\n\n" + head + "  \n".join(chips)
+
+
+def diff_markdown(diffs: list[dict]) -> str:
+    out = []
+    for d in diffs:
+        fence = "`" * max(3, 1 + max((len(x) for x in re.findall(r"`{3,}", d["diff"])), default=0))
+        out.append(f"**Changes to `{d['name']}`** (+{d['added']} −{d['removed']}):\n{fence}diff\n"
+                   f"{d['diff'].rstrip(chr(10))}\n{fence}")
+    return "\n\n" + "\n\n".join(out) if out else ""
 
 
 def drop_oldest_pair(chat: dict) -> bool:
@@ -89,6 +149,77 @@ class ChatUI:
     def __init__(self, engine, store: HistoryStore, panel_updates=widget_updates) -> None:
         self.engine, self.store = engine, store
         self.panel_updates = panel_updates  # settings dict -> one update per decoding-panel widget
+        self._read: dict[tuple, tuple] = {}  # (path, size, mtime) -> (Attachment | AttachmentError, tokens)
+
+    # -- files -----------------------------------------------------------------------------------
+    def count(self, text: str) -> int:
+        """Tokens of `text` with the loaded model's tokenizer (about 4 characters a token without one)."""
+        encode = getattr(getattr(self.engine, "tokenizer", None), "encode", None)
+        if encode is None:
+            return att.estimate_tokens(text)
+        try:
+            return len(encode(text))
+        except NoModelLoaded:
+            return att.estimate_tokens(text)
+
+    def read_files(self, paths: list[str]) -> list[tuple[att.Attachment | att.AttachmentError, int]]:
+        """Each uploaded file read once (cached by path, size and time): (file or its error, its tokens)."""
+        out = []
+        for path in paths:
+            try:
+                st = os.stat(path)
+                key = (path, st.st_size, st.st_mtime_ns)
+            except OSError:
+                key = (path, -1, -1)
+            if key not in self._read:
+                try:
+                    a = att.read_path(path)
+                    self._read[key] = (a, self.count(att.render_whole(a)))
+                except att.AttachmentError as e:
+                    self._read[key] = (e, 0)
+                if len(self._read) > 256:  # uploads of long sessions: keep the newest
+                    self._read.pop(next(iter(self._read)))
+            out.append(self._read[key])
+        return out
+
+    def _history_tokens(self, chat: dict | None, system: str, text: str) -> int:
+        """Tokens of the prompt without the new files: system prompt, the turns in context, the new text."""
+        base = prompt_messages(chat) if chat is not None else []
+        if chat is None and (system or "").strip():
+            base = [{"role": "system", "content": system}]
+        msgs = base + [{"role": "user", "content": text}]
+        try:
+            return len(self.engine.encode(msgs))
+        except (NoModelLoaded, AttributeError, ValueError):
+            return sum(att.estimate_tokens(m["content"]) + 4 for m in msgs)
+
+    def _fit(self, session: Session, system: str, settings: dict, text: str, files: list[att.Attachment]):
+        params = params_from(settings)
+        return att.fit(text, files, rest=self._history_tokens(session.chat, system, text),
+                       reserve=att.answer_reserve(params), n_ctx=int(getattr(self.engine, "n_ctx", 4096) or 4096),
+                       count=self.count)
+
+    def preview(self, session: Session, box, system: str, *values) -> str:
+        """The message box's files as chips (name, size, tokens; errors named) and the context budget."""
+        text, paths = box_value(box)
+        if not paths:
+            return ""
+        read = self.read_files(paths)
+        lines = [f"📎 `{a.name}` · {att.human_size(a.size)} · {tokens:,} tokens" if isinstance(a, att.Attachment)
+                 else f"⚠️ {a} (it will not be sent: remove it)" for a, tokens in read]
+        files = att.unique_names([a for a, _ in read if isinstance(a, att.Attachment)])
+        if len(paths) > att.MAX_FILES:
+            lines.append(f"⚠️ {len(paths)} files: at most {att.MAX_FILES} per message")
+        if files:  # priced from the cached counts: this runs as the text is typed (retrieval runs on Send)
+            try:
+                budget = att.Budget(files=sum(t for a, t in read if isinstance(a, att.Attachment)),
+                                    history=self._history_tokens(session.chat, system, text),
+                                    answer=att.answer_reserve(params_from(settings_from_values(*values))),
+                                    n_ctx=int(getattr(self.engine, "n_ctx", 4096) or 4096))
+                lines.append(budget.line())
+            except (ConfigError, ValueError) as e:
+                lines.append(f"Context budget unknown: {e}")
+        return "  \n".join(lines)
 
     @property
     def decode(self):
@@ -107,6 +238,10 @@ class ChatUI:
                 out.append({"role": "assistant", "content": f"*— the {cut} message(s) above are kept here "
                                                             "but no longer sent to the model —*"})
             text = m["content"]
+            if m["role"] == "user":
+                text += files_line(m)
+            if m["role"] == "assistant" and m.get("diffs"):
+                text += diff_markdown(m["diffs"])
             if m["role"] == "assistant" and m.get("stats"):
                 text += f"\n\n<sub>{stats_footer(m['stats'])}</sub>"
             out.append({"role": m["role"], "content": text})
@@ -147,21 +282,42 @@ class ChatUI:
             return f" (could not save the chat: {e})"
 
     # -- turn preparation (fast, run outside the engine queue) ------------------------------------
-    def submit(self, session: Session, text: str, system: str, *values) -> ChatView:
-        """Add the user's message (or replace the last one when editing) and mark an answer pending."""
-        text = (text or "").strip()
-        if not text:
+    def submit(self, session: Session, box, system: str, *values) -> ChatView:
+        """Add the user's message with its files (or replace the last one when editing; its files stay unless
+        others are attached) and mark an answer pending. Files go in whole when they fit the context, else the
+        passages the text needs; a file that cannot be read stops the message with the reason."""
+        text, paths = box_value(box)
+        text = text.strip()
+        if not text and not paths:
             return self.view(session, status="Type a message first.")
-        chat = self._ensure_chat(session, system, settings_from_values(*values))
-        msgs = chat["messages"]
+        try:
+            att.check_count(len(paths))
+        except att.AttachmentError as e:
+            return self.view(session, status=f"Not sent: {e}.")
+        read = self.read_files(paths)
+        bad = [str(a) for a, _ in read if isinstance(a, att.AttachmentError)]
+        if bad:
+            return self.view(session, status="Not sent: " + "; ".join(bad) + ". Remove the file and send again.")
+        files = att.unique_names([a for a, _ in read])
+        settings = settings_from_values(*values)
+        msgs = session.chat["messages"] if session.chat is not None else []
         if session.editing and any(m["role"] == "user" for m in msgs):
             last = max(i for i, m in enumerate(msgs) if m["role"] == "user")
+            files = files or att.message_files(msgs[last])
             del msgs[last:]
-            chat["context_from"] = min(chat.get("context_from", 0), last)
+            session.chat["context_from"] = min(session.chat.get("context_from", 0), last)
         session.editing = False
-        msgs.append({"role": "user", "content": text})
+        message = {"role": "user", "content": text}
+        if files:
+            try:
+                plan, _ = self._fit(session, system, settings, text, files)
+            except (ConfigError, ValueError) as e:
+                return self.view(session, status=f"Not sent: {e}")
+            message |= {"attachments": [a.as_dict() for a in files], "context": plan.as_dict()}
+        chat = self._ensure_chat(session, system, settings)
+        chat["messages"].append(message)
         session.pending, session.error, session.too_long, session.auto_drop = True, None, False, False
-        return self.view(session, textbox="", status="Waiting for the engine…")
+        return self.view(session, textbox=EMPTY_BOX, files="", status="Waiting for the engine…")
 
     def regenerate(self, session: Session, system: str, *values) -> ChatView:
         """Drop the last answer and mark a new one pending."""
@@ -181,8 +337,9 @@ class ChatUI:
         if not users:
             return self.view(session, status="No message to edit yet.")
         session.editing = True
-        return self.view(session, textbox=users[-1]["content"],
-                         status="Editing your last message: change it and press Send to resend.")
+        kept = " Its files stay unless you attach others." if users[-1].get("attachments") else ""
+        return self.view(session, textbox={"text": users[-1]["content"], "files": []},
+                         status="Editing your last message: change it and press Send to resend." + kept)
 
     def drop_and_retry(self, session: Session, system: str, *values) -> ChatView:
         """After PromptTooLong: retry, dropping the oldest turns from the context until the prompt fits."""
@@ -249,8 +406,12 @@ class ChatUI:
             yield self.view(session, status="The engine returned nothing.")
             return
         stats = last.stats or {}
-        chat["messages"].append({"role": "assistant", "content": last.text, "stats": stats,
-                                 "settings": summary(settings)})
+        answer = {"role": "assistant", "content": last.text, "stats": stats, "settings": summary(settings)}
+        found = att.diffs(last.text, context_files(chat))
+        if found:
+            answer["diffs"] = [{"name": d.name, "diff": d.diff, "added": d.added, "removed": d.removed}
+                               for d in found]
+        chat["messages"].append(answer)
         saved = self._save(chat)
         stopped = stats.get("finish_reason") == "cancelled" or (cancel.is_set() and not last.done)
         status = (f"Stopped after {last.tokens} tokens." if stopped
@@ -261,7 +422,7 @@ class ChatUI:
             status = f"Note: {stats['notice']}. " + status
         yield self.view(session, status=status + saved, stats=stats_markdown(stats),
                         forest=forest_svg(forest, self.decode) + origin_html(last.segments),
-                        chats=self.chat_list(session))
+                        chats=self.chat_list(session), patched=self.patched_files(session))
 
     def _open(self, session: Session, chat: dict, settings: dict, cancel: threading.Event):
         """Start the engine stream and take its first event; with auto_drop, drop oldest turns on PromptTooLong."""
@@ -279,6 +440,20 @@ class ChatUI:
                     continue
                 raise
 
+    def patched_files(self, session: Session):
+        """The download of the latest answer's patched files (written to the export folder); hidden without."""
+        chat = session.chat
+        last = chat["messages"][-1] if chat and chat["messages"] else None
+        if last is None or last["role"] != "assistant" or not last.get("diffs"):
+            return gr.update(value=None, visible=False)
+        paths = []
+        try:
+            for d in att.diffs(last["content"], context_files(chat)):
+                paths.append(str(self.store.export_patched(chat, d.name, d.patched)))
+        except (OSError, HistoryError) as e:
+            log.warning("patched files not written: %s", e)
+        return gr.update(value=paths or None, visible=bool(paths))
+
     # -- history ---------------------------------------------------------------------------------
     def new_chat(self, session: Session, system: str, *values) -> tuple:
         """Start an empty chat with the current settings (stops this tab's running answer)."""
@@ -286,8 +461,8 @@ class ChatUI:
         session.chat = self.store.new_chat(system=system or "", settings=settings_from_values(*values))
         session.pending = session.editing = session.too_long = False
         session.error = None
-        return self.view(session, textbox="", status="New chat.", stats="", forest=forest_svg(None),
-                         chats=self.chat_list(session), title="")
+        return self.view(session, textbox=EMPTY_BOX, status="New chat.", stats="", forest=forest_svg(None),
+                         chats=self.chat_list(session), title="", files="", patched=self.patched_files(session))
 
     def open_chat(self, session: Session, chat_id: str | None) -> tuple:
         """Reopen a saved chat: messages, system prompt, and its decoding settings (extra outputs)."""
@@ -305,9 +480,10 @@ class ChatUI:
         session.pending = session.editing = session.too_long = False
         session.error = None
         last_stats = next((m.get("stats") for m in reversed(chat["messages"]) if m["role"] == "assistant"), None)
-        view = self.view(session, textbox="", status=f"Opened “{title_of(chat)}”.",
+        view = self.view(session, textbox=EMPTY_BOX, status=f"Opened “{title_of(chat)}”.",
                          stats=stats_markdown(last_stats), forest=forest_svg(None),
-                         chats=self.chat_list(session, notices), system=chat["system"], title=chat.get("title", ""))
+                         chats=self.chat_list(session, notices), system=chat["system"], title=chat.get("title", ""),
+                         files="", patched=self.patched_files(session))
         if notices:
             view = view._replace(status=view.status + " " + " ".join(notices))
         return (*view, *self.panel_updates(chat["settings"]))
@@ -374,14 +550,19 @@ def build(engine, store: HistoryStore, session: gr.State):
             chatbot = gr.Chatbot(label="Chat", height=460, elem_id="chatbot", buttons=["copy"],
                                  placeholder="Ask something. Answers stream in as the beams agree.")
             status = gr.Markdown("", elem_id="status")
-            text = gr.Textbox(placeholder="Message (Enter to send, Shift+Enter for a new line)", show_label=False,
-                              lines=2, max_lines=8, elem_id="message", autofocus=True)
+            text = gr.MultimodalTextbox(
+                placeholder="Message (Enter to send, Shift+Enter for a new line) · attach files with 📎, by drag "
+                            "and drop or paste", show_label=False, lines=2, max_lines=8, elem_id="message",
+                autofocus=True, file_count="multiple", sources=["upload"], submit_btn=False)
+            files = gr.Markdown("", elem_id="attach-info")
             with gr.Row():
                 send_btn = gr.Button("Send", variant="primary", elem_id="send")
                 stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
                 regen_btn = gr.Button("Regenerate", elem_id="regenerate")
                 edit_btn = gr.Button("Edit last", elem_id="edit")
                 drop_btn = gr.Button("Drop oldest turns & retry", visible=False, elem_id="drop-oldest")
+            patched = gr.File(label="Patched files (the latest answer's rewrite of your files)", visible=False,
+                              interactive=False, file_count="multiple", elem_id="patched-files")
             stats = gr.Markdown(memory_line(), elem_id="stats", elem_classes=["dsbd-stats"])
             with gr.Accordion("Draft forest (latest DSBD iteration) · answer by origin", open=True):
                 forest = gr.HTML(forest_svg(None), elem_id="forest")
@@ -390,7 +571,7 @@ def build(engine, store: HistoryStore, session: gr.State):
                                 elem_id="system")
             panel = DecodingPanel()
     ui = ChatUI(engine, store, panel.updates)
-    outputs = [chatbot, text, status, stats, forest, drop_btn, chats, system, title]
+    outputs = [chatbot, text, status, stats, forest, drop_btn, chats, system, title, patched, files]
     fast = dict(concurrency_limit=None, show_progress="hidden")  # never waits behind a running answer
     # queue position and timer on the chatbot only, not on every output widget
     gen = dict(concurrency_id=ENGINE_QUEUE, concurrency_limit=1, show_progress="minimal", show_progress_on=[chatbot])
@@ -404,6 +585,8 @@ def build(engine, store: HistoryStore, session: gr.State):
     answer(regen_btn.click, ui.regenerate, values)
     answer(drop_btn.click, ui.drop_and_retry, values)
     stop_btn.click(ui.stop, [session], [status], **fast)
+    text.change(ui.preview, [session, text, system, *panel.components], [files], trigger_mode="always_last",
+                **fast)
     edit_btn.click(ui.start_edit, [session], outputs, **fast)
     new_btn.click(ui.new_chat, values, outputs, **fast)
     chatbot.clear(ui.new_chat, values, outputs, **fast)  # the chatbot's own trash icon = a new chat

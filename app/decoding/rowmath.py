@@ -207,6 +207,7 @@ class TorchLogProbs:
         self.tm, self.x = tm, x  # [n, V] tensor on tm.device
         self.vocab = int(x.shape[1])
         self._norm: dict[int, tuple[float, float]] = norms or {}  # row -> (max, log-sum-exp)
+        self.e = None
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
@@ -215,8 +216,10 @@ class TorchLogProbs:
         n = len(self)
         todo = [i for i in range(n) if i not in self._norm]
         if todo:
-            m, lse = self.tm._lse(self.x if len(todo) == n else self.x[todo])
+            whole = len(todo) == n
+            m, lse, e = self.tm._lse(self.x if whole else self.x[todo], keep=whole)
             self._norm.update(zip(todo, zip(m.tolist(), lse.tolist())))
+            self.e = e  # exp(x - max) of every row: a law at T = 1 scales it instead of exponentiating again
 
     def lse_all(self) -> np.ndarray:
         """[n] float64 normalisers (every row not yet done, in one vectorised pass)."""
@@ -230,7 +233,7 @@ class TorchLogProbs:
     def lse(self, i: int) -> float:
         v = self._norm.get(i)
         if v is None:
-            m, lse = self.tm._lse(self.x[i:i + 1])
+            m, lse, _ = self.tm._lse(self.x[i:i + 1])
             v = self._norm[i] = (float(m[0]), float(lse[0]))
         return v[1]
 
@@ -379,15 +382,17 @@ class TorchRows:
     def _host(self, x) -> np.ndarray:
         return x.detach().cpu().numpy()
 
-    def _lse(self, x) -> tuple[np.ndarray, np.ndarray]:
-        """Row maxima (0 for an all -inf row) and normalisers: the sum of exp(x - max) accumulated in float64."""
+    def _lse(self, x, keep: bool = False):
+        """Row maxima (0 for an all -inf row), normalisers (the cascaded float32 sum of exp(x - max): relative
+        error ~1e-7) and, with keep, exp(x - max) itself."""
         t = self.torch
         m = x.amax(dim=1, keepdim=True)
         m = t.where(t.isfinite(m), m, t.zeros_like(m))
-        s = (x - m).exp_().sum(dim=1)  # cascaded float32 sums: relative error ~1e-7
+        e = (x - m).exp_()
+        s = e.sum(dim=1)
         mh = self._host(m[:, 0]).astype(np.float64)
         with np.errstate(divide="ignore"):
-            return mh, mh + np.log(self._host(s).astype(np.float64))
+            return mh, mh + np.log(self._host(s).astype(np.float64)), (e if keep else None)
 
     def _probs(self, x, m: np.ndarray, scale: np.ndarray, inv_t: float):
         t = self.torch
@@ -423,7 +428,10 @@ class TorchRows:
         x = self.torch.stack([r.src.x[r.i] for r in refs])
         for r in refs:
             r.src.lse(r.i)
-        return TorchLogProbs(self, x, {j: r.src._norm[r.i] for j, r in enumerate(refs)})
+        out = TorchLogProbs(self, x, {j: r.src._norm[r.i] for j, r in enumerate(refs)})
+        if all(r.src.e is not None for r in refs):
+            out.e = self.torch.stack([r.src.e[r.i] for r in refs])
+        return out
 
     def law(self, rows: TorchLogProbs, scores, warp: Warp):
         """The warped joint of rows x V with raw row scores (spec §2.1); -inf scores mark invalid parents."""
@@ -450,7 +458,10 @@ class TorchRows:
         log_z = w_max + math.log(float(np.exp(w[valid] - w_max).sum()))
         c = (s - lse) * inv_t - log_z  # p = exp(x / T + c)
         scale = np.where(valid, np.exp(np.where(valid, c + m * inv_t, 0.0)), 0.0)
-        return TorchLaw(self, x, m, scale, inv_t)
+        law = TorchLaw(self, x, m, scale, inv_t)
+        if inv_t == 1.0 and rows.e is not None:  # p = exp(x - m) * scale: one pass over the kept exponentials
+            law._p = rows.e * self._tensor(scale)[:, None]
+        return law
 
     def _truncated(self, x, s, lse, valid, warp: Warp, m: np.ndarray, row_lse: np.ndarray):
         """top-k / top-p: each valid row's largest cells on the device (a row's order does not depend on its

@@ -4,10 +4,12 @@ import importlib.util
 import os
 from pathlib import Path
 
-# The decoders' row math in every test process and its children: the torch backend in float64, so the
-# enumerations hold its closed forms to 1e-12 (float32 rows are checked against the reference in
-# tests/test_rowmath.py). DSBD_CHAT_ROWMATH=numpy runs the suite on the reference instead.
-os.environ.setdefault("DSBD_CHAT_ROWMATH", "torch-float64")
+# The decoders' row math in every test process and its children: the numpy reference by default (the
+# process-level enumerations are fastest there); tests/test_rowmath.py holds the torch backend's closed forms to
+# the reference's law within 1e-12 (float64) and its float32 draws to the reference's keys, and
+# tests/test_same_stream.py runs it on the real model. DSBD_CHAT_ROWMATH=torch-float64 runs the whole suite's
+# enumerations on the torch backend (README: Tests).
+os.environ.setdefault("DSBD_CHAT_ROWMATH", "numpy")
 
 import pytest
 

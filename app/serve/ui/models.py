@@ -585,7 +585,7 @@ def create_load_form(ui: ModelsUI, target_choices: list) -> dict:
                                     label="GPU layers (-1 = all)", elem_id="models-gpu-layers", interactive=manual,
                                     min_width=120)
         w["threads"] = gr.Number(value=(target0.n_threads or 0) if target0 else 0, precision=0,
-                                 label="Threads (0 = auto: fewer while other programs keep cores busy)", elem_id="models-threads", min_width=120)
+                                 label="Threads (0 = auto)", elem_id="models-threads", min_width=120)
     with gr.Row():
         w["load"] = gr.Button("Load", variant="primary", elem_id="models-load")
         w["cancel"] = gr.Button("Cancel load", variant="stop", elem_id="models-cancel")

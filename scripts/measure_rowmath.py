@@ -95,12 +95,17 @@ def main() -> None:
     ap.add_argument("--drafts", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--backends", nargs="+", default=["numpy", "torch"])
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--check", action="store_true",
                     help="also check every backend against the numpy reference (p, alpha, seeded keys)")
     ap.add_argument("--json")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     backends = {name: rowmath.make(name) for name in a.backends}
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
     profiles = {name: cost_profile(name) for name in ("rtx4090-7b", "rtx4090-1.5b")}
     out = {"cpu": _cpu(), "vocab": V, "repeats": a.repeats, "results": []}
     for n in a.rows:

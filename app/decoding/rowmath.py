@@ -781,14 +781,14 @@ def make(name: str):
     if name == "numpy":
         return NumpyRows()
     if name in ("torch", "torch-cpu"):
-        return TorchRows("cpu", threads=1)
+        return TorchRows("cpu")
     if name == "torch-float64":
-        return TorchRows("cpu", dtype="float64", threads=1)
+        return TorchRows("cpu", dtype="float64")
     if name == "torch-cuda":
         return TorchRows("cuda")
     if name == "auto":
         try:
-            return TorchRows("cpu", threads=1)
+            return TorchRows("cpu")
         except Exception as e:  # noqa: BLE001 - any import or runtime failure falls back to the reference
             log.warning("row math: torch unavailable (%s); using the numpy reference", e)
             return NumpyRows()

@@ -382,10 +382,9 @@ class _Run:
         drafts alone filled it, and W_L."""
         p = self._p_beam(rows)
         q, drafts = self._drafts_on_rows(layer, rows)
-        chain = self.rm.chain(p, q, len(drafts)) if drafts and not self.without else None
-        alpha = chain.alpha if chain is not None else \
-            self.rm.chain(p, q, len(drafts)).alpha if drafts else np.zeros(0)
-        width = choose_width(alpha, self.params.threshold, self.params.min_beams, self.w)
+        chain = self.rm.chain(p, q, len(drafts)) if drafts else None  # without replacement: alpha for the width
+        width = choose_width(chain.alpha if chain is not None else np.zeros(0), self.params.threshold,
+                             self.params.min_beams, self.w)
         if not drafts:  # lookup nodes only: the plain step on cached logits (spec §16.3)
             width = min(width, len(p)) if self.without else width
             keys = self.rm.distinct_keys(p, width, self.rand) if self.without else p.sample(width, self.rand)

@@ -62,6 +62,8 @@ from typing import Callable, Sequence
 
 from app.config import ACCEPTANCE_PRIOR as PRIOR  # beta1 prior: sum(min(p, q)) of the qwen-coder pair
 from app.config import MODE_FACTS
+
+from . import rowmath
 PRIOR_RETRY = 0.15  # betaR prior: qwen-coder chat (docs/measurements/qwen-auto-chat.json): 82% of depth-1 layers passed,
 #                     60% of tested drafts accepted, mostly at the first try
 STRENGTH = 4.0  # pseudo-observations behind each prior: a handful of layers outweigh it
@@ -140,8 +142,6 @@ def lookup_layer_cost(params, vocab: int, rm=None) -> float:
 
 def _cell_seconds(rm=None) -> tuple[float, float]:
     """(warp and draws, residual chain per draft) seconds per (beam, token) cell of the row-math backend."""
-    from . import rowmath
-
     return (rm or rowmath.backend()).cell_seconds
 
 

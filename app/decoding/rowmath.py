@@ -161,6 +161,9 @@ class NumpyRows:
         return draw_without_replacement(p.joint, n, rand)
 
 
+_REF = NumpyRows()  # the torch backend hands sparse (truncated) laws to the reference
+
+
 class _RefChain:
     def __init__(self, S, R, alpha) -> None:
         self.S, self.R, self.alpha = S, R, alpha
@@ -450,7 +453,7 @@ class TorchRows:
             mt = t.as_tensor(m, dtype=self.dtype, device=x.device)[:, None]
             row_lse = m * inv_t + np.log(self._host(((x - mt) * inv_t).exp_().sum(dim=1)).astype(np.float64))
         if warp.truncating:
-            law = self._truncated(x, s, lse, valid, warp, m, row_lse)
+            law = self._truncated(x, s, lse, valid, warp, row_lse)
             if law is not None:
                 return law
         w = np.where(valid, (s - lse) * inv_t + row_lse, -np.inf)  # log mass of each row
@@ -463,15 +466,14 @@ class TorchRows:
             law._p = rows.e * self._tensor(scale)[:, None]
         return law
 
-    def _truncated(self, x, s, lse, valid, warp: Warp, m: np.ndarray, row_lse: np.ndarray):
+    def _truncated(self, x, s, lse, valid, warp: Warp, row_lse: np.ndarray):
         """top-k / top-p: each valid row's largest cells on the device (a row's order does not depend on its
         score, so the joint's k largest pairs are among the rows' k largest), then the reference warp on those
         candidates; top-p alone reads a head, grown until it holds top_p of the whole support's mass."""
         t = self.torch
-        n, V = int(x.shape[0]), int(x.shape[1])
+        V = int(x.shape[1])
         vrows = np.flatnonzero(valid)
         off = (s - lse)[vrows]  # z = x + off: the joint raw log-scores
-        head_total = None
         if not 0 < warp.top_k < V * len(vrows):
             if warp.top_p >= 1.0:
                 return None  # top-k at least the support: no truncation
@@ -500,7 +502,7 @@ class TorchRows:
     def on_rows(self, q, parents: Sequence[Sequence[int]], counts: Sequence[int]):
         """q_rows(i, t) = (sum of q(j, t) over row i's parents j) / counts_i (spec §16.2), as an [n, V] tensor."""
         if isinstance(q, NumpyLaw):
-            return NumpyRows.on_rows(NumpyRows(), q, parents, counts)
+            return _REF.on_rows(q, parents, counts)
         t = self.torch
         total = q.total()
         out = t.zeros((len(parents), q.vocab), dtype=self.dtype, device=q.p.device)
@@ -511,7 +513,7 @@ class TorchRows:
 
     def chain(self, p, q, n: int):
         if isinstance(p, NumpyLaw):
-            return NumpyRows.chain(NumpyRows(), p, q, n)
+            return _REF.chain(p, q, n)
         return _Chain(self, p, q, n)
 
     def verify(self, chain, drafts: Sequence[Draft], width: int, rand: Rand) -> tuple[bool, Outputs]:
@@ -544,7 +546,7 @@ class TorchRows:
 
     def verify_without(self, p, q, drafts: Sequence[DraftWOR], width: int, rand: Rand) -> tuple[bool, Outputs]:
         if isinstance(p, NumpyLaw):
-            return NumpyRows.verify_without(NumpyRows(), p, q, drafts, width, rand)
+            return _REF.verify_without(p, q, drafts, width, rand)
         return _without(self, p, q, drafts, width, rand)
 
     def distinct_keys(self, p, n: int, rand: Rand) -> list[int]:
@@ -686,8 +688,8 @@ def _without(tm: TorchRows, p: TorchLaw, q: _QRows, drafts: Sequence[DraftWOR], 
             return 0.0
         return max(pv(k) - frozen.get(k, at) * qv(k), 0.0)
 
-    def left_mass() -> float:
-        return 1.0 - p_out if total == 1.0 else float(p.total()) / total - p_out
+    def left_mass() -> float:  # p's mass on the cells not output (p normalised)
+        return 1.0 - p_out
 
     def mass_at(t: float) -> float:  # sum of u over every cell with the run's threshold t
         z = _mass(tm, pn, qf, t)

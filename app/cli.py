@@ -41,9 +41,10 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
                         "rpc-worker`); the output head and the draft stay on this machine; --n-gpu-layers then "
                         "counts the layers on the workers (default: all)")
     g.add_argument("--cost-profile", default=TIMED, metavar="NAME",
-                   help=f"price adaptive DSBD forests (and auto mode) with a named pass-cost curve instead of this "
-                        f"machine's timed passes: {', '.join(profile_names())} (GPU curves from published llama.cpp "
-                        f"figures; bench then also reports each run's projected time there)")
+                   help=f"the machine passes are priced for (adaptive DSBD forests, auto mode, plan's and bench's "
+                        f"projections): {', '.join(profile_names())}, or a curves .json file; default: this "
+                        f"machine's timed passes. rtx4090-*: curves from published llama.cpp figures; the others: "
+                        f"datasheets, priced per placement")
     g.add_argument("--llama-extra-bufts", choices=("auto", "on", "off"), default="auto",
                    help="llama.cpp weight repack (AMX and others); auto: $DSBD_CHAT_LLAMA_EXTRA_BUFTS, else a "
                         "cached one-time probe that turns it off where it crashes (AMX CPUs)")
@@ -544,9 +545,12 @@ def cmd_bench(a) -> int:
     for m in modes:
         bench.parse_mode(m, base)  # bad settings fail before any model loads
     target, draft = _specs(a, need_draft=any(bench.parse_mode(m, base)[1].needs_draft for m in modes))
+    from app.engine.planning import placed_profile
+
     profile = cost_profile(_profile(a))
-    engine = open_engine(target, draft, profile=profile.name if profile.target is None else a.cost_profile)
+    engine = open_engine(target, draft, profile=a.cost_profile)
     try:
+        profile = placed_profile(profile, target, draft)
         out = Path(a.json) if a.json else None
         result = bench.run_bench(engine, modes=modes, prompts=prompts, base=base, repeats=a.repeats, out=out,
                                  profile=profile)
@@ -613,7 +617,7 @@ def cmd_compare(a) -> int:
 
 
 def cmd_plan(a) -> int:
-    """Memory plan (and, with a hardware profile, speed projections) without loading any weights."""
+    """Memory plan (and, with a cost profile, speed projections) without loading any weights."""
     from app.engine.planning import parse_size, plan_models, plan_request
 
     def size(flag: str, text: str | None) -> int | None:
@@ -628,7 +632,7 @@ def cmd_plan(a) -> int:
                            dtype=a.dtype, ring=a.ring)
     report = plan_models(target, draft, request, vram=size("--vram", a.vram), ram=size("--ram", a.ram),
                          vram_reserve=size("--reserve", a.reserve), ram_reserve=size("--ram-reserve", a.ram_reserve),
-                         device=a.device, profile=a.profile, h2d_gbps=a.h2d_gbps, tflops=a.tflops,
+                         device=a.device, profile=a.cost_profile, h2d_gbps=a.h2d_gbps, tflops=a.tflops,
                          mem_gbps=a.mem_gbps, bench_json=a.bench_json, acceptance=a.acceptance)
     hosts = _rpc_hosts(target, draft, a) if target.rpc else None
     if a.json:
@@ -816,11 +820,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--reserve", default="512MiB", help="VRAM kept free for the CUDA context and allocator")
     plan.add_argument("--ram-reserve", default="2GiB", help="RAM kept free for the OS and the app")
     plan.add_argument("--ring", type=int, default=2, help="GPU buffers for streamed layers (pytorch backend)")
-    plan.add_argument("--profile", help="hardware profile for speed projections: laptop-8gb | rtx3060-12gb | "
-                      "rtx4090-24gb | h200-141gb | cpu-only (its VRAM is the budget unless --vram is given)")
-    plan.add_argument("--h2d-gbps", type=float, help="custom hardware: host-to-device GB/s")
-    plan.add_argument("--tflops", type=float, help="custom hardware: GPU matmul TFLOP/s")
-    plan.add_argument("--mem-gbps", type=float, help="custom hardware: GPU memory GB/s")
+    plan.add_argument("--h2d-gbps", type=float, help="a custom datasheet cost profile: host-to-device GB/s "
+                      "(over --cost-profile's datasheet where one is named)")
+    plan.add_argument("--tflops", type=float, help="a custom datasheet: GPU matmul TFLOP/s")
+    plan.add_argument("--mem-gbps", type=float, help="a custom datasheet: GPU memory GB/s")
     plan.add_argument("--bench-json", help="acceptance statistics from `dsbd-chat bench --json FILE`")
     plan.add_argument("--acceptance", type=float, default=ACCEPTANCE_PRIOR,
                       help=f"assumed per-token acceptance when no --bench-json is given (default {ACCEPTANCE_PRIOR})")

@@ -92,9 +92,13 @@ def main(argv=None) -> int:
     draft = measure(a.draft, device=a.device, dtype=a.dtype, context=a.context, repeats=a.repeats)
     where = device_name(a.device)
     out = Path(a.out)
+    import torch
+
     profile = {
         "name": a.name or out.stem,
         "machine": "gpu" if a.device.startswith("cuda") else "cpu",
+        "vram_gb": round(torch.cuda.get_device_properties(a.device).total_memory / 2 ** 30, 1)
+        if a.device.startswith("cuda") else None,
         "description": f"{where}; target Qwen2.5-{a.target}-shaped, draft Qwen2.5-{a.draft}-shaped ({a.dtype}, "
                        "dsbd-chat's PyTorch runtime, generated weights)",
         "target": {str(n): s for n, s in target.items()},

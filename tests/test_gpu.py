@@ -121,7 +121,7 @@ def test_modes_under_capped_vram():
     from app.engine.engine import Engine
     from backends.pytorch import load
     from backends.registry import ModelNotFound, resolve
-    from offload.cost import pass_cost, profile
+    from offload.cost import datasheet, pass_cost
     from offload.geometry import read_geometry
     from app.engine.planning import plan_request
     from offload.plan import Budget, parse_size, plan
@@ -156,7 +156,7 @@ def test_modes_under_capped_vram():
                                  prompts=bench.load_suite("chat")[:3], base=base, progress=False)
         wall = time.perf_counter() - t0
         peak = torch.cuda.max_memory_allocated()
-        hw = profile("h200-141gb", vram_gb=cap / (1 << 30))
+        hw = datasheet("h200-141gb", vram_gb=cap / (1 << 30))
         RESULTS["capped_vram"] = {
             "cap_bytes": cap, "peak_allocated_bytes": peak, "bench_wall_s": wall, "plan": p.as_dict(),
             "projected_target_pass_ms_h200": pass_cost(p.target, hw, request.beams).seconds * 1e3,

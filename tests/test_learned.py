@@ -13,7 +13,10 @@ from app.decoding.forest_policy import Acceptance
 from app.decoding.lookups import Calibration
 from app.engine import learned
 from app.engine.learned import Learned, acceptance_from_json, acceptance_to_json
+from app.engine.planning import plan_for
 from app.engine.timing import CostCurve, cost_profile, profile_names
+from offload.cost import datasheet, pass_cost
+from offload.plan import GiB, Budget
 from backends.registry import ModelSpec
 
 
@@ -155,6 +158,12 @@ def test_an_engine_prices_forests_with_a_named_profile_without_timing(tiny_gguf_
         with pytest.raises(ConfigError, match="unknown cost profile"):
             e.use_cost_profile("nope")
         assert e.describe()["cost_profile"] == "rtx4090-1.5b"
+        # A datasheet prices the same two models by the roofline of where a plan puts them in its VRAM.
+        assert e.use_cost_profile("rtx4090-24gb")["machine"] == "gpu"
+        target, draft = e.costs()
+        placed = plan_for(*e.specs, budget=Budget.detect(vram=24 * GiB)).target
+        assert target(4) == pytest.approx(pass_cost(placed, datasheet("rtx4090-24gb"), 4).seconds)
+        assert draft is not None and draft(1) > 0
     finally:
         e.close()
 

@@ -17,7 +17,7 @@ from app.cli import main
 from backends.registry import ModelSpec
 from backends.base import BackendError
 from backends.pytorch.model import init_random
-from offload.cost import HardwareProfile, pass_cost, profile, project
+from offload.cost import CostProfile, Datasheet, Roofline, datasheet, pass_cost, project
 from offload.geometry import read_geometry
 from app.engine.planning import assumed_stats, plan_for, plan_request, read_bench, shape
 from offload.plan import GiB, MiB, Budget, PlanError, PlanRequest, parse_size, plan
@@ -278,7 +278,7 @@ def test_pass_cost_roofline_and_overlap():
     budget = Budget(vram=int(1.2 * GiB), ram=64 * GiB)
     p = plan(t, None, req, budget).target
     assert p.streamed_layers > 0
-    hw = HardwareProfile("x", vram_gb=2, h2d_gbps=10, tflops=100, mem_gbps=1000, overhead_ms=0)
+    hw = Datasheet("x", vram_gb=2, h2d_gbps=10, tflops=100, mem_gbps=1000, overhead_ms=0)
     c = pass_cost(p, hw, 1)
     assert c.copy_s == pytest.approx(p.h2d_bytes / 10e9) and c.bound == "h2d"
     assert c.seconds == pytest.approx(max(c.copy_s, c.gpu_s))
@@ -303,7 +303,7 @@ def test_bench_file_and_projection(tmp_path):
     assert stats["dsbd:gamma=2"].request.gamma == 2 and stats["dsbd:gamma=2"].draft_passes_per_target_pass == 2
     assert stats["sps"].request.draft_beams == 1 and stats["beam-sample"].draft_passes_per_target_pass == 0
     t, d = synthetic(), synthetic(n_layers=4, layer=10 * MiB, name="d")
-    hw = profile("rtx3060-12gb")
+    hw = CostProfile("rtx3060-12gb", machine="gpu", datasheet=datasheet("rtx3060-12gb"))
     rows = {r.label: r for r in project(t, d, Budget(vram=12 * GiB, ram=64 * GiB), hw,
                                         list(stats.values()))}
     r = rows["dsbd:gamma=2"]
@@ -323,11 +323,38 @@ def test_assumed_stats_and_profiles():
     assert s.tokens_per_target_pass == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     assert (s.request.beams, s.request.draft_beams, s.target_tokens, s.draft_tokens) == (1, 1, 4, (1, 1, 1))
     assert assumed_stats("beam-sample", base).tokens_per_target_pass == 1
-    assert profile("cpu-only").vram_gb == 0 and profile(h2d_gbps=1, tflops=2, mem_gbps=3).name == "custom"
-    with pytest.raises(PlanError, match="unknown hardware profile"):
-        profile("rtx9090")
+    assert datasheet("cpu-only").vram_gb == 0 and datasheet(h2d_gbps=1, tflops=2, mem_gbps=3).name == "custom"
+    with pytest.raises(PlanError, match="unknown datasheet"):
+        datasheet("rtx9090")
     with pytest.raises(PlanError, match="--mem-gbps"):
-        profile(h2d_gbps=1, tflops=2)
+        datasheet(h2d_gbps=1, tflops=2)
+
+
+def test_one_speed_model_curves_and_datasheets():
+    """A plan prices a mode on a curves profile exactly as the forest policy and the bench read that curve, and
+    on a datasheet by the roofline of the plan's own placement; this machine's timed profile projects nothing."""
+    from app.engine.timing import cost_profile
+
+    t, d = synthetic(), synthetic(n_layers=4, layer=10 * MiB, name="d")
+    base = request(beams=4, draft_beams=5, gamma=3)
+    stats = [assumed_stats("beam-sample", base), assumed_stats("dsbd", base, acceptance=0.6)]
+    budget = Budget(vram=24 * GiB, ram=64 * GiB)
+    curves = cost_profile("rtx4090-7b")
+    rows = {r.label: r for r in project(t, d, budget, curves, stats)}
+    assert rows["beam-sample"].target_pass_ms == pytest.approx(curves.target(4) * 1e3)
+    n_t = rows["dsbd"].target_tokens
+    assert rows["dsbd"].target_pass_ms == pytest.approx(curves.target(n_t) * 1e3)
+    drafts = [curves.draft(n) for n in stats[1].draft_tokens]
+    assert rows["dsbd"].draft_pass_ms == pytest.approx(sum(drafts) / len(drafts) * 1e3)
+    assert rows["dsbd"].bound == "curve"
+    sheet = cost_profile("rtx4090-24gb")
+    assert sheet.target is None and sheet.vram_gb == 24
+    row = project(t, d, budget, sheet, stats[:1])[0]
+    placed = sheet.placed(plan(t, d, stats[0].request, budget))
+    assert isinstance(placed.target, Roofline)
+    assert row.target_pass_ms == pytest.approx(pass_cost(placed.target.placement, sheet.datasheet, 4).seconds * 1e3)
+    with pytest.raises(PlanError, match="timed only with the models loaded"):
+        project(t, d, budget, cost_profile("timed"), stats)
 
 
 # ---------------------------------------------------------------- CLI
@@ -337,9 +364,10 @@ def test_cli_plan_table_and_json(capsys):
     assert main(["plan", "--vram", "8GiB", "--ram", "32GiB", "--context", "2048", "--beams", "2"]) == 0
     out = capsys.readouterr().out
     assert "mode: dsbd" in out and "request: context 2048, W=2, W_S=3" in out
-    assert main(["plan", "--ram", "32GiB", "--profile", "laptop-8gb", "--json"]) == 0
+    assert main(["plan", "--ram", "32GiB", "--cost-profile", "laptop-8gb", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["plan"]["budget"]["vram"] == 8 * GiB and data["plan"]["budget"]["source"].startswith("VRAM profile")
+    assert data["plan"]["budget"]["vram"] == 8 * GiB
+    assert data["plan"]["budget"]["source"].startswith("VRAM cost profile laptop-8gb")
     assert {p["mode"] for p in data["projections"]} == {"sample", "beam-sample", "sps", "dsbd", "dsbd-mem"}
     assert all(p["kind"] == "projection" for p in data["projections"])
 

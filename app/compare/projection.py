@@ -1,4 +1,4 @@
-"""Projected time of a run under a cost profile (app.engine.timing.CostProfile): what the answer would take on
+"""Projected time of a run under a cost profile (offload.cost.CostProfile): what the answer would take on
 the profile's machine, from what the real decoder did on this one.
 
     projected = decode_s - (seconds inside the target's and the draft's passes)

@@ -260,7 +260,7 @@ class Engine(ModelEngine):
         from app.engine.auto import AutoPolicy
 
         t0 = time.perf_counter()
-        prof = self.cost_profile
+        prof = self._placed(self.cost_profile) if self.cost_profile.datasheet is not None else self.cost_profile
         policy = AutoPolicy(prof.target, prof.draft if self.draft is not None else None) if prof.target else \
             AutoPolicy.calibrate(self)
         for seen in self._finished:  # answers given before auto was first asked for
@@ -285,9 +285,25 @@ class Engine(ModelEngine):
             prof = cost_profile(name)
         except ValueError as e:
             raise ConfigError(str(e)) from e
+        if prof.datasheet is not None:
+            self._placed(prof)  # fails here, not at the first answer; placed again after a model swap
         with self.lock:
             self.cost_profile, self.policy = prof, None
         return self.describe()
+
+    def _placed(self, prof):
+        """A datasheet profile priced for these models as a plan would place them in its machine's VRAM."""
+        from app.engine.planning import placed_profile
+        from offload.plan import PlanError
+
+        specs = getattr(self, "specs", None)
+        if specs is None or specs[0] is None:
+            raise ConfigError(f"the cost profile {prof.name} prices passes from the model files: load the models "
+                              "from files (a preset or a path) to use it")
+        try:
+            return placed_profile(prof, *specs)
+        except (PlanError, BackendError) as e:
+            raise ConfigError(f"cannot price the cost profile {prof.name} for these models: {e}") from e
 
     def machine_class(self) -> str:
         """"gpu" or "cpu": the class of machine forests are shaped for (the cost profile's, else where the

@@ -19,8 +19,8 @@ from pathlib import Path
 from app.config import ACCEPTANCE_PRIOR, MAX_BEAMS, MAX_GAMMA, MODE_FACTS, DecodeParams, Mode
 from backends.base import BackendError
 from backends.registry import ModelSpec, resolve
-from offload.cost import ModeStats, PlanReport, project
-from offload.cost import profile as hardware_profile
+from app.engine.timing import TIMED, cost_profile
+from offload.cost import CostProfile, ModeStats, PlanReport, datasheet, project
 from offload.geometry import ModelGeometry, read_geometry
 from offload.plan import GiB, Budget, Plan, PlanError, PlanRequest, Shape, fmt_bytes, parse_size, plan
 
@@ -30,7 +30,7 @@ __all__ = ["Budget", "Fit", "PlanError", "PlanRequest", "budget_for", "fit", "ge
 # The mode whose fit and most beams a plan reports, and auto's first choice (beside its memory twin): full-mode
 # DSBD with a draft, beam sampling without one.
 FULL_MODE = {True: "dsbd", False: "beam-sample"}
-PROJECTED_MODES = ("sample", "beam-sample", "sps", "dsbd", "dsbd-mem")  # `plan --profile` without a bench file
+PROJECTED_MODES = ("sample", "beam-sample", "sps", "dsbd", "dsbd-mem")  # `plan --cost-profile` without a bench file
 
 
 def shape(mode: str) -> Shape:
@@ -90,31 +90,54 @@ def plan_for(target: ModelSpec, draft: ModelSpec | None = None, params: DecodePa
 
 def plan_models(target: ModelSpec, draft: ModelSpec | None, request: PlanRequest, *,
                 vram: int | None = None, ram: int | None = None, vram_reserve: int | None = None,
-                ram_reserve: int | None = None, device: str = "cuda", profile: str | None = None,
+                ram_reserve: int | None = None, device: str = "cuda", profile: str = TIMED,
                 h2d_gbps: float | None = None, tflops: float | None = None, mem_gbps: float | None = None,
                 bench_json: str | None = None, acceptance: float = ACCEPTANCE_PRIOR) -> PlanReport:
-    """`dsbd-chat plan`: the budget (explicit numbers, else a named profile's VRAM, else detected), the plan
-    and, with a hardware profile (named or custom numbers), projected speeds: of each mode in a bench file
-    at its measured acceptance, else of PROJECTED_MODES at the assumed `acceptance`."""
-    hw = None
-    if profile or any(x is not None for x in (h2d_gbps, tflops, mem_gbps)):
-        hw = hardware_profile(profile, h2d_gbps=h2d_gbps, tflops=tflops, mem_gbps=mem_gbps)
-    from_profile = vram is None and profile is not None
+    """`dsbd-chat plan`: the budget (explicit numbers, else the cost profile's VRAM, else detected), the plan
+    and, with another machine's cost profile (named, a curves file, or custom datasheet numbers), projected
+    speeds: of each mode in a bench file at its measured acceptance, else of PROJECTED_MODES at the assumed
+    `acceptance`."""
+    costs = projection_costs(profile, h2d_gbps=h2d_gbps, tflops=tflops, mem_gbps=mem_gbps)
+    from_profile = vram is None and costs is not None and costs.vram_gb is not None
     if from_profile:
-        vram = int(hw.vram_gb * GiB)
+        vram = int(costs.vram_gb * GiB)
     kw = {k: v for k, v in (("vram_reserve", vram_reserve), ("ram_reserve", ram_reserve)) if v is not None}
     budget = Budget.detect(vram=vram, ram=ram, device=device if device.startswith("cuda") else "cuda", **kw)
-    source = (f"VRAM {'profile ' + profile if from_profile else 'explicit' if vram is not None else 'detected'}, "
+    source = (f"VRAM {'cost profile ' + costs.name if from_profile else 'explicit' if vram is not None else 'detected'}, "
               f"RAM {'explicit' if ram is not None else 'detected'}")
     budget = replace(budget, source=source)
     (tgt, dft), paths = geometries(target, draft)
     report = PlanReport(tgt, dft, plan(tgt, dft, request, budget), paths=paths)
-    if hw is None:
+    if costs is None:
         return report
     base = request.validated()
     stats = read_bench(bench_json, base) if bench_json else \
         [assumed_stats(m, base, acceptance=acceptance) for m in PROJECTED_MODES]
-    return replace(report, hardware=hw, projections=tuple(project(tgt, dft, budget, hw, stats)))
+    return replace(report, costs=costs, projections=tuple(project(tgt, dft, budget, costs, stats)))
+
+
+def projection_costs(profile: str = TIMED, **custom: float | None) -> CostProfile | None:
+    """The cost profile `plan` projects with: custom datasheet numbers (over the named datasheet, if any), else
+    the named profile; None for this machine's timed passes (a plan loads no model to time)."""
+    if any(v is not None for v in custom.values()):
+        hw = datasheet(None if profile == TIMED else profile, **custom)
+        return CostProfile(hw.name, machine="gpu" if hw.has_gpu else "cpu", datasheet=hw, vram_gb=hw.vram_gb,
+                           source="datasheet (custom numbers, roofline)")
+    if profile == TIMED:
+        return None
+    try:
+        return cost_profile(profile)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+
+
+def placed_profile(costs: CostProfile, target: ModelSpec, draft: ModelSpec | None) -> CostProfile:
+    """A datasheet cost profile priced for these models as a load would place them in its machine's VRAM (the
+    roofline per placement); any other profile unchanged. PlanError when they do not fit there."""
+    if costs.datasheet is None:
+        return costs
+    budget = Budget.detect(vram=int((costs.vram_gb or 0) * GiB))
+    return costs.placed(plan_for(target, draft, budget=budget))
 
 
 # ---------------------------------------------------------------- what `plan` projects

@@ -1,7 +1,7 @@
 """Pass costs: the seconds of one forward pass scoring n tokens, timed once per model file, runtime build, CPU
 and thread count, and cached on disk so a load or a `generate` call does not time them again.
 
-    CostCurve        piecewise linear through the measured points (auto mode and the forest policy read it)
+    CostCurve        piecewise linear through the measured points (offload.cost: the one speed model)
     measure_costs    time a flat n-node forest after a fixed context, through the backend protocol
     cached_costs     measure_costs behind the cache: $DSBD_CHAT_CACHE (else ~/.cache/dsbd-chat)/pass-costs.json
 
@@ -20,49 +20,18 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 from app.storage import atomic_write
+from offload.cost import CURVE_POINTS, DATASHEETS, CostCurve, CostProfile  # noqa: F401  (CostCurve: re-exported)
 
 log = logging.getLogger(__name__)
 
-CAL_POINTS = (1, 2, 4, 8, 16, 32, 64)
+CAL_POINTS = CURVE_POINTS
 CACHE_NAME = "pass-costs.json"
 METHOD = 1  # bump when measure_costs changes what it times: old entries then miss
 RETIME = "DSBD_CHAT_RETIME"
-
-
-@dataclass(frozen=True)
-class CostCurve:
-    """Seconds of one pass scoring n tokens: piecewise linear through measured points, linear beyond."""
-
-    points: tuple[tuple[int, float], ...]  # (n, seconds), n ascending
-
-    @classmethod
-    def of(cls, costs: Mapping[int, float]) -> "CostCurve":
-        if not costs:
-            raise ValueError("a cost curve needs at least one measured point")
-        pts, best = [], float("inf")
-        # A pass scoring more tokens never costs less, and other processes only ever add time: clip each
-        # point to the cheapest one at or above its n, so one disturbed measurement cannot lift the curve.
-        for n, s in sorted(((int(n), float(s)) for n, s in costs.items()), reverse=True):
-            best = min(best, s)
-            pts.append((n, best))
-        return cls(tuple(reversed(pts)))
-
-    def __call__(self, n: float) -> float:
-        pts = self.points
-        if len(pts) == 1:
-            return pts[0][1] * n / pts[0][0]  # one point: assume proportional
-        if n <= pts[0][0]:
-            return pts[0][1]
-        # Beyond the last point: extend the last segment's slope (compute-bound growth).
-        for (n0, s0), (n1, s1) in zip(pts, pts[1:]):
-            if n <= n1 or (n1, s1) == pts[-1]:
-                return s0 + (s1 - s0) * (n - n0) / (n1 - n0)
-        raise AssertionError("unreachable")
 
 
 def measure_costs(model, ns: Sequence[int] = CAL_POINTS, *, context: int = 128, repeats: int = 2,
@@ -180,28 +149,20 @@ PROFILES = Path(__file__).resolve().parents[2] / "assets" / "cost_profiles"
 TIMED = "timed"
 
 
-@dataclass(frozen=True)
-class CostProfile:
-    """The pass costs forests are priced with: this machine's, timed (`timed`), or a named curve for another
-    machine (assets/cost_profiles/NAME.json: seconds per pass by tokens scored, for a target and a draft)."""
-
-    name: str
-    machine: str  # the machine class the curves describe: "cpu" or "gpu" (the presets' caps follow it)
-    target: CostCurve | None = None  # None: timed on this machine
-    draft: CostCurve | None = None
-    source: str = "timed on this machine"
-    description: str = ""
-
-
 def profile_names() -> list[str]:
-    return [TIMED] + sorted(p.stem for p in PROFILES.glob("*.json"))
+    """Every cost profile by name: this machine's timed passes, the curves files, the datasheets."""
+    return [TIMED] + sorted(p.stem for p in PROFILES.glob("*.json")) + list(DATASHEETS)
 
 
 def cost_profile(name: str = TIMED) -> CostProfile:
-    """A named cost profile, or one from a .json file (scripts/gpu_profile.py writes them); ValueError naming
-    the known ones for any other name, or saying what is wrong with the file."""
+    """A cost profile (offload.cost.CostProfile) by name or .json file (scripts/gpu_profile.py writes them);
+    ValueError naming the known ones for any other name, or saying what is wrong with the file."""
     if name == TIMED:
         return CostProfile(TIMED, machine="")
+    if name in DATASHEETS:
+        hw = DATASHEETS[name]
+        return CostProfile(name, machine="gpu" if hw.has_gpu else "cpu", datasheet=hw,
+                           vram_gb=hw.vram_gb, source="datasheet (nominal numbers, roofline)")
     path = Path(name) if name.endswith(".json") else PROFILES / f"{name}.json"
     if not name.endswith(".json") and name not in profile_names():
         raise ValueError(f"unknown cost profile {name!r}; choose one of: {', '.join(profile_names())}, or a "
@@ -210,9 +171,10 @@ def cost_profile(name: str = TIMED) -> CostProfile:
         data = json.loads(path.read_text())
         if data["machine"] not in ("cpu", "gpu") or not data["target"] or not data["draft"]:
             raise ValueError("machine must be cpu or gpu, target and draft seconds by tokens")
+        vram = float(data["vram_gb"]) if data.get("vram_gb") is not None else None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"cannot read the cost profile {path}: {e}") from e
     curve = lambda d: CostCurve.of({int(n): float(s) for n, s in d.items()})
     label = (data.get("name") or path.stem) if name.endswith(".json") else name
     return CostProfile(label, machine=data["machine"], target=curve(data["target"]), draft=curve(data["draft"]),
-                       source=data.get("source", ""), description=data.get("description", ""))
+                       vram_gb=vram, source=data.get("source", ""), description=data.get("description", ""))

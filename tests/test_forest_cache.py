@@ -211,9 +211,9 @@ class PickTheHit(RedrawUntilHit):
 def test_negative_controls_choosing_outputs_by_hits_are_biased(monkeypatch, wrong):
     real_verify = D._Run.verify
 
-    def verify(self, layers, rows, node_lp, contents):
-        self._contents = contents
-        return real_verify(self, layers, rows, node_lp, contents)
+    def verify(self, it, rows, node_lp):
+        self._contents = it.contents
+        return real_verify(self, it, rows, node_lp)
 
     monkeypatch.setattr(wrong, "verify", verify)
     monkeypatch.setattr(D, "_Run", wrong)

@@ -12,15 +12,17 @@ One iteration, in the order it runs:
 
 Beams inside an iteration are rows of a multiset: the outputs of the previous layer in slot order, duplicates
 kept, so p_beam is baseline A's (or B's) exactly. Drafts are mapped onto those rows by content (spec §16.2).
-Statistics, the forest view and what the forest policy and the node builder learn are gathered outside the
-arithmetic: phase timings by decorator, everything else in `_Run.account` and `_Run.note_layer`.
+Each iteration is one `Iteration` record: its sizes, its forest, and a `LayerOutcome` per verified layer.
+Statistics, the forest view and what the forest policy and the node builder learn are gathered from that record
+once the iteration is decided, outside the arithmetic: phase timings by decorator, everything else in
+`_Run.account`.
 """
 
 from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -96,6 +98,49 @@ class Handle:
     lp: rowmath.LogProbRow | None  # raw target log p(. | beam) (row math's); None for an output beam
 
 
+@dataclass(frozen=True)
+class LayerOutcome:
+    """What verification made of one layer (spec §5, §16.2)."""
+
+    layer: Layer
+    drafts: list  # the layer's drafts as tested (sampling.Draft / DraftWOR), in draw order
+    outputs: list  # [(key over rows x V, index of the accepted draft or None)], W_L of them
+    nodes: list  # the forest node each output landed on (None: a correction off the forest)
+    by_drafts: bool  # the accepted drafts alone filled the layer
+    passed: bool  # every output is a forest node: the next layer is verified on cached logits
+    width: int  # W_L
+
+    @property
+    def accepted(self) -> set[int]:
+        return {i for _, i in self.outputs if i is not None}
+
+    @property
+    def consumed(self) -> int:
+        """Drafts tested before the layer was decided."""
+        return max(self.accepted) + 1 if self.by_drafts else len(self.drafts)
+
+    @property
+    def hit(self) -> set[int]:
+        """ids of the nodes a correction landed on (the cache rule's hits)."""
+        return {id(n) for (_, i), n in zip(self.outputs, self.nodes) if n is not None and i is None}
+
+
+@dataclass
+class Iteration:
+    """One iteration's record: the beams it starts from, its sizes, its forest and its layers' outcomes."""
+
+    live: Sequence[Beam]
+    roots: list[int]  # content key of each live beam
+    contents: ContentKeys
+    gamma: int
+    draft_beams: int  # W_S (0: lookup nodes only)
+    draft_lookups: int  # the draft model's lookup nodes per layer
+    layers: list[Layer] = field(default_factory=list)
+    fed: bool = False  # the draft context was evaluated (its KV holds the fed nodes)
+    outcomes: list[LayerOutcome] = field(default_factory=list)
+    verified_rows: dict = field(default_factory=dict)  # beam tokens -> its target row (the builder learns them)
+
+
 # lookups(depth, parent contents, previous layer's nodes or None, q_beam or None, drafts) -> [(parent, token)]:
 # parent indexes the previous layer's nodes, drafts first (the root rows at depth 1); parent contents are theirs.
 # Replaces the draft-model lookup nodes (tests inject sources); chosen from what is known before the layer's
@@ -136,19 +181,17 @@ def dsbd(*, target: Context, draft: Context | None, prompt: Sequence[int], param
     run.prefill(target, draft, prompt)
     live, t_suffix, d_suffix = [Beam((), 0.0)], [(prompt[-1],)], [(prompt[-1],)]
     while True:
-        g, ws, n_look = run.sizes(live, t_suffix, d_suffix)
-        contents = ContentKeys()
-        roots = [contents.root(b.tokens) for b in live]
-        layers, fed = run.draft(draft, live, roots, d_suffix, g, ws, n_look, contents)  # 1. draft
-        root_lp, node_lp = run.score(target, t_suffix, layers)                           # 2. score
-        rows = [Handle(r, (), b, roots[r], root_lp.row(r)) for r, b in enumerate(live)]
-        output, stop = run.verify(layers, rows, node_lp, contents)                       # 3. verify
+        it = run.begin(live, t_suffix, d_suffix)                                         # sizes
+        run.draft(draft, it, d_suffix)                                                   # 1. draft
+        root_lp, node_lp = run.score(target, t_suffix, it.layers)                        # 2. score
+        rows = [Handle(r, (), b, it.roots[r], root_lp.row(r)) for r, b in enumerate(live)]
+        output, stop = run.verify(it, rows, node_lp)                                     # 3. verify
         nxt, done = run.retire(output, stop)                                             # 4. retire
-        run.account(target, draft, live, output, nxt, layers, g, ws)
+        run.account(target, draft, it, output, nxt)
         if done is not None:
             yield run.finish(done)
             return
-        d_suffix = run.commit(target, draft, nxt, live, d_suffix, fed)                  # 5. commit
+        d_suffix = run.commit(target, draft, nxt, live, d_suffix, it.fed)               # 5. commit
         live = [h.beam for h in nxt]
         t_suffix = [(b.tokens[-1],) for b in live]
         final = live[0].tokens if run.memory else common_prefix([b.tokens for b in live + run.pool.beams])
@@ -174,7 +217,6 @@ class _Run:
         self.n_extra = 1 if self.memory and params.select == "sample" else self.w
         self.pool = Pool(self.w, self.lam)
         self.snapshot: list[dict] = []
-        self.verified_rows: dict[tuple[int, ...], rowmath.LogProbRow] = {}  # this iteration's rows (builder)
         self.forest_shape = (0, 0)
         self.sized = (1, 1)  # this iteration's distinct root query tokens in the target and the draft pass
         metrics.forest_policy = params.forest
@@ -186,6 +228,12 @@ class _Run:
         self.metrics.mark_prefilled()
 
     # -- sizes -----------------------------------------------------------------------------------------
+    def begin(self, live: Sequence[Beam], t_suffix, d_suffix) -> Iteration:
+        """A new iteration from the live beams, sized by `sizes`."""
+        contents = ContentKeys()
+        roots = [contents.root(b.tokens) for b in live]
+        return Iteration(live, roots, contents, *self.sizes(live, t_suffix, d_suffix))
+
     def sizes(self, live, t_suffix, d_suffix) -> tuple[int, int, int]:
         """(gamma, W_S, draft lookup nodes per layer) of this iteration's drafted part; an adaptive policy
         decides from the past only (spec §16.4, §16.8). Without a draft model: no drafted part."""
@@ -204,17 +252,16 @@ class _Run:
 
     # -- 1. draft ----------------------------------------------------------------------------------------
     @_timed("draft")
-    def draft(self, draft: Context | None, live: Sequence[Beam], roots: list[int], suffix, g: int, ws: int,
-              n_look: int, contents: ContentKeys) -> tuple[list[Layer], bool]:
-        """The forest: draft beam sampling (spec §4) for up to g layers of ws pairs with the draft model's
-        lookup nodes, then the model-free nodes (up to gamma layers). Returns the layers and whether the
-        draft context was evaluated."""
-        layers = self._drafted(draft, live, roots, suffix, g, ws, n_look, contents) if g > 0 else []
+    def draft(self, draft: Context | None, it: Iteration, suffix) -> None:
+        """The forest into `it.layers`: draft beam sampling (spec §4) for up to gamma layers of W_S pairs with
+        the draft model's lookup nodes, then the model-free nodes (up to gamma layers)."""
+        it.layers = self._drafted(draft, it, suffix) if it.gamma > 0 else []
         if self.builder is not None:
-            self._model_free(layers, live, roots, contents, g, ws, n_look)
-        return layers, g > 0 and ws > 0 and self.has_draft
+            self._model_free(it)
+        it.fed = it.gamma > 0 and it.draft_beams > 0 and self.has_draft
 
-    def _drafted(self, draft: Context, live, roots, suffix, g, ws, n_look, contents) -> list[Layer]:
+    def _drafted(self, draft: Context, it: Iteration, suffix) -> list[Layer]:
+        live, roots, contents, g, ws = it.live, it.roots, it.contents, it.gamma, it.draft_beams
         scores = np.array([b.score for b in live])
         dscore = scores - scores.max()  # seeded with target scores (spec §4, step 1), best = 0
         prev: list[Node] | None = None  # previous layer's nodes (None: the root rows)
@@ -222,7 +269,7 @@ class _Run:
         parent_content, ended, paths = list(roots), np.zeros(len(live), bool), [b.tokens for b in live]
         drafting = ws > 0  # W_S = 0: lookup nodes only
         logits = self._draft_pass(draft, Forest(suffix=tuple(suffix)), roots=True) if drafting else None
-        self.n_lookups = n_look
+        self.n_lookups = it.draft_lookups
         layers: list[Layer] = []
         fed = 0  # pending node ids handed out in the draft context
         for l in range(1, g + 1):
@@ -275,9 +322,10 @@ class _Run:
         out = draft.evaluate(forest)
         return out.roots if roots else out.nodes
 
-    def _model_free(self, layers: list[Layer], live, roots, contents: ContentKeys, g, ws, n_look) -> None:
+    def _model_free(self, it: Iteration) -> None:
         """Model-free lookup nodes (spec §16.7) hung off the roots and off each other, up to gamma layers,
         where the builder's estimate says they pay (or, for a fixed forest, the likeliest up to the cap)."""
+        layers, live, roots, contents = it.layers, it.live, it.roots, it.contents
         depth = min(self.params.gamma, self.params.max_new_tokens - len(live[0].tokens) - 1)
         cap = self.params.lookup_nodes
         if depth <= 0 or cap <= 0:
@@ -292,7 +340,7 @@ class _Run:
             row, w = first.get(c, (r, 0.0))
             first[c] = (row, w + float(weights[r]))
         shape = Shape(max_depth=depth, width=self.params.min_beams, replacement=not self.without,
-                      per_layer=per_layer, **self._base_price(layers, roots, g, ws, n_look))
+                      per_layer=per_layer, **self._base_price(it))
         made: dict[int, Node] = {}  # id(candidate) -> its node
 
         def taken(parent, token: int) -> bool:
@@ -313,11 +361,12 @@ class _Run:
                 layers.append(Layer(None, [], [], []))
             layers[c.depth - 1].lookups.append(node)
 
-    def _base_price(self, layers: list[Layer], roots, g, ws, n_look) -> dict:
+    def _base_price(self, it: Iteration) -> dict:
         """What the builder adds to: the drafted forest's distinct target tokens, its expected seconds and pass
         chance per depth (from the policy; empty without costs)."""
         if self.builder.target_cost is None:
             return {}
+        layers, roots, g, ws, n_look = it.layers, it.roots, it.gamma, it.draft_beams, it.draft_lookups
         distinct = len(set(roots)) + sum(len({n.content for n in L.nodes}) for L in layers)
         if self.policy is not None and g > 0:
             seconds = self.policy.seconds(g, ws, roots=self.sized[0], draft_roots=self.sized[1], lookups=n_look)
@@ -341,18 +390,16 @@ class _Run:
 
     # -- 3. verify ---------------------------------------------------------------------------------------
     @_timed("verify")
-    def verify(self, layers: list[Layer], rows: list[Handle], node_lp, contents: ContentKeys):
-        """Layer by layer (spec §5, §6, §16.2). Returns (output beams, stop now)."""
-        self.snapshot, self.verified_rows = [], {}
-        for l, layer in enumerate(layers, start=1):
-            self.verified_rows.update((h.beam.tokens, h.lp) for h in rows)
+    def verify(self, it: Iteration, rows: list[Handle], node_lp):
+        """Layer by layer (spec §5, §6, §16.2), each layer's outcome into `it.outcomes`. Returns (output beams,
+        stop now)."""
+        for layer in it.layers:
+            it.verified_rows.update((h.beam.tokens, h.lp) for h in rows)
             outputs, drafts, by_drafts, width = self.verify_layer(layer, rows)
             hits = layer.first_node()
-            nodes = [hits.get(contents.find(rows[k // self.vocab].content, k % self.vocab)) for k, _ in outputs]
+            nodes = [hits.get(it.contents.find(rows[k // self.vocab].content, k % self.vocab)) for k, _ in outputs]
             passed = all(n is not None for n in nodes)
-            self.note_layer(l, layer, drafts, outputs, nodes, by_drafts, passed, width)
-            if self.builder is not None and not layer.drafts and any(n.candidate for n in layer.lookups):
-                self.builder.settle_layer(l, passed)  # model-free nodes alone decided this layer
+            it.outcomes.append(LayerOutcome(layer, drafts, outputs, nodes, by_drafts, passed, width))
             if not passed:  # the output layer: its tokens are the next uncached suffix (spec §8)
                 return [self._extend(rows[k // self.vocab], k % self.vocab, None, drafted=i is not None)
                         for k, i in outputs], False
@@ -369,7 +416,7 @@ class _Run:
             if not self.memory and self.pool.is_done([h.beam for h in still]):
                 return still, True
             rows = still
-        self.verified_rows.update((h.beam.tokens, h.lp) for h in rows)
+        it.verified_rows.update((h.beam.tokens, h.lp) for h in rows)
         p = self._p_beam(rows)  # every layer passed: the extra layer from the last logits (the plain step)
         if self.without:
             keys = self.rm.distinct_keys(p, self.n_extra, self.rand)
@@ -479,68 +526,73 @@ class _Run:
         return [tuple(d_suffix[h.root]) + h.beam.tokens[len(live[h.root].tokens):] for h in nxt]
 
     # -- statistics, the forest view, learning (outside the arithmetic) -------------------------------
-    def account(self, target, draft, live, output: list[Handle], nxt, layers: list[Layer], g: int, ws: int) -> None:
-        """Once per iteration: the metrics, and what the builder learns (its index grows by every output beam,
-        pruned ones too; every verified row calibrates its sources and feeds the recycled successors)."""
+    def account(self, target, draft, it: Iteration, output: list[Handle], nxt) -> None:
+        """Once per iteration, from its record: the metrics, the forest view, and what the policy and the
+        builder learn (the builder's index grows by every output beam, pruned ones too; every verified row
+        calibrates its sources and feeds the recycled successors)."""
         m = self.metrics
+        self.snapshot = []
+        for l, o in enumerate(it.outcomes, start=1):
+            self._layer_stats(l, o)
+            self._layer_view(o)
+            self._layer_lessons(l, o)
         m.iterations += 1
-        m.steps.append(len(output[0].beam.tokens) - len(live[0].tokens))
+        m.steps.append(len(output[0].beam.tokens) - len(it.live[0].tokens))
         m.mark_first_token()
         m.carried.append(len(nxt))
         m.track_kv(target, draft)
-        self.forest_shape = (max(g, len(layers)), ws if g > 0 or not layers else 0)  # W_S 0: lookup nodes only
+        ws = it.draft_beams if it.gamma > 0 or not it.layers else 0  # W_S 0: lookup nodes only
+        self.forest_shape = (max(it.gamma, len(it.layers)), ws)
         m.forests.append(self.forest_shape)
         if self.policy is not None:
             self.policy.settle(m.steps[-1])
         if self.builder is not None:
-            self.builder.learn(self.verified_rows, [n.candidate for L in layers for n in L.lookups if n.candidate])
-            self.builder.extend([h.beam.tokens for h in output], len(live[0].tokens))
+            self.builder.learn(it.verified_rows, [n.candidate for L in it.layers for n in L.lookups if n.candidate])
+            self.builder.extend([h.beam.tokens for h in output], len(it.live[0].tokens))
 
-    def note_layer(self, l: int, layer: Layer, drafts, outputs, nodes, by_drafts: bool, passed: bool,
-                   width: int) -> None:
-        """One verified layer: its statistics, its part of the forest view, and the policy's lesson."""
-        accepted = {i for _, i in outputs if i is not None}
-        consumed = (max(accepted) + 1) if by_drafts else len(drafts)
-        hit = {id(n) for (_, i), n in zip(outputs, nodes) if n is not None and i is None}
-        self._layer_stats(l, layer, drafts, accepted, consumed, hit, by_drafts, passed, width)
-        self._layer_view(layer, drafts, outputs, nodes, accepted, consumed, hit, by_drafts, passed, width)
+    def _layer_lessons(self, l: int, o: LayerOutcome) -> None:
+        layer = o.layer
         if self.policy is not None and layer.drafts:
-            self.policy.observe(l, len(layer.drafts), outcomes=[j in accepted for j in range(consumed)],
-                                passed=passed, by_cache=passed and not by_drafts,
+            self.policy.observe(l, len(layer.drafts), outcomes=[j in o.accepted for j in range(o.consumed)],
+                                passed=o.passed, by_cache=o.passed and not o.by_drafts,
                                 distinct=len({n.content for n in layer.drafts}),
                                 lookups=sum(n.source == "draft" for n in layer.lookups))
             # no verify_s: a timing in the choice would make a seeded answer depend on the machine's load
+        if self.builder is not None and not layer.drafts and any(n.candidate for n in layer.lookups):
+            self.builder.settle_layer(l, o.passed)  # model-free nodes alone decided this layer
 
-    def _layer_stats(self, l, layer, drafts, accepted, consumed, hit, by_drafts, passed, width) -> None:
-        st = self.metrics.layer(l)
+    def _layer_stats(self, l: int, o: LayerOutcome) -> None:
+        st, layer, hit = self.metrics.layer(l), o.layer, o.hit
         st.attempted += 1
-        st.passed += int(passed)
-        st.passed_by_cache += int(passed and not by_drafts)
-        invalid = sum(not d.valid for d in drafts[:consumed])
-        st.accepted += len(accepted)
+        st.passed += int(o.passed)
+        st.passed_by_cache += int(o.passed and not o.by_drafts)
+        invalid = sum(not d.valid for d in o.drafts[:o.consumed])
+        st.accepted += len(o.accepted)
         st.auto_rejected += invalid
-        st.tested += consumed - invalid
-        st.untested += len(drafts) - consumed
+        st.tested += o.consumed - invalid
+        st.untested += len(o.drafts) - o.consumed
         st.lookup_nodes += len(layer.lookups)
         st.cache_hits += len(hit)
         st.lookup_hits += sum(id(n) in hit for n in layer.lookups)
         for n in layer.lookups:
             self.metrics.lookup_source(n.source, hit=id(n) in hit)
-        self.metrics.widths.append(width)
+        self.metrics.widths.append(o.width)
 
-    def _layer_view(self, layer, drafts, outputs, nodes, accepted, consumed, hit, by_drafts, passed, width) -> None:
+    def _layer_view(self, o: LayerOutcome) -> None:
+        accepted, consumed, hit = o.accepted, o.consumed, o.hit
         status = lambda j, n, d: ("accepted" if j in accepted else "hit" if id(n) in hit else
                                   "auto-rejected" if not d.valid else "rejected" if j < consumed else "untested")
         prev = {id(n): i for i, n in enumerate(self.snapshot[-1]["_nodes"])} if self.snapshot else {}
         up = lambda n: n.root if n.up is None else prev.get(id(n.up), -1)
         self.snapshot.append({
-            "width": width, "passed": passed, "passed_by": ("acceptance" if by_drafts else "cache") if passed else None,
+            "width": o.width, "passed": o.passed,
+            "passed_by": ("acceptance" if o.by_drafts else "cache") if o.passed else None,
             "nodes": [{"parent": n.parent, "token": n.token, "status": status(j, n, d)}
-                      for j, (n, d) in enumerate(zip(layer.drafts, drafts))],
+                      for j, (n, d) in enumerate(zip(o.layer.drafts, o.drafts))],
             "lookups": [{"parent": up(n), "token": n.token, "source": n.source,
-                         "status": "hit" if id(n) in hit else "lookup"} for n in layer.lookups],
-            "corrections": [int(k % self.vocab) for (k, i), n in zip(outputs, nodes) if i is None and n is None],
-            "_nodes": layer.nodes})
+                         "status": "hit" if id(n) in hit else "lookup"} for n in o.layer.lookups],
+            "corrections": [int(k % self.vocab) for (k, i), n in zip(o.outputs, o.nodes) if i is None and n is None],
+            "_nodes": o.layer.nodes})
 
     def view(self) -> dict:
         layers = [{k: v for k, v in s.items() if k != "_nodes"} for s in self.snapshot]

@@ -189,6 +189,28 @@ def test_stop_string_ends_beam_and_text_is_cut():
     assert st.visible_text(out[:3], final=False) == "bc", "a possible stop-string start is held back"
 
 
+def test_streamed_text_decodes_only_new_tokens_and_equals_a_fresh_decode():
+    """The stopper decodes each streamed prefix's new tokens only; the text equals decoding it afresh, also when
+    a prefix does not extend the last one (a new stream) or ends inside a UTF-8 character."""
+    pieces = {1: "é".encode()[:1], 2: "é".encode()[1:], 3: b"a", 4: b" b"}
+    calls = []
+
+    def decode(ids):
+        calls.append(len(ids))
+        return b"".join(pieces[i] for i in ids)
+
+    st = Stopper(eos_ids=frozenset({0}), decode=decode)
+    fresh = lambda ids, final: Stopper(eos_ids=frozenset({0}), decode=decode).visible_text(ids, final=final)
+    stream = [3, 1, 2, 4, 3, 1, 2, 2, 0]
+    for n in range(1, len(stream) + 1):
+        assert st.visible_text(stream[:n], final=n == len(stream)) == fresh(stream[:n], n == len(stream))
+    calls.clear()
+    st.visible_text(stream[:5], final=False)
+    st.visible_text(stream[:6], final=False)
+    assert calls == [5, 1], "an extended prefix decodes its new token only"
+    assert st.visible_text([4, 3], final=True) == " ba"  # another stream: decoded afresh
+
+
 @pytest.mark.parametrize("mode", ["sps", "dsbd", "dsbd-mem"])
 def test_output_marks_the_tokens_the_draft_wrote(mode):
     for seed in range(20):

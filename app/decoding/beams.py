@@ -32,6 +32,9 @@ class Stopper:
         self._decode = decode  # ids -> bytes; needed only with stop strings
         # A stop string is completed by the newest token, so a bounded tail of tokens suffices.
         self._tail = max((len(s.encode()) for s in self.stop), default=0) + 8
+        # The streamed text's bytes so far: a stream's prefix only grows, and decode concatenates (the
+        # Tokenizer contract), so each call decodes only the new tokens, not the whole answer again.
+        self._shown: tuple[list[int], bytes] = ([], b"")
 
     def finished(self, tokens: Sequence[int]) -> bool:
         if not tokens:
@@ -47,7 +50,7 @@ class Stopper:
         """Text to show: EOS dropped, cut before a stop string; when not final, hold back a tail
         that could still become a stop string and any incomplete UTF-8 sequence."""
         ids = [t for t in tokens if t not in self.eos_ids]
-        data = self._decode(ids) if ids else b""
+        data = self._bytes(ids)
         text = data.decode("utf-8", "ignore") if final else _complete_utf8(data)
         cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
@@ -60,6 +63,16 @@ class Stopper:
                         break
         return text
 
+
+    def _bytes(self, ids: list[int]) -> bytes:
+        seen, data = self._shown
+        n = len(seen)
+        if n and len(ids) >= n and ids[:n] == seen:
+            data += self._decode(ids[n:]) if len(ids) > n else b""
+        else:
+            data = self._decode(ids) if ids else b""
+        self._shown = (ids, data)
+        return data
 
     def runs(self, tokens: Sequence[int], flags: Sequence[bool]) -> list[tuple[str, bool]]:
         """The final visible text of `tokens` cut where `flags` (one per token) changes: [(text, flag)].

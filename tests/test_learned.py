@@ -14,7 +14,7 @@ from app.decoding.lookups import Calibration
 from app.engine import learned
 from app.engine.learned import Learned, acceptance_from_json, acceptance_to_json
 from app.engine.planning import plan_for
-from app.engine.timing import CostCurve, cost_profile, profile_names
+from app.engine.timing import CAL_POINTS, CostCurve, cost_profile, profile_names
 from offload.cost import datasheet, pass_cost
 from offload.plan import GiB, Budget
 from backends.registry import ModelSpec
@@ -146,12 +146,12 @@ def test_projection_swaps_measured_passes_for_the_profiles_costs():
 
 
 def test_an_engine_prices_forests_with_a_named_profile_without_timing(tiny_gguf_path, monkeypatch):
-    from app.engine import auto
+    from app.engine import engine as engine_module
     from app.engine.engine import Engine
 
     e = Engine.load(ModelSpec(source="tiny", n_ctx=512), ModelSpec(source="tiny", n_ctx=512))
     try:
-        monkeypatch.setattr(auto, "cached_costs", lambda *a, **k: pytest.fail("a named profile times nothing"))
+        monkeypatch.setattr(engine_module, "cached_costs", lambda *a, **k: pytest.fail("a named profile times nothing"))
         assert e.use_cost_profile("rtx4090-1.5b")["machine"] == "gpu"
         target, draft = e.costs()
         assert isinstance(target, CostCurve) and target(1) == pytest.approx(cost_profile("rtx4090-1.5b").target(1))
@@ -184,3 +184,48 @@ def test_the_profile_script_measures_a_curve_the_app_reads(tmp_path):
     out.write_text('{"machine": "tpu"}')
     with pytest.raises(ValueError, match="cannot read the cost profile"):
         cost_profile(str(out))
+
+
+def test_answers_do_not_wait_for_the_pass_timing_of_a_fresh_load(tiny_gguf_path, monkeypatch):
+    """While the load's warm-up times the passes (point by point, answers between the points), an adaptive
+    answer runs at once without a forest, the plain step of its law from the same stream, and says so; auto
+    takes its level's simplest setting. Once timed, forests are priced again."""
+    import threading
+
+    from app.engine import engine as engine_module
+    from app.engine.engine import Engine
+
+    started, release, points = threading.Event(), threading.Event(), []
+
+    def slow_timing(model, ns, *, hold):
+        for n in ns:
+            with hold():
+                points.append(n)
+            started.set()
+            release.wait(30)  # a long timing; the answer below runs meanwhile
+        return {n: 0.01 * n for n in ns}
+
+    monkeypatch.setattr(engine_module, "cached_costs", slow_timing)
+    e = Engine.load(ModelSpec(source="tiny", n_ctx=512), ModelSpec(source="tiny", n_ctx=512))
+    try:
+        warm = threading.Thread(target=e.costs, daemon=True)
+        warm.start()
+        assert started.wait(30)
+        ids = e.tokenizer.encode("The river")
+        best = DecodeParams(mode="dsbd", forest="adaptive", beams=2, min_beams=2, draft_beams=3, gamma=3,
+                            max_new_tokens=8, seed=5, temperature=1.0)
+        *_, last = e.generate(ids, best)
+        assert "still being timed" in (last.notice or "") and last.stats["draft_passes"] == 0
+        *_, plain = e.generate(ids, DecodeParams(mode="beam-sample-repl", beams=2, max_new_tokens=8, seed=5,
+                                                 temperature=1.0))
+        assert last.text == plain.text  # no forest: beam sampling's step, the same stream
+        *_, auto = e.generate(ids, DecodeParams(mode="auto", quality="beam", beams=2, max_new_tokens=4, seed=1))
+        assert auto.stats["auto"]["setting"] == "beam-sample" and "pricing" in auto.stats["auto"]
+        release.set()
+        warm.join(30)
+        assert not warm.is_alive() and points == list(CAL_POINTS) * 2  # target then draft, point by point
+        *_, priced = e.generate(ids, best)
+        assert "still being timed" not in (priced.notice or "")
+    finally:
+        release.set()
+        e.close()

@@ -130,16 +130,18 @@ def test_engine_load_reuses_the_cached_costs(tmp_path, cache, timed, monkeypatch
     monkeypatch.setattr(backends.tokenizer, "check_compatible", lambda draft, target: None)  # table tokenizers
     first = Engine(filed(tmp_path, "t.gguf", 3), filed(tmp_path, "d.gguf", 4), n_ctx=256)
     t1, d1 = first.costs()
-    assert len(timed) == 2 and isinstance(t1, CostCurve)
+    # The engine times point by point (answers may run between the points): one run per point and model.
+    assert timed == [(m, (n,)) for m in ("t.gguf", "d.gguf") for n in timing.CAL_POINTS] and isinstance(t1, CostCurve)
     second = Engine(filed(tmp_path, "t.gguf", 3), filed(tmp_path, "d.gguf", 4), n_ctx=256)  # the next start
     t2, d2 = second.costs()
-    assert len(timed) == 2 and (t2, d2) == (t1, d1)
+    assert len(timed) == 2 * len(timing.CAL_POINTS) and (t2, d2) == (t1, d1)
 
 
-def test_cost_curve_is_importable_where_it_was():
+def test_one_cost_curve_for_the_plan_auto_and_the_policy():
+    import offload.cost
     from app.engine import auto
 
-    assert auto.CostCurve is CostCurve and auto.CAL_POINTS == timing.CAL_POINTS
+    assert auto.CostCurve is CostCurve is offload.cost.CostCurve and timing.CAL_POINTS == offload.cost.CURVE_POINTS
 
 
 def test_retime_keeps_the_lower_figure_per_point(tmp_path, cache, timed, monkeypatch):

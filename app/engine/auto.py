@@ -40,7 +40,7 @@ from typing import Mapping
 
 from app.config import ACCEPTANCE_PRIOR, MODE_FACTS, ConfigError, DecodeParams
 from app.config import QUALITY_LEVELS as LEVELS
-from app.engine.timing import CAL_POINTS, CostCurve, cached_costs  # noqa: F401  (CostCurve: re-exported)
+from app.engine.timing import CostCurve
 
 PRIOR_ACCEPTANCE = ACCEPTANCE_PRIOR
 GAMMAS = (1, 2, 3, 4, 5, 6)
@@ -65,11 +65,10 @@ class AutoPolicy:
         return cls(CostCurve.of(target_costs), CostCurve.of(draft_costs) if draft_costs else None)
 
     @classmethod
-    def calibrate(cls, engine, ns=CAL_POINTS, **kw) -> "AutoPolicy":
-        """The engine's target (and draft) pass costs: from the timing cache, else measured through the backend
-        protocol (seconds) and cached (app.engine.timing)."""
-        draft = cached_costs(engine.draft, ns, **kw) if engine.draft is not None else None
-        return cls.from_costs(cached_costs(engine.target, ns, **kw), draft)
+    def simplest(cls, base: DecodeParams, level: str, *, drafted: bool) -> DecodeParams:
+        """A level's first (simplest) candidate: what auto runs while the passes are still being timed."""
+        unit = CostCurve.of({1: 1.0})
+        return cls(unit, unit if drafted else None).candidates(base, level)[0]
 
     # -- estimates ---------------------------------------------------------------------------------
     def pass_rates(self, p: DecodeParams, depth: int) -> list[float]:

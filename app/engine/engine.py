@@ -6,11 +6,13 @@ limit (never truncating silently), and honours a per-request cancel event.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Iterator, Sequence
 
@@ -27,7 +29,7 @@ from app.decoding.lookups import CorpusIndex
 from app.decoding.metrics import Metrics
 from app.engine.interface import Event, ModelEngine, NoModelLoaded, PromptTooLong
 from app.engine.learned import Learned, entry_key, model_key
-from app.engine.timing import TIMED, cost_profile
+from app.engine.timing import CAL_POINTS, TIMED, cached_costs, cost_profile
 from backends.progress import LoadTracker, tracking
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,8 @@ class Engine(ModelEngine):
         self.tokenizer = target.tokenizer
         self._ctx: dict[str, tuple[int, object, int]] = {}  # role -> (rows, context, KV cells)
         self.lock = threading.Lock()
+        self._warm_lock = threading.Lock()  # one pass-cost timing at a time
+        self._warming = threading.Event()  # set while a thread times the passes (answers then do not wait)
         self.policy = None  # app.engine.auto.AutoPolicy: timed on the first auto request, dropped on a model swap
         self._finished: deque = deque(maxlen=64)  # (params, stats) of recent answers, taught to a new policy
         self.cost_profile = cost_profile(TIMED)  # what adaptive forests and auto price passes with
@@ -247,36 +251,80 @@ class Engine(ModelEngine):
         from app.engine.auto import describe
 
         info = {"quality": params.quality}
-        with self.lock:  # timing evaluates the models: never beside a running generation
-            info |= self._calibrated()
+        if self.policy is None and self._warming.is_set():
+            # The passes are being timed in the background: the quality's simplest candidate, not a wait.
+            from app.engine.auto import AutoPolicy
+
+            chosen = AutoPolicy.simplest(params, params.quality, drafted=self.draft is not None)
+            return chosen, info | {"setting": describe(chosen), "pricing": "the pass costs are still being timed"}
+        info |= self._calibrated()
+        with self.lock:
             chosen = self.policy.choose(params, params.quality)
             info |= {"setting": describe(chosen), "projected_tokens_per_s": self.policy.projected_tps(chosen)}
         return chosen, info
 
     def _calibrated(self) -> dict:
-        """Under the lock: time the passes once per model load (AutoPolicy); {"calibration_s": s} if it did now."""
-        if self.policy is not None:
-            return {}
+        """Time the passes once per model load (AutoPolicy), each point under the lock so answers run between
+        them; {"calibration_s": s} if it did now. Models swapped meanwhile are timed afresh."""
         from app.engine.auto import AutoPolicy
 
-        t0 = time.perf_counter()
-        prof = self._placed(self.cost_profile) if self.cost_profile.datasheet is not None else self.cost_profile
-        policy = AutoPolicy(prof.target, prof.draft if self.draft is not None else None) if prof.target else \
-            AutoPolicy.calibrate(self)
-        for seen in self._finished:  # answers given before auto was first asked for
-            policy.observe(*seen)
-        self.policy, took = policy, round(time.perf_counter() - t0, 2)
+        if self.policy is not None:
+            return {}
+        with self._warm_lock:  # one timing at a time; a second caller finds the policy made
+            t0 = time.perf_counter()
+            if self.policy is not None:
+                return {}
+            while self.policy is None:
+                with self.lock:
+                    self._require()
+                    models = (self.target, self.draft)
+                    prof = self._placed(self.cost_profile) if self.cost_profile.datasheet is not None \
+                        else self.cost_profile
+                    if prof.target is not None:
+                        self._adopt(AutoPolicy(prof.target, prof.draft if self.draft is not None else None))
+                        break
+                self._warming.set()
+                try:
+                    timed = [cached_costs(m, CAL_POINTS, hold=functools.partial(self._holding, models))
+                             if m is not None else None for m in models]
+                except _ModelsChanged:
+                    continue
+                finally:
+                    self._warming.clear()
+                with self.lock:
+                    if (self.target, self.draft) == models:
+                        self._adopt(AutoPolicy.from_costs(*timed))
+            if self.policy is None:
+                return {}
+        took = round(time.perf_counter() - t0, 2)
         log.info("pass costs ready in %.1f s (auto mode, adaptive forests; timed, or read from the timing cache)", took)
         return {"calibration_s": took}
 
-    def costs(self) -> tuple:
+    def _adopt(self, policy) -> None:
+        """Under the lock: auto mode and adaptive forests price with `policy` from now on."""
+        for seen in self._finished:  # answers given before auto was first asked for
+            policy.observe(*seen)
+        self.policy = policy
+
+    @contextmanager
+    def _holding(self, models):
+        """The lock, for timing one point of `models`' passes; _ModelsChanged once they were swapped out."""
+        with self.lock:
+            if (self.target, self.draft) != models:
+                raise _ModelsChanged()
+            yield
+
+    def costs(self, *, wait: bool = True) -> tuple | None:
         """(target, draft) pass-cost curves (app.engine.timing.CostCurve) for adaptive DSBD forests: the cost
         profile's, or the calibration auto mode uses, read from the timing cache or timed on first use (seconds;
-        waits for a running answer). The draft's is None without a draft model."""
+        answers run between the timed points). The draft's is None without a draft model. wait=False: None
+        while another thread times them."""
         self._require()
-        with self.lock:
-            self._calibrated()
-            return self.policy.target_cost, self.policy.draft_cost
+        if self.policy is None and not wait:
+            return None
+        self._calibrated()
+        policy = self.policy
+        return policy.target_cost, policy.draft_cost
 
     def use_cost_profile(self, name: str) -> dict:
         """Price adaptive forests and auto mode with a named cost profile (app.engine.timing; "timed": this
@@ -337,8 +385,16 @@ class Engine(ModelEngine):
         tree = MODE_FACTS[params.mode].tree_tokens(params.draft_beams, params.gamma, params.lookup_nodes)
         if len(prompt) + params.max_new_tokens + tree > self.n_ctx:
             raise PromptTooLong(prompt=len(prompt), max_new=params.max_new_tokens, tree=tree, n_ctx=self.n_ctx)
-        # Adaptive forests price each iteration with the pass costs (the first use times them).
-        costs = self.costs() if params.adaptive else None
+        # Adaptive forests price each iteration with the pass costs (the first use times them). While another
+        # thread times them (the load's warm-up), the answer runs without a forest: the plain step of the same
+        # law, from the same stream.
+        costs = None
+        if params.adaptive:
+            costs = self.costs(wait=not self._warming.is_set())
+            if costs is None:
+                params = replace(params, forest="fixed", gamma=0)
+                why = "the pass costs are still being timed: this answer ran without a draft forest"
+                notice = f"{notice}; {why}" if notice else why
         return self._run(prompt, params, cancel, self.target, notice, auto, costs)
 
     def _run(self, prompt, params, cancel, encoded_for, notice, auto=None, costs=None) -> Iterator[Event]:
@@ -621,6 +677,10 @@ def chat_key(prompt: Sequence[int]) -> int:
     """The cross-chat index's key of the chat a prompt continues: a chat grows at its end, so its later prompts
     keep the key (and replace its entry); two chats opening with the same ~25 words share one entry."""
     return hash(tuple(prompt[:CHAT_KEY_TOKENS]))
+
+
+class _ModelsChanged(Exception):
+    """The models were swapped while their passes were being timed."""
 
 
 def _is_oom(e: BaseException) -> bool:

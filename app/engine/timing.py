@@ -86,12 +86,13 @@ def cost_key(model, ns: Sequence[int], context: int, repeats: int) -> str | None
 
 
 def cached_costs(model, ns: Sequence[int] = CAL_POINTS, *, context: int = 128, repeats: int = 2,
-                 path: Path | None = None) -> dict[int, float]:
+                 path: Path | None = None, hold: Callable | None = None) -> dict[int, float]:
     """measure_costs(model, ns, ...) from the cache when this model, build, CPU and thread count were timed
-    before; else timed now and stored."""
+    before; else timed now and stored. `hold()`: a context manager each point is timed inside (the engine's
+    lock, so answers run between the points and never beside one)."""
     key = cost_key(model, ns, context, repeats)
     if key is None:
-        return measure_costs(model, ns, context=context, repeats=repeats)
+        return _measured(model, ns, context, repeats, hold)
     path = path or cache_file()
     store = read_store(path, "pass-cost cache")
     hit, old = store.get(key), {}
@@ -105,13 +106,23 @@ def cached_costs(model, ns: Sequence[int] = CAL_POINTS, *, context: int = 128, r
             old = {}
         elif not retiming():
             return old
-    costs = measure_costs(model, ns, context=context, repeats=repeats)
+    costs = _measured(model, ns, context, repeats, hold)
     costs = {n: min(s, old.get(n, s)) for n, s in costs.items()}
     store = read_store(path, "pass-cost cache", quiet=True)  # re-read: another process may have written meanwhile
     store[key] = {"model": model.info.name, "file": model.info.extra.get("path"), "when": int(time.time()),
                   "seconds": {str(n): s for n, s in costs.items()}}
     write_store(path, store, "pass-cost cache")
     return costs
+
+
+def _measured(model, ns, context: int, repeats: int, hold) -> dict[int, float]:
+    if hold is None:
+        return measure_costs(model, ns, context=context, repeats=repeats)
+    out = {}
+    for n in ns:
+        with hold():
+            out |= measure_costs(model, [n], context=context, repeats=repeats)
+    return out
 
 
 def read_store(path: Path, what: str, *, quiet: bool = False) -> dict:

@@ -222,15 +222,15 @@ def _table(head: tuple, rows: list[tuple]) -> str:
 
 
 def _size(n: int | None) -> str:
-    from backends.library import format_bytes
+    from backends.modelfiles.library import format_bytes
 
     return "-" if n is None else format_bytes(n)
 
 
 def _models_list(a) -> int:
-    from backends import library
+    from backends.modelfiles import library
     from backends.host import cpu_report
-    from backends.presets import format_models_table, list_models
+    from backends.modelfiles.presets import format_models_table, list_models
 
     for d in a.add_dir or []:
         library.add_folder(d)
@@ -276,7 +276,7 @@ def _models_list(a) -> int:
 
 
 def _models_search(a) -> int:
-    from backends import hub
+    from backends.modelfiles import hub
 
     found = hub.search(a.query, sort=a.sort, limit=a.limit)
     if a.json:
@@ -294,13 +294,13 @@ def _models_search(a) -> int:
 
 
 def _fmt_params(n: int | None) -> str:
-    from backends.library import format_params
+    from backends.modelfiles.library import format_params
 
     return format_params(n) or "-"
 
 
 def _models_download(a) -> int:
-    from backends import hub
+    from backends.modelfiles import hub
 
     repo, _, filename = a.repo.partition(":")
     listing = hub.repo_files(repo)
@@ -345,7 +345,7 @@ def _show_repo(listing, a) -> int:
 def _download_group(repo: str, group, a) -> int:
     from tqdm import tqdm
 
-    from backends import hub
+    from backends.modelfiles import hub
 
     paths = []
     for f in group.files:
@@ -379,8 +379,8 @@ def _download_group(repo: str, group, a) -> int:
 
 
 def _models_check(a) -> int:
-    from backends import library
-    from backends.registry import resolve
+    from backends.modelfiles import library
+    from backends.modelfiles.resolution import resolve
 
     target = resolve(a.target, role="target")
     if a.draft is None:
@@ -419,7 +419,7 @@ def _suggest(library, target, a) -> int:
 
 
 def _models_rm(a) -> int:
-    from backends import library
+    from backends.modelfiles import library
 
     plan = library.plan_delete(a.path)
     if plan.refused:
@@ -446,7 +446,7 @@ def _models_rm(a) -> int:
 
 
 def _models_show(a) -> int:
-    from backends import library
+    from backends.modelfiles import library
 
     c = library.card(a.path)
     if a.json:
@@ -649,7 +649,7 @@ def _rpc_hosts(target: ModelSpec, draft: ModelSpec | None, a):
     import psutil
 
     from backends.host import rpc_devices
-    from backends.registry import resolve
+    from backends.modelfiles.resolution import resolve
     from offload.geometry import read_geometry
     from offload.plan import plan_hosts
 

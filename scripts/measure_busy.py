@@ -19,7 +19,8 @@ import _common  # noqa: F401
 
 from backends import llamacpp
 from backends.base import Forest, Path
-from backends.registry import ModelSpec, resolve
+from backends.modelfiles.resolution import resolve
+from backends.registry import ModelSpec
 
 SPIN = "import time\nend = time.monotonic() + {s}\nwhile time.monotonic() < end:\n    pass\n"
 

@@ -1,7 +1,7 @@
-"""Memory plans for model specs: resolve the files (backends.registry), read their headers (offload.geometry)
-and hand the planner plain facts: each decoding mode as a `Shape` read from app.config.MODE_FACTS, the app's
-limits, what to price. One function per question, whichever edge asks (engine load, the Models tab,
-`dsbd-chat plan`); no weights are read.
+"""Memory plans for model specs: resolve the files (backends.modelfiles.resolution), read their headers
+(offload.geometry) and hand the planner plain facts: each decoding mode as a `Shape` read from
+app.config.MODE_FACTS, the app's limits, what to price. One function per question, whichever edge asks (engine load,
+the Models tab, `dsbd-chat plan`); no weights are read.
 
 Fit badges (the Models tab and `dsbd-chat models`): `fit(target_geometry, draft_geometry, context=...) -> Fit`
 plans a target with a draft and both KV caches at a context exactly as a load would (`memory_plan`'s decoding
@@ -18,7 +18,8 @@ from pathlib import Path
 
 from app.config import ACCEPTANCE_PRIOR, MAX_BEAMS, MAX_GAMMA, MODE_FACTS, DecodeParams, Mode
 from backends.base import BackendError
-from backends.registry import ModelSpec, resolve
+from backends.modelfiles.resolution import resolve
+from backends.registry import ModelSpec
 from offload.cost import ModeStats, PlanReport, project
 from offload.cost import profile as hardware_profile
 from offload.geometry import ModelGeometry, read_geometry
@@ -268,7 +269,7 @@ def draft_geometry(draft: ModelSpec | str | None) -> ModelGeometry | None:
 
 def library_fits(entries, *, draft: ModelSpec | str | None = None, context: int = 4096,
                  budget: Budget | None = None) -> dict[str, Fit]:
-    """entry path -> Fit for every usable `backends.library.ModelEntry` (unreadable ones are left out)."""
+    """entry path -> Fit for every usable `backends.modelfiles.library.ModelEntry` (unreadable ones are left out)."""
     b = budget if budget is not None else budget_for()
     dgeo = draft_geometry(draft)
     out = {}
@@ -285,9 +286,10 @@ def library_fits(entries, *, draft: ModelSpec | str | None = None, context: int 
 
 def hub_fits(listing, *, draft: ModelSpec | str | None = None, context: int = 4096,
              budget: Budget | None = None) -> dict[str, Fit]:
-    """group name -> Fit for the model groups of a `backends.hub.RepoFiles` (one header fetched: a single-file
-    group's when there is one); raises backends.hub.HubError when the header cannot be fetched."""
-    from backends import hub
+    """group name -> Fit for the model groups of a `backends.modelfiles.hub.RepoFiles` (one header fetched: a
+    single-file group's when there is one); raises backends.modelfiles.hub.HubError when the header cannot be
+    fetched."""
+    from backends.modelfiles import hub
 
     groups = [g for g in listing.groups if g.kind == "model"]
     if not groups:

@@ -3,7 +3,7 @@
 Everything goes through `huggingface_hub` (its `HfApi`, its HTTP session, its auth headers) at the endpoint
 `$HF_ENDPOINT` names when the call is made (huggingface.co by default), and honours `HF_HUB_OFFLINE`.
 
-Downloads land in the model cache, `<cache>/hub/<org>/<name>/<file>` (`backends.presets.downloaded_file`):
+Downloads land in the model cache, `<cache>/hub/<org>/<name>/<file>` (`presets.downloaded_file`):
 plain files the model library lists and `--target org/name:file.gguf` finds without the network. A download
 writes `<file>.part` and a sidecar `<file>.part.json` (repo, file, revision, size, sha256); a stop, a lost
 connection or a killed app leaves both, and the next start continues with an HTTP Range request from the bytes
@@ -49,7 +49,7 @@ from typing import Callable
 
 from offload.gguf_header import HeaderTruncated, parse_header, shard_of
 from backends.base import ModelNotFound, RegistryError, atomic_write
-from backends.presets import cache_dir, downloaded_file
+from backends.modelfiles.presets import cache_dir, downloaded_file
 
 CHUNK = 1 << 20  # bytes per read while downloading
 SORTS = {"downloads": "downloads", "recent": "last_modified", "likes": "likes", "trending": "trending_score"}
@@ -328,7 +328,7 @@ def search(query: str, *, sort: str = "downloads", limit: int = 20) -> list[HubM
 def family_drafts(family: str, *, below_params: int | None = None, limit: int = 10) -> list[HubModel]:
     """GGUF repos of a model family (general.basename, e.g. "Qwen2.5-Coder"), most downloaded first, smaller
     than `below_params` where the Hub states a size: draft candidates to download. Whether one can draft for a
-    target is a header question: `fetch_header` then `backends.library.check_pair`."""
+    target is a header question: `fetch_header` then `library.check_pair`."""
     found = search(family, sort="downloads", limit=max(limit * 3, limit))
     keep = [m for m in found if below_params is None or m.params is None or m.params < below_params]
     return keep[:limit]

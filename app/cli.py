@@ -836,7 +836,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"chat": cmd_chat, "generate": cmd_generate, "models": cmd_models, "bench": cmd_bench,
                 "plan": cmd_plan, "compare": cmd_compare, "rpc-worker": cmd_rpc_worker}
     from app.attachments import AttachmentError
-    from app.chat import ChatError
+    from app.prompt import ChatError
     from app.compare.records import ResultsError
     from backends.base import BackendError
 

@@ -110,7 +110,7 @@ def _broken_rules(importer: str, imported: str) -> list[str]:
     if target is not None and _within(importer, "app.compare") and any(
             _within(target, up) for up in ("app.serve", "app.cli")):
         broken.append("app/compare imports nothing of app/serve or app/cli")
-    if target is not None and importer in ("app.storage", "app.chat") and any(
+    if target is not None and importer in ("app.storage", "app.prompt") and any(
             _within(target, up) for up in order):
         broken.append(f"{importer} is a leaf of app/: it imports no other layer of app/")
     return broken

@@ -18,7 +18,6 @@ from backends.base import BackendError, ContextFull, OutOfMemory
 from backends.unique import CountingContext, UniquePaths
 from offload.runtimes import RUNTIMES
 
-from app.chat import encode_chat
 from app.config import MODE_FACTS, ConfigError, DecodeParams
 from backends.registry import ModelSpec
 from app.decoding import derive_seed, start
@@ -28,6 +27,7 @@ from app.decoding.metrics import Metrics
 from app.engine.interface import Event, ModelEngine, NoModelLoaded, PromptTooLong
 from app.engine.learned import Learned, entry_key, model_key
 from app.engine.timing import TIMED, cost_profile
+from app.prompt import encode_chat
 from backends.modelfiles.progress import LoadTracker, tracking
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """Memory plans for model specs: resolve the files (backends.modelfiles.resolution), read their headers
-(offload.geometry) and hand the planner plain facts: each decoding mode as a `Shape` read from
+(offload.geometry) and hand the planner plain facts: each decoding mode as a `ModeShape` read from
 app.config.MODE_FACTS, the app's limits, what to price. One function per question, whichever edge asks (engine load,
 the Models tab, `dsbd-chat plan`); no weights are read.
 
@@ -23,7 +23,7 @@ from backends.registry import ModelSpec
 from offload.cost import ModeStats, PlanReport, project
 from offload.cost import profile as hardware_profile
 from offload.geometry import ModelGeometry, read_geometry
-from offload.plan import GiB, Budget, Plan, PlanError, PlanRequest, Shape, fmt_bytes, parse_size, plan
+from offload.plan import GiB, Budget, ModeShape, Plan, PlanError, PlanRequest, fmt_bytes, parse_size, plan
 
 __all__ = ["Budget", "Fit", "PlanError", "PlanRequest", "budget_for", "fit", "geometries", "hub_fits", "library_fits",
            "parse_size", "plan_for", "plan_models", "plan_request", "shape"]
@@ -34,14 +34,14 @@ FULL_MODE = {True: "dsbd", False: "beam-sample"}
 PROJECTED_MODES = ("sample", "beam-sample", "sps", "dsbd", "dsbd-mem")  # `plan --profile` without a bench file
 
 
-def shape(mode: str) -> Shape:
+def shape(mode: str) -> ModeShape:
     """A mode as the planner sees it, read from its row of MODE_FACTS."""
     f = MODE_FACTS[mode]
-    return Shape(mode, keeps_rows=f.keeps_rows, drafts=f.uses_draft,
+    return ModeShape(mode, keeps_rows=f.keeps_rows, drafts=f.uses_draft,
                  memory_twin=shape(f.memory_twin) if f.memory_twin else None)
 
 
-def _shapes(mode: str, full: Shape) -> tuple[Shape, ...]:
+def _shapes(mode: str, full: ModeShape) -> tuple[ModeShape, ...]:
     """The modes a plan for `mode` tries: auto, the full mode and its memory twin; any other, itself."""
     if mode == "auto":
         return (full, full.memory_twin) if full.memory_twin else (full,)

@@ -36,10 +36,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from backends.base import BackendError
 
 from app import attachments
-from app.chat import ChatError
 from app.config import API_MODES, MODE_FACTS, ConfigError, DecodeParams
 from app.decoding import derive_seed
 from app.engine.interface import NoModelLoaded, PromptTooLong
+from app.prompt import ChatError
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"  # loopback by default, like the UI

@@ -10,7 +10,7 @@ import numpy as np
 import llama_cpp.llama_cpp as ll
 
 from backends.base import BackendError, Closing, ContextFull, Forest, Logits, ModelInfo, OutOfMemory
-from backends.base import Path as KeepPath
+from backends.base import AcceptedPath
 from backends.llamacpp import probe
 from backends.llamacpp._native import ModelHandle, ThreadGovernor, check_gguf_header, default_threads, take_errors
 from backends.llamacpp.layout import LayoutU
@@ -216,7 +216,7 @@ class LlamaContext(Closing):
         k = len(b.root_rows)
         return Logits(tuple(b.root_rows), out[:k], out[k:])
 
-    def commit(self, paths: Sequence[KeepPath]) -> None:
+    def commit(self, paths: Sequence[AcceptedPath]) -> None:
         self._live()
         self._layout.commit(paths, self._mem)
 

@@ -24,12 +24,12 @@ Public API (plain data and callbacks, no printing; errors are `HubError` subclas
   until it parses), cached under `<cache>/.library/hub-headers/`; readable by `offload.gguf_header`,
   `offload.geometry` and `backends.tokenizer.HeaderVocab` like a local file.
 - `download_file(repo, filename, *, revision="main", progress=None, stop=None) -> Path`: one file, blocking,
-  resuming a partial one; `progress(Progress)` a few times a second; setting the `stop` Event pauses it
+  resuming a partial one; `progress(DownloadProgress)` a few times a second; setting the `stop` Event pauses it
   (`DownloadStopped`, the partial file kept).
 - `DownloadManager(on_progress=None, parallel=1)`: a queue on worker threads: `add`, `jobs`, `get`, `pause`,
   `resume`, `cancel(id, confirm=False) -> CancelPlan` (without confirm it only says what would be lost),
   `remove`, `wait`, `close`. Partial downloads left by an earlier run come back as paused jobs.
-- `partial_downloads() -> list[Progress]`, `download_path(repo, filename) -> Path`.
+- `partial_downloads() -> list[DownloadProgress]`, `download_path(repo, filename) -> Path`.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class RepoFiles:
 
 
 @dataclass(frozen=True)
-class Progress:
+class DownloadProgress:
     """One download as the UI and the CLI show it."""
 
     id: str  # "org/name:file"
@@ -185,7 +185,7 @@ class Progress:
 class CancelPlan:
     """What cancelling a download would throw away; `cancelled` once it was done (confirm=True)."""
 
-    job: Progress
+    job: DownloadProgress
     bytes_lost: int
     files: tuple[str, ...]
     cancelled: bool
@@ -500,7 +500,7 @@ def _hash_prefix(path: Path, n: int, h) -> None:
 
 
 def download_file(repo: str, filename: str, *, revision: str = "main",
-                  progress: Callable[[Progress], None] | None = None,
+                  progress: Callable[[DownloadProgress], None] | None = None,
                   stop: threading.Event | None = None) -> Path:
     """Download one file into the model cache, resuming a partial one; see the module docstring."""
     dest = download_path(repo, filename)
@@ -509,7 +509,7 @@ def download_file(repo: str, filename: str, *, revision: str = "main",
     what = f"downloading {filename}"
     remote = _remote(repo, filename, revision)
     if dest.is_file() and dest.stat().st_size == remote.size:
-        report(Progress(job, repo, filename, "done", remote.size, remote.size, path=str(dest)))
+        report(DownloadProgress(job, repo, filename, "done", remote.size, remote.size, path=str(dest)))
         return dest
     part, side = _part(dest)
     facts = {"repo": repo, "filename": filename, "revision": revision, "size": remote.size, "sha256": remote.sha256,
@@ -536,7 +536,7 @@ def download_file(repo: str, filename: str, *, revision: str = "main",
             last = now
             speed = meter.add(done)
             eta = (remote.size - done) / speed if speed > 0 else None
-            report(Progress(job, repo, filename, state, done, remote.size, speed, eta, str(dest)))
+            report(DownloadProgress(job, repo, filename, state, done, remote.size, speed, eta, str(dest)))
 
     tick(force=True)
     if offset < remote.size:
@@ -614,7 +614,7 @@ def _write_sidecar(side: Path, facts: dict) -> None:
     atomic_write(side, json.dumps(facts))
 
 
-def partial_downloads() -> list[Progress]:
+def partial_downloads() -> list[DownloadProgress]:
     """Downloads a stop, a lost connection or a closed app left behind, as paused jobs."""
     root = cache_dir() / "hub"
     out = []
@@ -627,8 +627,8 @@ def partial_downloads() -> list[Progress]:
             continue
         done = part.stat().st_size if part.is_file() else 0
         dest = side.with_name(side.name.removesuffix(".part.json"))
-        out.append(Progress(f"{facts['repo']}:{facts['filename']}", facts["repo"], facts["filename"], "paused", done,
-                            int(facts.get("size") or 0), path=str(dest)))
+        out.append(DownloadProgress(f"{facts['repo']}:{facts['filename']}", facts["repo"], facts["filename"], "paused",
+                                    done, int(facts.get("size") or 0), path=str(dest)))
     return out
 
 
@@ -636,7 +636,7 @@ def partial_downloads() -> list[Progress]:
 
 
 class _Job:
-    def __init__(self, p: Progress, revision: str) -> None:
+    def __init__(self, p: DownloadProgress, revision: str) -> None:
         self.p, self.revision = p, revision
         self.stop = threading.Event()
         self.cancel = False
@@ -646,10 +646,10 @@ class _Job:
 class DownloadManager:
     """Downloads one after another (`parallel` at a time) on worker threads; see the module docstring.
 
-    `on_progress(Progress)` is called from the worker threads on every change (a few times a second while
+    `on_progress(DownloadProgress)` is called from the worker threads on every change (a few times a second while
     running); `jobs()` is the same information on demand."""
 
-    def __init__(self, *, on_progress: Callable[[Progress], None] | None = None, parallel: int = 1,
+    def __init__(self, *, on_progress: Callable[[DownloadProgress], None] | None = None, parallel: int = 1,
                  restore: bool = True) -> None:
         if parallel < 1:
             raise HubError(f"parallel must be >= 1, got {parallel}")
@@ -667,11 +667,11 @@ class DownloadManager:
             w.start()
 
     # -- queries
-    def jobs(self) -> list[Progress]:
+    def jobs(self) -> list[DownloadProgress]:
         with self._lock:
             return [j.p for j in self._jobs.values()]
 
-    def get(self, job_id: str) -> Progress:
+    def get(self, job_id: str) -> DownloadProgress:
         with self._lock:
             return self._job(job_id).p
 
@@ -682,7 +682,7 @@ class DownloadManager:
         return j
 
     # -- actions
-    def add(self, repo: str, filename: str, *, revision: str = "main") -> Progress:
+    def add(self, repo: str, filename: str, *, revision: str = "main") -> DownloadProgress:
         """Queue `filename` of `repo` (a job already queued, running or paused is returned as it is)."""
         dest = download_path(repo, filename)
         job_id = f"{repo}:{filename}"
@@ -695,15 +695,15 @@ class DownloadManager:
             if j is not None and j.p.state == "paused":
                 return self._requeue(j)
             part, _ = _part(dest)
-            j = _Job(Progress(job_id, repo, filename, "queued", part.stat().st_size if part.is_file() else 0, 0,
-                              path=str(dest)), revision)
+            j = _Job(DownloadProgress(job_id, repo, filename, "queued", part.stat().st_size if part.is_file() else 0,
+                                      0, path=str(dest)), revision)
             self._jobs[job_id] = j
             self._queue.append(job_id)
             self._lock.notify_all()
         self._emit(j.p)
         return j.p
 
-    def pause(self, job_id: str) -> Progress:
+    def pause(self, job_id: str) -> DownloadProgress:
         with self._lock:
             j = self._job(job_id)
             if j.p.state == "queued":
@@ -715,7 +715,7 @@ class DownloadManager:
         self._emit(p)
         return p
 
-    def resume(self, job_id: str) -> Progress:
+    def resume(self, job_id: str) -> DownloadProgress:
         with self._lock:
             j = self._job(job_id)
             if j.p.state not in ("paused", "failed"):
@@ -724,7 +724,7 @@ class DownloadManager:
         self._emit(p)
         return p
 
-    def _requeue(self, j: _Job) -> Progress:
+    def _requeue(self, j: _Job) -> DownloadProgress:
         j.stop.clear()
         j.finished.clear()
         j.p = replace(j.p, state="queued", error=None)
@@ -770,7 +770,7 @@ class DownloadManager:
                 raise HubError(f"{job_id} is {j.p.state}: pause or cancel it first")
             del self._jobs[job_id]
 
-    def wait(self, job_id: str, timeout: float | None = None) -> Progress:
+    def wait(self, job_id: str, timeout: float | None = None) -> DownloadProgress:
         """Block until the job is done, failed, paused or cancelled (or `timeout` passes); its state then."""
         with self._lock:
             j = self._job(job_id)
@@ -789,7 +789,7 @@ class DownloadManager:
             w.join(timeout)
 
     # -- workers
-    def _emit(self, p: Progress) -> None:
+    def _emit(self, p: DownloadProgress) -> None:
         if self._on_progress is not None:
             try:
                 self._on_progress(p)
@@ -808,7 +808,7 @@ class DownloadManager:
             self._run(j)
 
     def _run(self, j: _Job) -> None:
-        def progress(p: Progress) -> None:
+        def progress(p: DownloadProgress) -> None:
             with self._lock:
                 if j.p.state == "running":
                     j.p = replace(p, state="running") if p.state != "done" else p

@@ -499,72 +499,78 @@ def _hash_prefix(path: Path, n: int, h) -> None:
             left -= len(block)
 
 
-def download_file(repo: str, filename: str, *, revision: str = "main",
-                  progress: Callable[[DownloadProgress], None] | None = None,
-                  stop: threading.Event | None = None) -> Path:
-    """Download one file into the model cache, resuming a partial one; see the module docstring."""
-    dest = download_path(repo, filename)
-    job = f"{repo}:{filename}"
-    report = progress or (lambda p: None)
-    what = f"downloading {filename}"
-    remote = _remote(repo, filename, revision)
-    if dest.is_file() and dest.stat().st_size == remote.size:
-        report(DownloadProgress(job, repo, filename, "done", remote.size, remote.size, path=str(dest)))
-        return dest
-    part, side = _part(dest)
-    facts = {"repo": repo, "filename": filename, "revision": revision, "size": remote.size, "sha256": remote.sha256,
-             "blob_id": remote.blob_id}
-    old = _read_sidecar(side)
-    offset = part.stat().st_size if part.is_file() and old and _same_file(old, facts) else 0
-    if offset > remote.size:
-        offset = 0
-    _check_space(dest.parent, remote.size - offset, filename)
-    if offset == 0:
-        part.parent.mkdir(parents=True, exist_ok=True)
-        part.write_bytes(b"")
-    _write_sidecar(side, facts)
-    h = hashlib.sha256() if remote.sha256 else hashlib.sha1(b"blob %d\0" % remote.size)
-    if offset:
-        _hash_prefix(part, offset, h)
-    meter, done = _Meter(), offset
-    last = 0.0
+class _Transfer:
+    """One file's download: the bytes on disk, their running hash, and the progress it reports."""
 
-    def tick(state: str = "running", force: bool = False) -> None:
-        nonlocal last
+    def __init__(self, repo: str, filename: str, revision: str, remote: HubFile, dest: Path,
+                 report: Callable[[DownloadProgress], None]) -> None:
+        self.repo, self.filename, self.revision, self.remote, self.dest = repo, filename, revision, remote, dest
+        self.report, self.job = report, f"{repo}:{filename}"
+        self.part, self.side = _part(dest)
+        self.offset = self.done = 0
+        self.h = self._new_hash()
+        self.meter, self.last = _Meter(), 0.0
+
+    def _new_hash(self):
+        # the Hub states a sha256 for LFS files, else git's blob hash
+        return hashlib.sha256() if self.remote.sha256 else hashlib.sha1(b"blob %d\0" % self.remote.size)
+
+    def prepare(self) -> None:
+        """Keep the partial file when its sidecar names the same file, else start an empty one; hash what is kept."""
+        remote = self.remote
+        facts = {"repo": self.repo, "filename": self.filename, "revision": self.revision, "size": remote.size,
+                 "sha256": remote.sha256, "blob_id": remote.blob_id}
+        old = _read_sidecar(self.side)
+        offset = self.part.stat().st_size if self.part.is_file() and old and _same_file(old, facts) else 0
+        if offset > remote.size:
+            offset = 0
+        _check_space(self.dest.parent, remote.size - offset, self.filename)
+        if offset == 0:
+            self.part.parent.mkdir(parents=True, exist_ok=True)
+            self.part.write_bytes(b"")
+        _write_sidecar(self.side, facts)
+        self.h = self._new_hash()
+        if offset:
+            _hash_prefix(self.part, offset, self.h)
+        self.meter, self.offset, self.done = _Meter(), offset, offset
+
+    def tick(self, state: str = "running", force: bool = False) -> None:
         now = time.monotonic()
-        if force or now - last >= PROGRESS_EVERY_S:
-            last = now
-            speed = meter.add(done)
-            eta = (remote.size - done) / speed if speed > 0 else None
-            report(DownloadProgress(job, repo, filename, state, done, remote.size, speed, eta, str(dest)))
+        if force or now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            speed = self.meter.add(self.done)
+            eta = (self.remote.size - self.done) / speed if speed > 0 else None
+            self.report(DownloadProgress(self.job, self.repo, self.filename, state, self.done, self.remote.size, speed,
+                                         eta, str(self.dest)))
 
-    tick(force=True)
-    if offset < remote.size:
+    def fetch(self, stop: threading.Event | None) -> None:
+        """Stream the missing bytes onto the partial file (a Range request from what is there) until done or stopped."""
         from huggingface_hub.utils import get_session
 
-        headers = _headers({"Range": f"bytes={offset}-"} if offset else None)
+        repo, filename, what = self.repo, self.filename, f"downloading {self.filename}"
+        headers = _headers({"Range": f"bytes={self.offset}-"} if self.offset else None)
         answered = False
         try:
-            with get_session().stream("GET", _url(repo, filename, revision), headers=headers, follow_redirects=True,
-                                      timeout=60) as r:
+            with get_session().stream("GET", _url(repo, filename, self.revision), headers=headers,
+                                      follow_redirects=True, timeout=60) as r:
                 answered = True
                 if r.status_code not in (200, 206):
                     raise _status_error(r.status_code, what, repo=repo, filename=filename,
                                         code=r.headers.get("X-Error-Code"))
                 mode = "ab"
-                if offset and r.status_code == 200:  # the server ignored the Range: start over
-                    offset = done = 0
-                    h = hashlib.sha256() if remote.sha256 else hashlib.sha1(b"blob %d\0" % remote.size)
+                if self.offset and r.status_code == 200:  # the server ignored the Range: start over
+                    self.offset = self.done = 0
+                    self.h = self._new_hash()
                     mode = "wb"
-                with open(part, mode) as out:
+                with open(self.part, mode) as out:
                     try:
                         for block in r.iter_bytes():  # as the bytes arrive: a dropped connection loses none
                             if stop is not None and stop.is_set():
                                 break
                             out.write(block)
-                            h.update(block)
-                            done += len(block)
-                            tick()
+                            self.h.update(block)
+                            self.done += len(block)
+                            self.tick()
                     finally:
                         out.flush()
                         os.fsync(out.fileno())
@@ -573,29 +579,53 @@ def download_file(repo: str, filename: str, *, revision: str = "main",
         except Exception as e:  # noqa: BLE001 (classified)
             err = _hub_error(e, what, repo=repo, filename=filename)
             if answered and _transport_error(e):
-                err = HubError(f"connection lost: {filename} stopped at {done / 1e6:,.1f} of {remote.size / 1e6:,.1f} MB "
+                err = HubError(f"connection lost: {filename} stopped at {self.done / 1e6:,.1f} of "
+                               f"{self.remote.size / 1e6:,.1f} MB "
                                f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); start the download again "
                                "to continue from there")
             raise err from e
-    if stop is not None and stop.is_set() and done < remote.size:
-        tick("paused", force=True)
-        raise DownloadStopped(f"{filename} paused at {done / 1e6:,.0f} of {remote.size / 1e6:,.0f} MB; resume to "
-                              "continue")
-    if done != remote.size:
-        raise HubError(f"{filename}: the connection ended at {done:,} of {remote.size:,} bytes; start the download "
-                       "again to continue from there")
-    want = remote.sha256 or remote.blob_id
-    if h.hexdigest() != want:
-        part.unlink(missing_ok=True)
-        side.unlink(missing_ok=True)
-        kind = "sha256" if remote.sha256 else "git hash"
-        raise ChecksumMismatch(f"{filename} is damaged: its {kind} is {h.hexdigest()[:12]}..., the Hub says "
-                               f"{want[:12]}...; the download was deleted, start it again")
-    os.chmod(part, 0o644)
-    os.replace(part, dest)
-    side.unlink(missing_ok=True)
-    tick("done", force=True)
-    return dest
+
+    def finish(self, stop: threading.Event | None) -> Path:
+        """Check the whole file against the Hub's hash and give it its name (a paused one stays partial)."""
+        filename, size, done = self.filename, self.remote.size, self.done
+        if stop is not None and stop.is_set() and done < size:
+            self.tick("paused", force=True)
+            raise DownloadStopped(f"{filename} paused at {done / 1e6:,.0f} of {size / 1e6:,.0f} MB; resume to "
+                                  "continue")
+        if done != size:
+            raise HubError(f"{filename}: the connection ended at {done:,} of {size:,} bytes; start the download "
+                           "again to continue from there")
+        want = self.remote.sha256 or self.remote.blob_id
+        if self.h.hexdigest() != want:
+            self.part.unlink(missing_ok=True)
+            self.side.unlink(missing_ok=True)
+            kind = "sha256" if self.remote.sha256 else "git hash"
+            raise ChecksumMismatch(f"{filename} is damaged: its {kind} is {self.h.hexdigest()[:12]}..., the Hub says "
+                                   f"{want[:12]}...; the download was deleted, start it again")
+        os.chmod(self.part, 0o644)
+        os.replace(self.part, self.dest)
+        self.side.unlink(missing_ok=True)
+        self.tick("done", force=True)
+        return self.dest
+
+
+def download_file(repo: str, filename: str, *, revision: str = "main",
+                  progress: Callable[[DownloadProgress], None] | None = None,
+                  stop: threading.Event | None = None) -> Path:
+    """Download one file into the model cache, resuming a partial one; see the module docstring."""
+    dest = download_path(repo, filename)
+    report = progress or (lambda p: None)
+    remote = _remote(repo, filename, revision)
+    if dest.is_file() and dest.stat().st_size == remote.size:
+        report(DownloadProgress(f"{repo}:{filename}", repo, filename, "done", remote.size, remote.size,
+                                path=str(dest)))
+        return dest
+    transfer = _Transfer(repo, filename, revision, remote, dest, report)
+    transfer.prepare()
+    transfer.tick(force=True)
+    if transfer.offset < remote.size:
+        transfer.fetch(stop)
+    return transfer.finish(stop)
 
 
 def _same_file(old: dict, new: dict) -> bool:

@@ -243,3 +243,50 @@ def test_both_engines_implement_the_one_interface():
             want = [p for p in inspect.signature(getattr(ModelEngine, name)).parameters]
             got = [p for p in inspect.signature(getattr(cls, name)).parameters]
             assert got[:len(want)] == want, (cls.__name__, name, got)
+
+
+def _layout_entries(doc: Path) -> list[tuple[str, str]]:
+    """(path, description) of each entry in the `## Layout` code block of `doc`: a name at the start of a line
+    (nested two spaces a level), its description after it and on the deeper-indented lines below."""
+    text = doc.read_text(encoding="utf-8")
+    block = text[text.index("## Layout"):].split("```")[1]
+    entries, stack = [], []
+    for line in block.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if not line.strip():
+            continue
+        if indent < 20:  # an entry; deeper lines continue the last description
+            name, _, rest = line.strip().partition(" ")
+            depth = indent // 2
+            stack[depth:] = [name]
+            entries.append(("".join(stack), rest))
+        else:
+            entries[-1] = (entries[-1][0], entries[-1][1] + " " + line.strip())
+    return entries
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/architecture.md"])
+def test_the_layout_maps_name_only_what_exists(doc):
+    """Every folder and file a layout map names exists, and so does every module its descriptions name."""
+    import re
+
+    missing = []
+    for path, description in _layout_entries(ROOT / doc):
+        where = ROOT / path
+        if not where.exists():
+            missing.append(path)
+            continue
+        for module in re.findall(r"[\w/]+\.py\b", description):
+            if not ((ROOT / module).exists() or (where.is_dir() and any(where.rglob(Path(module).name)))):
+                missing.append(f"{path}: {module}")
+    assert not missing, f"{doc} names what is not there: {missing}"
+
+
+def test_every_package_is_on_the_layout_map():
+    """Each package of app/, backends/ and offload/ has its own entry in the README's map (a new folder is seen)."""
+    named = {path.rstrip("/") for path, _ in _layout_entries(ROOT / "README.md")} - set(PACKAGES)
+    packages = {str(p.parent.relative_to(ROOT)) for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")}
+    # a folder inside a listed one may be described in its row (app/serve/ui in app/serve's)
+    unlisted = [p for p in sorted(packages - set(PACKAGES))
+                if p not in named and not any(p.startswith(n + "/") for n in named)]
+    assert not unlisted, f"packages missing from the README's Layout: {unlisted}"

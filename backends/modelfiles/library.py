@@ -377,7 +377,7 @@ def _record(path: Path) -> dict:
         "kind": _str(meta.get("general.type")) or ("mmproj" if h.arch == "clip" else "model"),
         "arch": h.arch, "params": h.n_params, "size_label": _str(meta.get("general.size_label")),
         "family": _str(meta.get("general.basename")), "quant": h.quant, "context_length": h.context_length,
-        "n_layers": _int(h.arch_key("block_count")), "chat_template": "tokenizer.chat_template" in meta,
+        "n_layers": h.n_layers, "chat_template": "tokenizer.chat_template" in meta,
         "split": list(h.split) if h.split else None, "expected_size": h.expected_size, "missing_bytes": missing,
         "fingerprint": fp.as_dict() if fp else None,
     }
@@ -385,13 +385,6 @@ def _record(path: Path) -> dict:
 
 def _str(v) -> str | None:
     return v if isinstance(v, str) and v else None
-
-
-def _int(v) -> int | None:
-    try:
-        return int(v) if v is not None else None
-    except (TypeError, ValueError):
-        return None
 
 
 class _HeaderCache:

@@ -114,7 +114,7 @@ def read_gguf(path: Path, *, name: str | None = None) -> ModelGeometry:
         name=name or str(meta.get("general.name") or path.stem),
         format="gguf",
         arch=hp.arch,
-        quant=_file_type(meta.get("general.file_type")),
+        quant=header.quant,
         n_layers=n_layers,
         dim=hp.dim,
         n_heads=hp.n_heads,
@@ -127,15 +127,6 @@ def read_gguf(path: Path, *, name: str | None = None) -> ModelGeometry:
         **_sizes(layer_b, layer_p, embed, head),
         tied_embeddings=not any(t.name == "output.weight" for t in tensors),
     )
-
-
-def _file_type(ftype) -> str:
-    from gguf import LlamaFileType
-
-    try:
-        return LlamaFileType(int(ftype)).name.removeprefix("MOSTLY_")
-    except (TypeError, ValueError):
-        return "unknown"
 
 
 # ---------------------------------------------------------------- safetensors

@@ -25,7 +25,8 @@ import numpy as np
 from offload.errors import BackendError, BadModelFile, OutOfMemory
 
 __all__ = ["ROOT", "BackendError", "BadModelFile", "OutOfMemory", "Closing", "ContextFull", "ContentKeys",
-           "RegistryError", "ModelNotFound", "Forest", "Logits", "Path", "ModelInfo", "Context", "Model", "Tokenizer"]
+           "RegistryError", "ModelNotFound", "Forest", "Logits", "AcceptedPath", "ModelInfo", "Context", "Model",
+           "Tokenizer"]
 
 ROOT = -1  # parent id of a node that hangs directly off its row's suffix
 
@@ -107,7 +108,7 @@ class Logits:
 
 
 @dataclass(frozen=True)
-class Path:
+class AcceptedPath:
     """A new row after commit: source row + its suffix + the chain of pending nodes (depth order)."""
 
     row: int
@@ -160,7 +161,7 @@ class Context(Protocol):
     def evaluate(self, forest: Forest) -> Logits:
         """Score the given suffixes and nodes in ONE forward pass; they join the pending forest."""
 
-    def commit(self, paths: Sequence[Path]) -> None:
+    def commit(self, paths: Sequence[AcceptedPath]) -> None:
         """Replace the rows by `paths`, keeping the KV of each path (rows may repeat or vanish)."""
 
     def truncate(self, n: int) -> None:

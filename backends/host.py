@@ -60,6 +60,19 @@ def require_rpc() -> None:
     rpc.require_support()
 
 
+def rpc_endpoints(text: str | None) -> tuple[str, ...]:
+    """HOST:PORT[,HOST:PORT...] as normalised endpoints (none for an empty text); an install without RPC support
+    says how to rebuild it."""
+    if not text:
+        return ()
+    from backends.remote import parse_endpoints
+
+    endpoints = parse_endpoints(text)
+    if endpoints:
+        require_rpc()
+    return endpoints
+
+
 def rpc_devices(endpoints) -> list[dict]:
     """Each RPC worker's devices: {endpoint, device, description, free, total} (bytes), each worker checked first."""
     from backends.llamacpp import rpc

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from backends.base import ROOT, ContentKeys, Context, Forest, Logits, Path
+from backends.base import ROOT, AcceptedPath, ContentKeys, Context, Forest, Logits
 
 
 class CountingContext:
@@ -80,7 +80,7 @@ class CountingContext:
         self._count(n, n)
         return out
 
-    def commit(self, paths: Sequence[Path]) -> None:
+    def commit(self, paths: Sequence[AcceptedPath]) -> None:
         self.inner.commit(paths)
 
     def truncate(self, n: int) -> None:
@@ -274,7 +274,7 @@ class UniquePaths(CountingContext):
             out[j] = self._arrays[a][i]
         return out
 
-    def commit(self, paths: Sequence[Path]) -> None:
+    def commit(self, paths: Sequence[AcceptedPath]) -> None:
         n_rows = len(self._tokens)
         inner_paths, tokens, keys = [], [], []
         for path in paths:
@@ -292,7 +292,7 @@ class UniquePaths(CountingContext):
             while node != ROOT:
                 chain.append(node)
                 node = self._inode[node][1]
-            inner_paths.append(Path(row, tuple(chain[::-1])))
+            inner_paths.append(AcceptedPath(row, tuple(chain[::-1])))
             tokens.append(self._tokens[path.row] + self._suffix[path.row] + [self._nodes[n][3] for n in path.nodes])
             keys.append(key)
         self.inner.commit(inner_paths)

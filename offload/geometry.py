@@ -3,7 +3,8 @@
 GGUF: metadata and tensor infos (name, shape, quant type) from the header; tensor data is never touched.
 gguf.GGUFReader would do, but it builds a numpy view per vocabulary string (11 s for a 151k-token
 Qwen file), so offload/gguf_header.py walks the header with gguf's own type tables; tests check both agree.
-Safetensors: config.json plus each shard's JSON header (8-byte length + JSON), again no weights.
+Safetensors: config.json (offload/config_json.py) plus each shard's JSON header (8-byte length + JSON), again no
+weights.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from offload.errors import BadModelFile
 from offload.gguf_header import read_header
+from offload.config_json import read_config
 
 _LAYER_GGUF = re.compile(r"blk\.(\d+)\.")
 _LAYER_HF = re.compile(r"model\.layers\.(\d+)\.")
@@ -89,18 +91,8 @@ def read_geometry(path: str | Path, *, name: str | None = None) -> ModelGeometry
 
 def read_gguf(path: Path, *, name: str | None = None) -> ModelGeometry:
     header = read_header(path, keep=())  # scalars and the tensor table; arrays only as their length
-    meta, tensors = header.metadata, header.tensors
-    arch = meta.get("general.architecture")
-    if not isinstance(arch, str):
-        raise BadModelFile(f"{path.name}: GGUF metadata general.architecture is missing")
-
-    def need(key: str) -> int:
-        value = meta.get(f"{arch}.{key}")
-        if value is None:
-            raise BadModelFile(f"{path.name}: GGUF metadata key {arch}.{key} is missing")
-        return int(value)
-
-    n_layers = need("block_count")
+    meta, tensors, hp = header.metadata, header.tensors, header.hyperparameters()
+    n_layers = hp.n_layers
     layer_b, layer_p = [0] * n_layers, [0] * n_layers
     embed = head = (0, 0)
     vocab = 0
@@ -118,36 +110,23 @@ def read_gguf(path: Path, *, name: str | None = None) -> ModelGeometry:
             head = (head[0] + b, head[1] + p)
     if not vocab:
         raise BadModelFile(f"{path.name}: tensor token_embd.weight is missing")
-    dim, n_heads = need("embedding_length"), need("attention.head_count")
-    n_kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", n_heads))
-    key_len = int(meta.get(f"{arch}.attention.key_length", dim // n_heads))
-    val_len = int(meta.get(f"{arch}.attention.value_length", key_len))
-    ftype = meta.get("general.file_type")
     return ModelGeometry(
         name=name or str(meta.get("general.name") or path.stem),
         format="gguf",
-        arch=arch,
-        quant=_file_type(ftype),
+        arch=hp.arch,
+        quant=header.quant,
         n_layers=n_layers,
-        dim=dim,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=(key_len + val_len) // 2,
-        hidden_dim=int(meta.get(f"{arch}.feed_forward_length", 4 * dim)),
+        dim=hp.dim,
+        n_heads=hp.n_heads,
+        n_kv_heads=hp.n_kv_heads,
+        head_dim=(hp.key_length + hp.value_length) // 2,
+        # planning needs only an estimate where the file states no width
+        hidden_dim=4 * hp.dim if hp.hidden_dim is None else hp.hidden_dim,
         vocab_size=vocab,
-        n_ctx_train=int(meta.get(f"{arch}.context_length", 4096)),
+        n_ctx_train=hp.context_length,
         **_sizes(layer_b, layer_p, embed, head),
         tied_embeddings=not any(t.name == "output.weight" for t in tensors),
     )
-
-
-def _file_type(ftype) -> str:
-    from gguf import LlamaFileType
-
-    try:
-        return LlamaFileType(int(ftype)).name.removeprefix("MOSTLY_")
-    except (TypeError, ValueError):
-        return "unknown"
 
 
 # ---------------------------------------------------------------- safetensors
@@ -164,14 +143,11 @@ def _st_header(path: Path) -> dict:
 
 
 def read_safetensors(folder: Path, *, name: str | None = None) -> ModelGeometry:
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise BadModelFile(f"{folder}: config.json is missing (not a Hugging Face checkpoint folder?)")
-    c = json.loads(cfg_path.read_text())
+    c = read_config(folder)
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:
         raise BadModelFile(f"{folder}: no *.safetensors files")
-    n_layers = int(c["num_hidden_layers"])
+    n_layers = c.n_layers
     layer_b, layer_p = [0] * n_layers, [0] * n_layers
     embed = head = (0, 0)
     dtypes: dict[str, int] = {}
@@ -193,20 +169,19 @@ def read_safetensors(folder: Path, *, name: str | None = None) -> ModelGeometry:
                 embed = (b, p)
             elif tname in ("lm_head.weight", "model.norm.weight"):
                 head = (head[0] + b, head[1] + p)
-    dim, n_heads = int(c["hidden_size"]), int(c["num_attention_heads"])
     return ModelGeometry(
         name=name or folder.name,
         format="safetensors",
-        arch=str(c.get("model_type", "unknown")),
+        arch="unknown" if c.model_type is None else str(c.model_type),
         quant=max(dtypes, key=dtypes.get) if dtypes else "unknown",
         n_layers=n_layers,
-        dim=dim,
-        n_heads=n_heads,
-        n_kv_heads=int(c.get("num_key_value_heads") or n_heads),
-        head_dim=int(c.get("head_dim") or dim // n_heads),
-        hidden_dim=int(c.get("intermediate_size", 4 * dim)),
-        vocab_size=int(c["vocab_size"]),
-        n_ctx_train=int(c.get("max_position_embeddings", 4096)),
+        dim=c.dim,
+        n_heads=c.n_heads,
+        n_kv_heads=c.n_kv_heads,
+        head_dim=c.head_dim,
+        hidden_dim=4 * c.dim if c.hidden_dim is None else c.hidden_dim,
+        vocab_size=c.vocab_size,
+        n_ctx_train=c.context_length,
         **_sizes(layer_b, layer_p, embed, head),
-        tied_embeddings=bool(c.get("tie_word_embeddings", False)),
+        tied_embeddings=c.tied_embeddings,
     )

@@ -10,7 +10,8 @@ Public API (plain data, no printing):
   try next) when `buf` ends inside the header.
 - `GGUFHeader`: `metadata` (key -> value), `types` (key -> GGUF value type name), `tensors` (`TensorInfo`),
   `data_offset`, `file_size`, and derived facts: `arch`, `n_params`, `quant`, `expected_size`,
-  `missing_bytes`, `split` ((index, count) of a split file, or None), `context_length`.
+  `missing_bytes`, `split` ((index, count) of a split file, or None), `context_length`, `n_layers`, and
+  `hyperparameters()` (`Hyperparameters`: the transformer's shape, the one reader of `<arch>.*` keys).
 - `shard_of(file_name) -> (stem, i, n) | None`: the parts of a split GGUF's name (`m-00002-of-00003.gguf`).
 - `metadata_card(header, *, max_items=8, max_chars=400) -> dict`: every key with a JSON-friendly value, long
   strings and arrays truncated (what a metadata card shows).
@@ -105,6 +106,27 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
+class Hyperparameters:
+    """A transformer's shape as a GGUF header's `<arch>.*` keys state it, with the format's defaults filled in;
+    None where a key has no default (each user says what it needs)."""
+
+    arch: str
+    n_layers: int  # block_count
+    dim: int  # embedding_length
+    n_heads: int  # attention.head_count
+    n_kv_heads: int  # attention.head_count_kv (default: n_heads)
+    key_length: int  # attention.key_length (default: dim // n_heads)
+    value_length: int  # attention.value_length (default: key_length)
+    hidden_dim: int | None  # feed_forward_length
+    context_length: int  # context_length (default: 4096)
+    norm_eps: float | None  # attention.layer_norm_rms_epsilon
+    rope_freq_base: float  # rope.freq_base (default: 10000)
+    rope_scaling: str  # rope.scaling.type (default: "none")
+    rope_scaling_factor: float  # rope.scaling.factor (default: 1)
+    rope_dim: int  # rope.dimension_count (default: key_length)
+
+
+@dataclass(frozen=True)
 class GGUFHeader:
     name: str  # the file name (for messages)
     version: int
@@ -127,6 +149,44 @@ class GGUFHeader:
     def context_length(self) -> int | None:
         v = self.arch_key("context_length")
         return int(v) if isinstance(v, (int, np.integer)) else None
+
+    @property
+    def n_layers(self) -> int | None:
+        """`<arch>.block_count`, None when absent (a vision projector, a damaged file)."""
+        v = self.arch_key("block_count")
+        return int(v) if isinstance(v, (int, np.integer)) else None
+
+    def hyperparameters(self) -> "Hyperparameters":
+        """The transformer's shape from the `<arch>.*` keys; raises BadModelFile when a key it needs is missing."""
+        arch = self.arch
+        if arch is None:
+            raise BadModelFile(f"{self.name}: GGUF metadata general.architecture is missing")
+
+        def get(key: str, default=None):
+            return self.metadata.get(f"{arch}.{key}", default)
+
+        def need(key: str) -> int:
+            value = get(key)
+            if value is None:
+                raise BadModelFile(f"{self.name}: GGUF metadata key {arch}.{key} is missing")
+            return int(value)
+
+        n_layers, dim, n_heads = need("block_count"), need("embedding_length"), need("attention.head_count")
+        key_length = int(get("attention.key_length", dim // n_heads))
+        hidden, eps = get("feed_forward_length"), get("attention.layer_norm_rms_epsilon")
+        return Hyperparameters(
+            arch=arch, n_layers=n_layers, dim=dim, n_heads=n_heads,
+            n_kv_heads=int(get("attention.head_count_kv", n_heads)),
+            key_length=key_length,
+            value_length=int(get("attention.value_length", key_length)),
+            hidden_dim=None if hidden is None else int(hidden),
+            context_length=int(get("context_length", 4096)),
+            norm_eps=None if eps is None else float(eps),
+            rope_freq_base=float(get("rope.freq_base", 10000.0)),
+            rope_scaling=get("rope.scaling.type", "none"),
+            rope_scaling_factor=float(get("rope.scaling.factor", 1.0)),
+            rope_dim=int(get("rope.dimension_count", key_length)),
+        )
 
     @property
     def n_params(self) -> int:

@@ -2,7 +2,7 @@
 
 Inputs: each model's geometry (offload.geometry: layer sizes, KV shape; read from headers, never the
 weights), the runtime that will hold it (its facts: offload.runtimes), the context, W / W_S / gamma, the
-decoding modes to try as `Shape`s (app/engine/planning.py builds them from the app's mode facts; the planner
+decoding modes to try as `ModeShape`s (app/engine/planning.py builds them from the app's mode facts; the planner
 knows no mode by name), and the budgets. Output: a frozen `Plan` saying which layers sit on the GPU, which
 stream from pinned RAM (PyTorch runtime), which run on the CPU (no GPU, or llama.cpp layers past
 `n_gpu_layers`), the KV budget, whether the full mode (W rows) fits, the largest context and the most beams
@@ -44,14 +44,15 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
 @dataclass(frozen=True)
-class Shape:
+class ModeShape:
     """A decoding mode as memory sees it: plain facts, no decoding logic (app/engine/planning.py builds one
     from the mode's row of app.config.MODE_FACTS). The planner prints `name` and reasons with the rest."""
 
     name: str
     keeps_rows: bool  # W target (and draft) KV rows between steps; else one
     drafts: bool  # a draft model runs, and its tree (W_S x gamma tokens) rides on the target's pass
-    memory_twin: "Shape | None" = None  # the same decoding carrying one row: the fix to offer when W rows do not fit
+    # the same decoding carrying one row: the fix to offer when W rows do not fit
+    memory_twin: "ModeShape | None" = None
 
     def rows(self, beams: int) -> int:
         return beams if self.keeps_rows else 1
@@ -145,8 +146,10 @@ class PlanRequest:
     """What to fit: one decoding mode, or the choice among several (auto), at these numbers.
     app/engine/planning.plan_request builds it from mode names and the app's limits."""
 
-    shapes: tuple[Shape, ...]  # the modes to try: the one reading the fewest weights outside VRAM wins (first on a tie)
-    full: Shape  # the mode whose fit and most beams the plan reports (W rows: DSBD, or beam sampling without a draft)
+    # the modes to try: the one reading the fewest weights outside VRAM wins (first on a tie)
+    shapes: tuple[ModeShape, ...]
+    # the mode whose fit and most beams the plan reports (W rows: DSBD, or beam sampling without a draft)
+    full: ModeShape
     beam_limit: int  # most beams W a request may ask for
     gamma_limit: int  # deepest draft a request may ask for
     context: int = 4096  # tokens per sequence: prompt + answer + draft tree (the engine's n_ctx)
@@ -382,7 +385,7 @@ def _place_split(m, common, fixed, budget, kv_layer, act, params_head, head_read
 
 @dataclass(frozen=True)
 class _Try:
-    shape: Shape
+    shape: ModeShape
     target: Placement
     draft: Placement | None
     vram: int
@@ -390,7 +393,7 @@ class _Try:
     fits: bool
 
 
-def _try(tgt: "ModelGeometry", dft: "ModelGeometry | None", req: PlanRequest, budget: Budget, shape: Shape,
+def _try(tgt: "ModelGeometry", dft: "ModelGeometry | None", req: PlanRequest, budget: Budget, shape: ModeShape,
          *, context: int | None = None, beams: int | None = None) -> _Try:
     """Place both models for one mode; `fits` says whether both budgets hold."""
     ctx = req.context if context is None else context
@@ -426,7 +429,7 @@ def _slow_bytes(t: _Try) -> int:
     return sum(p.h2d_bytes + p.cpu_read_bytes for p in (t.target, t.draft) if p is not None)
 
 
-def max_context(tgt, dft, req: PlanRequest, budget: Budget, shape: Shape, *, beams: int | None = None) -> int:
+def max_context(tgt, dft, req: PlanRequest, budget: Budget, shape: ModeShape, *, beams: int | None = None) -> int:
     """Largest context (a multiple of 256 above 512) for `shape` that fits; 0 when even the smallest does not."""
     ws = req.draft_beams + ((beams or req.beams) - req.beams)
     lo = ws * req.gamma + 2 if shape.drafts else 2
@@ -443,7 +446,7 @@ def max_context(tgt, dft, req: PlanRequest, budget: Budget, shape: Shape, *, bea
     return lo - lo % 256 if lo >= 512 else lo
 
 
-def max_beams(tgt, dft, req: PlanRequest, budget: Budget, shape: Shape) -> int:
+def max_beams(tgt, dft, req: PlanRequest, budget: Budget, shape: ModeShape) -> int:
     """Most beams W (up to the request's limit) for which `shape` fits at the requested context; 0 when none."""
     best = 0
     for w in range(1, req.beam_limit + 1):
@@ -526,7 +529,7 @@ def _no_fit_message(tgt, dft, req: PlanRequest, budget: Budget, tries: list[_Try
     return head + ". To make it fit, use " + "; or ".join(fixes)
 
 
-def _smaller_weights(tgt, dft, req: PlanRequest, budget: Budget, shape: Shape) -> list[str]:
+def _smaller_weights(tgt, dft, req: PlanRequest, budget: Budget, shape: ModeShape) -> list[str]:
     """Hints for a lighter dtype (a dequantising runtime) or a smaller GGUF quant (the others), checked by
     re-planning."""
     out = []

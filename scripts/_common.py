@@ -24,7 +24,8 @@ def pair_arguments(*, runs: int, max_tokens: int) -> argparse.ArgumentParser:
 def load_pair(preset: str, threads: int):
     """(target, draft) of a preset, loaded with llama.cpp's runtime directly (no engine, no memory plan)."""
     from backends import llamacpp
-    from backends.registry import ModelSpec, resolve
+    from backends.modelfiles.resolution import resolve
+    from backends.registry import ModelSpec
 
     spec = ModelSpec(source=preset, n_threads=threads)
     return tuple(llamacpp.load(resolve(preset, role=role).path, spec) for role in ("target", "draft"))

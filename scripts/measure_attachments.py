@@ -30,7 +30,8 @@ def main() -> None:
     from app import attachments as att
     from app.decoding.lookups import CorpusIndex, MatchIndex
     from backends import llamacpp
-    from backends.registry import ModelSpec, resolve
+    from backends.modelfiles.resolution import resolve
+    from backends.registry import ModelSpec
 
     # ~100 KB of the project's own prose and code (what users attach: documents and source files)
     text = ""

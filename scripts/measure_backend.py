@@ -198,7 +198,7 @@ def compare_quants(args, source: str, ns: Sequence[int], stat) -> None:
     import json
 
     from backends.llamacpp.quantize import requantized
-    from backends.presets import cache_dir
+    from backends.modelfiles.presets import cache_dir
     from backends.registry import ModelSpec, load_model
 
     files = {q: source if q == "none" else str(requantized(Path(source), q, folder=cache_dir()))
@@ -271,7 +271,8 @@ def main() -> None:
     ns = tuple(int(n) for n in args.ns.split(","))
     stat = statistics.median if args.stat == "median" else min
 
-    from backends.registry import ModelSpec, load_model, resolve
+    from backends.modelfiles.resolution import resolve
+    from backends.registry import ModelSpec, load_model
 
     source = args.model
     if args.quant or args.head_share or args.role == "draft":
@@ -289,7 +290,7 @@ def main() -> None:
         return
     if args.quant:
         from backends.llamacpp.quantize import requantized
-        from backends.presets import cache_dir
+        from backends.modelfiles.presets import cache_dir
 
         source = str(requantized(Path(source), args.quant, folder=cache_dir()))
         print(f"requantized copy: {source}")

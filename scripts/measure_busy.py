@@ -18,8 +18,9 @@ import time
 import _common  # noqa: F401
 
 from backends import llamacpp
-from backends.base import Forest, Path
-from backends.registry import ModelSpec, resolve
+from backends.base import AcceptedPath, Forest
+from backends.modelfiles.resolution import resolve
+from backends.registry import ModelSpec
 
 SPIN = "import time\nend = time.monotonic() + {s}\nwhile time.monotonic() < end:\n    pass\n"
 
@@ -28,13 +29,13 @@ def passes(model, rows: int, n: int) -> list[float]:
     ctx = model.context(rows=rows, max_tokens=512)
     ctx.prefill(list(range(100, 164)))
     if rows > 1:
-        ctx.commit([Path(0)] * rows)
+        ctx.commit([AcceptedPath(0)] * rows)
     out = []
     for i in range(n):
         t0 = time.perf_counter()
         ctx.evaluate(Forest(suffix=tuple((200 + i,) for _ in range(rows))))
         out.append(time.perf_counter() - t0)
-        ctx.commit([Path(r) for r in range(rows)])
+        ctx.commit([AcceptedPath(r) for r in range(rows)])
     ctx.close()
     return out
 

@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--real", type=int, default=10, help="hard links to the qwen-coder draft (0: skip)")
     ap.add_argument("--json")
     a = ap.parse_args()
-    from backends.registry import resolve
+    from backends.modelfiles.resolution import resolve
 
     real_file = resolve("qwen-coder", role="draft").path if a.real else None
     with tempfile.TemporaryDirectory(dir=real_file.parent if real_file else None) as tmp:
@@ -33,7 +33,7 @@ def main() -> None:
         for name in ("cache", "hf", "home"):
             (root / name).mkdir()
         os.environ.update(DSBD_CHAT_CACHE=str(root / "cache"), HF_HUB_CACHE=str(root / "hf"), HOME=str(root / "home"))
-        from backends import library
+        from backends.modelfiles import library
         from gguf_files import write_gguf
 
         folder = root / "models"

@@ -198,7 +198,7 @@ def main() -> int:
         Path(a.out).write_text(json.dumps(out, indent=1))
         print(json.dumps(out, indent=1))
         return 0
-    from backends.registry import resolve
+    from backends.modelfiles.resolution import resolve
 
     path = resolve(a.preset, role="target").path
     procs = [start_worker() for _ in range(2)]

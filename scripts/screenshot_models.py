@@ -52,8 +52,8 @@ def main() -> None:
         hub.add_repo(REPO, {FILE: data}, downloads=187_000, likes=96)
         os.environ["HF_ENDPOINT"] = hub.url  # before the model process starts: it inherits the environment
         from app.engine.worker import WorkerEngine
-        from backends import library
-        from backends.presets import downloaded_file
+        from backends.modelfiles import library
+        from backends.modelfiles.presets import downloaded_file
         from backends.registry import ModelSpec
 
         engine = WorkerEngine.load(ModelSpec("tiny", n_ctx=2048))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from backends.base import ROOT, Forest, Path
+from backends.base import ROOT, AcceptedPath, Forest
 from backends.pytorch.model import ModelArgs
 from backends.pytorch.runtime import PyTorchModel, model_info
 from offload.geometry import ModelGeometry
@@ -40,6 +40,6 @@ def session(model: PyTorchModel) -> list[np.ndarray]:
     ctx = model.context(rows=3, max_tokens=48)
     ctx.prefill([1, 5, 9, 13, 17, 21, 25])
     a = ctx.evaluate(Forest(suffix=((29,),), tokens=(3, 4, 7, 8), parents=(ROOT, ROOT, 0, 1), rows=(0,) * 4))
-    ctx.commit([Path(0, (0, 2)), Path(0, (1,)), Path(0, ())])
+    ctx.commit([AcceptedPath(0, (0, 2)), AcceptedPath(0, (1,)), AcceptedPath(0, ())])
     b = ctx.evaluate(Forest(suffix=((11,), (12,), (13,)), tokens=(40, 41), parents=(ROOT, ROOT), rows=(0, 2)))
     return [a.roots, a.nodes, b.roots, b.nodes]

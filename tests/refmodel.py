@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backends.base import ROOT, ContextFull, Forest, Logits, ModelInfo, Path
+from backends.base import ROOT, AcceptedPath, ContextFull, Forest, Logits, ModelInfo
 
 
 class CharTokenizer:
@@ -132,4 +132,4 @@ class RefContext:
         pass
 
 
-__all__ = ["TableModel", "RefContext", "bigram", "CharTokenizer", "Path"]
+__all__ = ["TableModel", "RefContext", "bigram", "CharTokenizer", "AcceptedPath"]

@@ -161,7 +161,7 @@ def test_negative_control_on_tiny_real_vocabulary(tiny_pair):
 def test_dsbd_fixed_width_equals_beam_sampling_on_qwen_pair():
     """The comparison above on the qwen-coder pair with its real 0.5B draft, logits sequential: the algorithm
     alone."""
-    from backends.registry import resolve
+    from backends.modelfiles.resolution import resolve
 
     try:
         t_path, d_path = resolve("qwen-coder", role="target").path, resolve("qwen-coder", role="draft").path

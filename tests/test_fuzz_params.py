@@ -18,8 +18,8 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from app.chat import ChatError  # noqa: E402
 from app.config import MODES, QUALITY_LEVELS, ConfigError, DecodeParams  # noqa: E402
+from app.prompt import ChatError  # noqa: E402
 from backends.registry import ModelSpec
 from app.engine.engine import Engine, PromptTooLong  # noqa: E402
 

@@ -120,7 +120,8 @@ def test_modes_under_capped_vram():
     from app.compare import bench
     from app.engine.engine import Engine
     from backends.pytorch import load
-    from backends.registry import ModelNotFound, resolve
+    from backends.base import ModelNotFound
+    from backends.modelfiles.resolution import resolve
     from offload.cost import datasheet, pass_cost
     from offload.geometry import read_geometry
     from app.engine.planning import plan_request

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from backends import hub, library
+from backends.modelfiles import hub, library
 from offload.gguf_header import read_header
 from gguf_files import write_gguf
 from hub_server import FakeHub, isolate
@@ -118,7 +118,7 @@ def test_download_killed_with_the_app_resumes_after_a_restart(fake, files, tmp_p
     name = "tiny-Q8_0.gguf"
     data = files[name]
     fake.hold_after[name] = len(data) // 3  # the child is mid-file when it is killed
-    code = f"from backends import hub; hub.download_file({REPO!r}, {name!r})"
+    code = f"from backends.modelfiles import hub; hub.download_file({REPO!r}, {name!r})"
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
     child = subprocess.Popen([sys.executable, "-c", code], env=env)
     part = hub.download_path(REPO, name).with_name(name + ".part")
@@ -268,7 +268,7 @@ def test_header_fetch_and_fit_badges(fake, files):
 
 
 def test_downloaded_file_resolves_offline(fake, monkeypatch, files):
-    from backends.registry import resolve
+    from backends.modelfiles.resolution import resolve
 
     hub.download_file(REPO, "tiny-Q4_K_M.gguf")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -94,12 +94,17 @@ def _broken_rules(importer: str, imported: str) -> list[str]:
         broken.append("app/config.py imports nothing of the project")
     if top in UI_LIBS and not _within(importer, "app.serve"):
         broken.append("only app/serve imports gradio, fastapi, uvicorn")
-    if top == "argparse" and importer != "app.cli":
-        broken.append("only app/cli.py parses arguments")
+    if top == "argparse" and not _within(importer, "app.cli"):
+        broken.append("only app/cli/ parses arguments")
     # A runtime's package is private to backends/: the rest of the app goes through backends' own modules.
-    for runtime in (f"backends.{name}" for name in RUNTIMES):
+    runtimes = [f"backends.{name}" for name in RUNTIMES]
+    for runtime in runtimes:
         if _within(imported, runtime) and not _within(importer, "backends"):
             broken.append(f"{runtime} is reached only through backends/ (registry, host, tokenizer, base)")
+    # Model files are read here, never loaded: the runtimes import its progress module, not the reverse.
+    if _within(importer, "backends.modelfiles") and (target == "backends.registry" or any(
+            _within(imported, r) for r in runtimes)):
+        broken.append("backends/modelfiles reads model files and loads none: no runtime, no backends.registry")
     if _within(importer, "app.serve") and top == "offload":
         broken.append("app/serve reaches offload/ through app/engine")
     # Arrows point down: a lower layer never imports a higher one.
@@ -110,7 +115,7 @@ def _broken_rules(importer: str, imported: str) -> list[str]:
     if target is not None and _within(importer, "app.compare") and any(
             _within(target, up) for up in ("app.serve", "app.cli")):
         broken.append("app/compare imports nothing of app/serve or app/cli")
-    if target is not None and importer in ("app.storage", "app.chat") and any(
+    if target is not None and importer in ("app.storage", "app.prompt") and any(
             _within(target, up) for up in order):
         broken.append(f"{importer} is a leaf of app/: it imports no other layer of app/")
     return broken
@@ -198,7 +203,9 @@ def test_the_circle_finder_finds_circles():
     ("app.decoding.dsbd", "app.engine.engine", "app/decoding imports"),
     ("app.config", "backends.base", "app/config.py imports nothing"),
     ("app.engine.engine", "gradio", "only app/serve"),
-    ("app.compare.bench", "argparse", "only app/cli.py"),
+    ("app.compare.bench", "argparse", "only app/cli/"),
+    ("backends.modelfiles.library", "backends.llamacpp.runtime", "backends/modelfiles reads model files"),
+    ("backends.modelfiles.resolution", "backends.registry", "backends/modelfiles reads model files"),
     ("offload.plan", "torch", "only backends/pytorch"),
     ("backends.tokenizer", "llama_cpp", "only backends/llamacpp"),
 ])
@@ -210,7 +217,9 @@ def test_the_checker_allows_the_downward_edges():
     for importer, imported in [("app.serve.api", "app.engine.engine"), ("app.decoding.dsbd", "backends.base"),
                                ("app.decoding.dsbd", "app.config"), ("backends.llamacpp.runtime", "llama_cpp"),
                                ("offload.stream", "torch"), ("app.decoding.rowmath", "torch"),
-                               ("app.engine.engine", "offload.plan")]:
+                               ("app.engine.engine", "offload.plan"), ("app.cli.models", "argparse"),
+                               ("backends.llamacpp.probe", "backends.modelfiles.progress"),
+                               ("backends.modelfiles.library", "offload.gguf_header")]:
         assert _broken_rules(importer, imported) == [], (importer, imported)
 
 
@@ -234,3 +243,50 @@ def test_both_engines_implement_the_one_interface():
             want = [p for p in inspect.signature(getattr(ModelEngine, name)).parameters]
             got = [p for p in inspect.signature(getattr(cls, name)).parameters]
             assert got[:len(want)] == want, (cls.__name__, name, got)
+
+
+def _layout_entries(doc: Path) -> list[tuple[str, str]]:
+    """(path, description) of each entry in the `## Layout` code block of `doc`: a name at the start of a line
+    (nested two spaces a level), its description after it and on the deeper-indented lines below."""
+    text = doc.read_text(encoding="utf-8")
+    block = text[text.index("## Layout"):].split("```")[1]
+    entries, stack = [], []
+    for line in block.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if not line.strip():
+            continue
+        if indent < 20:  # an entry; deeper lines continue the last description
+            name, _, rest = line.strip().partition(" ")
+            depth = indent // 2
+            stack[depth:] = [name]
+            entries.append(("".join(stack), rest))
+        else:
+            entries[-1] = (entries[-1][0], entries[-1][1] + " " + line.strip())
+    return entries
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/architecture.md"])
+def test_the_layout_maps_name_only_what_exists(doc):
+    """Every folder and file a layout map names exists, and so does every module its descriptions name."""
+    import re
+
+    missing = []
+    for path, description in _layout_entries(ROOT / doc):
+        where = ROOT / path
+        if not where.exists():
+            missing.append(path)
+            continue
+        for module in re.findall(r"[\w/]+\.py\b", description):
+            if not ((ROOT / module).exists() or (where.is_dir() and any(where.rglob(Path(module).name)))):
+                missing.append(f"{path}: {module}")
+    assert not missing, f"{doc} names what is not there: {missing}"
+
+
+def test_every_package_is_on_the_layout_map():
+    """Each package of app/, backends/ and offload/ has its own entry in the README's map (a new folder is seen)."""
+    named = {path.rstrip("/") for path, _ in _layout_entries(ROOT / "README.md")} - set(PACKAGES)
+    packages = {str(p.parent.relative_to(ROOT)) for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")}
+    # a folder inside a listed one may be described in its row (app/serve/ui in app/serve's)
+    unlisted = [p for p in sorted(packages - set(PACKAGES))
+                if p not in named and not any(p.startswith(n + "/") for n in named)]
+    assert not unlisted, f"packages missing from the README's Layout: {unlisted}"

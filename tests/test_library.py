@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from backends import library
+from backends.modelfiles import library
 from offload.gguf_header import metadata_card, read_header
 from backends.tokenizer import HeaderVocab, VocabMismatch, check_compatible, load_tokenizer, vocab_differences
 from gguf_files import SPM_TOKENS, vocabulary, write_gguf
@@ -222,7 +222,7 @@ def test_fingerprints_skip_the_token_loop_only_when_texts_are_equal(tmp_path, ti
 
 @pytest.mark.qwen
 def test_qwen_pair_compatible_and_tiny_refused_with_reasons():
-    from backends.registry import resolve
+    from backends.modelfiles.resolution import resolve
 
     target, draft = resolve("qwen-coder", role="target").path, resolve("qwen-coder", role="draft").path
     assert library.check_pair(draft, target).compatible

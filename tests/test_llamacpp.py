@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from backends.registry import ModelSpec
-from backends.base import ROOT, BackendError, ContextFull, Forest, Path
+from backends.base import ROOT, AcceptedPath, BackendError, ContextFull, Forest
 
 gguf = pytest.importorskip("gguf")
 llamacpp = pytest.importorskip("backends.llamacpp")
@@ -86,7 +86,7 @@ def three_rows(model, prompt=PROMPT_IDS, **kw):
     ctx = model.context(rows=4, max_tokens=512, **kw)
     ctx.prefill(prompt[:-1])
     ctx.evaluate(Forest(suffix=((prompt[-1],),), tokens=(11, 12, 13), parents=(ROOT, ROOT, 0), rows=(0, 0, 0)))
-    ctx.commit([Path(0, (0, 2)), Path(0, (1,)), Path(0, (0,))])
+    ctx.commit([AcceptedPath(0, (0, 2)), AcceptedPath(0, (1,)), AcceptedPath(0, (0,))])
     return ctx
 
 
@@ -215,7 +215,7 @@ def iterate(ctx, oracle, seed: int, choose, vocab: int) -> None:
     step = Tree(want, seed + 100, vocab=vocab, depth=1)
     step_ids = list(range(len(step.tokens)))
     check_logits(ctx.evaluate(step.forest(step_ids, with_suffix=True)), step, step_ids, oracle, roots=True)
-    ctx.commit([Path(r) for r in range(ctx.rows)])  # the step's suffix becomes committed history
+    ctx.commit([AcceptedPath(r) for r in range(ctx.rows)])  # the step's suffix becomes committed history
 
 
 def test_commit_then_step_equals_recompute(model, oracle):
@@ -223,11 +223,12 @@ def test_commit_then_step_equals_recompute(model, oracle):
     with three_rows(model) as ctx:
         # Full-depth path, a duplicated row (shorter copy of the same chain), a row failing at depth 0,
         # row 1 dropped.
-        iterate(ctx, oracle, 5, lambda t: [Path(0, deepest(t, 0)), Path(0, deepest(t, 0)[:2]), Path(2)], v)
+        iterate(ctx, oracle, 5, lambda t: [AcceptedPath(0, deepest(t, 0)), AcceptedPath(0, deepest(t, 0)[:2]),
+                                           AcceptedPath(2)], v)
         assert ctx.rows == 3
         # Second iteration on the compacted rows: positions continue after the kept paths.
-        iterate(ctx, oracle, 6, lambda t: [Path(1, deepest(t, 1)), Path(1, deepest(t, 1)),
-                                           Path(0, deepest(t, 0)[:1]), Path(2)], v)
+        iterate(ctx, oracle, 6, lambda t: [AcceptedPath(1, deepest(t, 1)), AcceptedPath(1, deepest(t, 1)),
+                                           AcceptedPath(0, deepest(t, 0)[:1]), AcceptedPath(2)], v)
         assert ctx.rows == 4
 
 
@@ -237,7 +238,7 @@ def test_freed_cell_reused_out_of_order(model, oracle):
     with model.context(rows=2, max_tokens=64) as ctx:
         ctx.prefill(prompt)
         ctx.evaluate(Forest(tokens=(9, 10), parents=(ROOT, ROOT), rows=(0, 0)))
-        ctx.commit([Path(0, (1,))])
+        ctx.commit([AcceptedPath(0, (1,))])
         out = ctx.evaluate(Forest(suffix=((7,),), tokens=(8,), parents=(ROOT,), rows=(0,)))
         assert np.abs(out.roots[0] - oracle(prompt + [10, 7])).max() <= TOL
         assert np.abs(out.nodes[0] - oracle(prompt + [10, 7, 8])).max() <= TOL
@@ -257,7 +258,7 @@ def test_kv_bytes_counts_shared_cells(model):
         assert ctx.kv_bytes() == distinct_cells(rows) * per
         ctx.evaluate(Forest(suffix=((1,), (2,), ()), tokens=(5, 6), parents=(ROOT, 0), rows=(0, 0)))
         assert ctx.kv_bytes() == (distinct_cells(rows) + 4) * per
-        ctx.commit([Path(0, (0,)), Path(0, (0,))])
+        ctx.commit([AcceptedPath(0, (0,)), AcceptedPath(0, (0,))])
         assert ctx.kv_bytes() == (len(rows[0]) + 2) * per  # a duplicated row shares its cells
 
 
@@ -308,10 +309,10 @@ def test_context_full(model):
         with pytest.raises(ContextFull, match="256"):
             ctx.evaluate(Forest(tokens=(7,), parents=(0,), rows=(0,)))
         # Duplicated rows share cells: committing two one-node paths frees four of the six pending cells.
-        ctx.commit([Path(0, (0,)), Path(0, (1,))])
+        ctx.commit([AcceptedPath(0, (0,)), AcceptedPath(0, (1,))])
         ctx.evaluate(Forest(suffix=((8,), (9,)), tokens=(1, 2), parents=(ROOT, ROOT), rows=(0, 1)))
         with pytest.raises(ContextFull, match="rows"):
-            ctx.commit([Path(0)] * 3)  # more rows than the context was made for
+            ctx.commit([AcceptedPath(0)] * 3)  # more rows than the context was made for
     with model.context(rows=1, max_tokens=64, max_seqs=3) as ctx:
         ctx.prefill(PROMPT_IDS)
         with pytest.raises(ContextFull, match="sequence ids"):
@@ -335,7 +336,7 @@ def test_invalid_forests(model):
         with pytest.raises(ValueError, match="suffix"):
             ctx.evaluate(Forest(suffix=((5,),)))  # the row already has pending nodes
         with pytest.raises(ValueError, match="chain"):
-            ctx.commit([Path(0, (5,))])
+            ctx.commit([AcceptedPath(0, (5,))])
         assert ctx.evaluate(Forest()).nodes.shape == (0, model.info.vocab_size)
 
 
@@ -388,7 +389,7 @@ def test_tiny_forest_and_commit_match_sequential(tiny):
         out = ctx.evaluate(tree.forest(ids, with_suffix=True))
         got = list(out.roots) + list(out.nodes)
         want = [oracle(r + list(s)) for r, s in zip(tree.rows, tree.suffix)] + [oracle(tree.seq(i)) for i in ids]
-        ctx.commit([Path(0, deepest(tree, 0)), Path(1), Path(0, deepest(tree, 0))])
+        ctx.commit([AcceptedPath(0, deepest(tree, 0)), AcceptedPath(1), AcceptedPath(0, deepest(tree, 0))])
         step = ctx.evaluate(Forest(suffix=((7,),) * 3))
         got += list(step.roots)
         want += [oracle(r + [7]) for r in rows_of(ctx)]
@@ -467,7 +468,7 @@ def random_forest(lay, rng: random.Random) -> Forest:
     return Forest(suffix=suffix, tokens=tuple(toks), parents=tuple(pars), rows=tuple(row_of[len(lay._nodes):]))
 
 
-def random_paths(lay, rng: random.Random) -> list[Path]:
+def random_paths(lay, rng: random.Random) -> list[AcceptedPath]:
     """1-5 chains from random rows, stopping at random depths (duplicates, drops and depth 0 included)."""
     paths = []
     for _ in range(rng.randint(1, 5)):
@@ -478,7 +479,7 @@ def random_paths(lay, rng: random.Random) -> list[Path]:
                 break
             prev = rng.choice(kids)
             chain.append(prev)
-        paths.append(Path(r, tuple(chain)))
+        paths.append(AcceptedPath(r, tuple(chain)))
     return paths
 
 

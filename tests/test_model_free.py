@@ -19,7 +19,7 @@ import pytest
 from app.config import ConfigError, DecodeParams
 from app.decoding import dsbd as D
 from app.decoding.beams import Stopper
-from app.decoding.lookups import Builder, Calibration, MatchIndex, Recycler, Shape
+from app.decoding.lookups import Builder, Calibration, LookupBudget, MatchIndex, Recycler
 from app.decoding.metrics import Metrics
 from app.engine.timing import CostCurve
 from dsbd_helpers import ALPHA_TEST, chisquare_pvalue, enumerate_paths
@@ -75,7 +75,7 @@ def _builder(prompt, **kw) -> Builder:
 
 def test_builder_without_costs_takes_the_likeliest_chain_up_to_the_caps():
     b = _builder([5, 6, 7, 8, 9, 5, 6])  # "5 6" continues with 7 8 9 5 6 ...
-    shape = Shape(max_depth=4, width=1, replacement=True, per_layer=[1, 1, 1, 1])
+    shape = LookupBudget(max_depth=4, width=1, replacement=True, per_layer=[1, 1, 1, 1])
     picks = b.build([(0, (), 1.0)], shape, lambda parent, tok: False)
     assert [c.token for c in picks] == [7, 8, 9, 5]  # one chain, extended while the match continues
     assert [c.depth for c in picks] == [1, 2, 3, 4]
@@ -86,7 +86,7 @@ def test_builder_without_costs_takes_the_likeliest_chain_up_to_the_caps():
 
 def test_builder_with_costs_adds_nodes_only_where_they_pay():
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6]
-    shape = lambda: Shape(max_depth=6, width=1, replacement=True, per_layer=[2] * 6, base_tokens=1.0,
+    shape = lambda: LookupBudget(max_depth=6, width=1, replacement=True, per_layer=[2] * 6, base_tokens=1.0,
                           base_seconds=0.076)
     flat = CostCurve.of({1: 0.076, 64: 0.078})  # a GPU: a longer pass costs about the same
     steep = CostCurve.of({1: 0.076, 2: 0.2, 64: 5.0})  # every token costs more than a plain step
@@ -111,7 +111,7 @@ def test_lookup_only_layers_that_keep_failing_stop_being_built():
     mid = CostCurve.of({1: 0.076, 2: 0.09, 4: 0.12, 8: 0.17})
     sure = Calibration({f"match:{n}:0": [1000.0, 1000.0] for n in range(1, 9)})
     b = _builder(prompt, target_cost=mid, calibration=sure)
-    shape = lambda: Shape(max_depth=4, width=4, replacement=True, per_layer=[2] * 4, base_tokens=1.0,
+    shape = lambda: LookupBudget(max_depth=4, width=4, replacement=True, per_layer=[2] * 4, base_tokens=1.0,
                           base_seconds=0.076)
     first = b.build([(0, (), 1.0)], shape(), lambda p, t: False)
     assert first and b.predicted[0] > 0.9
@@ -126,10 +126,10 @@ def test_lookup_only_layers_that_keep_failing_stop_being_built():
 
 def test_builder_learns_from_verified_rows_including_nodes_it_did_not_add():
     b = Builder([5, 6, 7, 5, 6], sources=("match", "recycled"))
-    shape = Shape(max_depth=1, width=1, replacement=True, per_layer=[0])  # no room: nothing added
+    shape = LookupBudget(max_depth=1, width=1, replacement=True, per_layer=[0])  # no room: nothing added
     assert b.build([(0, (), 1.0)], shape, lambda p, t: False) == []
     assert b.proposed == []  # no slot at depth 1: nothing proposed either
-    shape = Shape(max_depth=1, width=1, replacement=True, per_layer=[1])
+    shape = LookupBudget(max_depth=1, width=1, replacement=True, per_layer=[1])
     b.build([(0, (), 1.0)], shape, lambda p, t: False)
     assert [c.token for c in b.proposed] == [7]
     lp = np.log(np.full(10, 0.02))

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from backends import presets
+from backends.modelfiles import presets
 from backends.base import ModelNotFound, RegistryError
-from backends.presets import ModelFile, Preset
-from backends.registry import ResolvedModel, resolve
+from backends.modelfiles.presets import ModelFile, Preset
+from backends.modelfiles.resolution import ResolvedModel, resolve
 
 N_PARTS = 11  # > 9 so numeric and lexicographic order differ (part2 < part10)
 
@@ -91,10 +91,10 @@ def test_interrupted_assembly_leaves_no_temp_file(fake, cache, monkeypatch):
 
 
 def test_a_cancelled_assembly_reports_its_stage_and_leaves_no_file(fake, cache, monkeypatch):
-    import backends.progress
-    from backends.progress import LoadCancelled, LoadTracker, tracking
+    import backends.modelfiles.progress
+    from backends.modelfiles.progress import LoadCancelled, LoadTracker, tracking
 
-    monkeypatch.setattr(backends.progress, "_EVERY_S", 0.0)  # every block reported: cancel after the first
+    monkeypatch.setattr(backends.modelfiles.progress, "_EVERY_S", 0.0)  # every block reported: cancel after the first
     cancel, steps = threading.Event(), []
 
     def hear(step):  # the user presses Cancel once the copy is under way

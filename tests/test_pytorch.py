@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from backends.registry import ModelSpec
-from backends.base import ROOT, BackendError, ContextFull, Forest, Path
+from backends.base import ROOT, AcceptedPath, BackendError, ContextFull, Forest
 from backends.pytorch import load
 from backends.pytorch.model import KVCache, ModelArgs, init_random
 from backends.pytorch.runtime import PyTorchModel, model_info
@@ -85,7 +85,7 @@ class Mirror:
                 self._check(out.nodes[i], self.seq(base + i))
         return out
 
-    def commit(self, paths: list[Path]) -> None:
+    def commit(self, paths: list[AcceptedPath]) -> None:
         self.ctx.commit(paths)
         self.rows = [self.rows[p.row] + self.suffix[p.row] + [self.nodes[n][0] for n in p.nodes] for p in paths]
         self.suffix = [[] for _ in paths]
@@ -106,7 +106,7 @@ def three_rows(model: PyTorchModel, tol: float, *, prompt=(5, 17, 3, 42, 8, 9, 6
     m = Mirror(model, ctx, tol)
     # nodes 0..3: 0 -> 1 -> 2 chain, 3 a sibling of 0
     m.evaluate(Forest(suffix=((11,),), tokens=(20, 21, 22, 23), parents=(ROOT, 0, 1, ROOT), rows=(0, 0, 0, 0)))
-    m.commit([Path(0, (0, 1)), Path(0), Path(0, (3,))])
+    m.commit([AcceptedPath(0, (0, 1)), AcceptedPath(0), AcceptedPath(0, (3,))])
     assert ctx.lengths() == [len(prompt) + 3, len(prompt) + 1, len(prompt) + 2]
     return m
 
@@ -149,10 +149,10 @@ def test_forest_layer_by_layer_matches_one_pass(tiny):
 
 
 COMMITS = {
-    "no_nodes": [Path(0), Path(1), Path(2)],
-    "full_path": [Path(0, (0, 5, 10)), Path(1), Path(2, (4, 9, 12))],
-    "duplicated": [Path(2, (3, 8)), Path(2, (4, 9, 12)), Path(2, (4,)), Path(0, (2,))],
-    "dropped": [Path(2, (4, 9)), Path(0, (0, 6))],
+    "no_nodes": [AcceptedPath(0), AcceptedPath(1), AcceptedPath(2)],
+    "full_path": [AcceptedPath(0, (0, 5, 10)), AcceptedPath(1), AcceptedPath(2, (4, 9, 12))],
+    "duplicated": [AcceptedPath(2, (3, 8)), AcceptedPath(2, (4, 9, 12)), AcceptedPath(2, (4,)), AcceptedPath(0, (2,))],
+    "dropped": [AcceptedPath(2, (4, 9)), AcceptedPath(0, (0, 6))],
 }
 
 
@@ -171,7 +171,7 @@ def test_commit_then_step_matches_recompute(tiny, case):
     )
     m.evaluate(step)
     # second iteration after compaction: commit a path, then score again
-    m.commit([Path(r, (r,)) for r in range(n)][::-1])
+    m.commit([AcceptedPath(r, (r,)) for r in range(n)][::-1])
     out = m.evaluate(Forest(suffix=tuple((90,) for _ in range(n)), tokens=(91, 92), parents=(ROOT, 0), rows=(0, 0)))
     assert np.abs(out.nodes[-1] - scratch_logits(tiny, m.seq(len(m.nodes) - 1))).max() <= F64_TOL  # = recomputed
 
@@ -183,7 +183,7 @@ def test_memory_mode_one_row_holds_all_nodes(tiny):
     # W_S = 3 chains of depth 3 in a single row (9 nodes), breadth-first.
     m.evaluate(Forest(suffix=((5,),), tokens=(10, 11, 10, 12, 13, 14, 15, 16, 17),
                       parents=(ROOT, ROOT, ROOT, 0, 1, 2, 3, 4, 5), rows=(0,) * 9))
-    m.commit([Path(0, (1, 4, 7))])
+    m.commit([AcceptedPath(0, (1, 4, 7))])
     assert ctx.rows == 1 and ctx.lengths() == [12]
     m.evaluate(Forest(suffix=((20,),), tokens=(21,), parents=(ROOT,), rows=(0,)))
 
@@ -221,14 +221,14 @@ def test_context_full_and_bad_forests(tiny):
         ctx.evaluate(Forest(suffix=((1,),), tokens=(2, 3, 4, 5), parents=(ROOT, 0, 1, 2), rows=(0,) * 4))
     ctx.evaluate(Forest(suffix=((1,),), tokens=(2, 3), parents=(ROOT, ROOT), rows=(0, 0)))  # state intact
     with pytest.raises(ContextFull, match="3 rows"):
-        ctx.commit([Path(0)] * 3)
+        ctx.commit([AcceptedPath(0)] * 3)
     with pytest.raises(ValueError, match="not a chain"):
-        ctx.commit([Path(0, (0, 1))])  # siblings, not a chain
+        ctx.commit([AcceptedPath(0, (0, 1))])  # siblings, not a chain
     with pytest.raises(ValueError, match="not an earlier pending node"):
         ctx.evaluate(Forest(tokens=(5,), parents=(7,), rows=(0,)))
     with pytest.raises(ValueError, match="after its tree was started"):
         ctx.evaluate(Forest(suffix=((4,),)))
-    ctx.commit([Path(0, (1,)), Path(0, (0,))])
+    ctx.commit([AcceptedPath(0, (1,)), AcceptedPath(0, (0,))])
     assert ctx.lengths() == [10, 10]
     ctx.close()
     with pytest.raises(BackendError, match="closed"):
@@ -494,7 +494,7 @@ def test_gguf_forest_matches_sequential_and_commit(smol):
     m = Mirror(smol, ctx, GGUF_TOL)
     m.evaluate(Forest(suffix=((282,),), tokens=(4649, 4649, 314, 1345, 30), parents=(ROOT, ROOT, ROOT, 0, 3),
                       rows=(0,) * 5))
-    m.commit([Path(0, (0, 3)), Path(0, (2,))])
+    m.commit([AcceptedPath(0, (0, 3)), AcceptedPath(0, (2,))])
     out = m.evaluate(Forest(suffix=((30,), (1345,)), tokens=(378, 379, 314), parents=(ROOT, ROOT, 0), rows=(0, 1, 0)))
     print(f"\nSmolLM2 float32 forest vs sequential: max abs logit diff {m.worst:.2e}")
     assert np.abs(out.nodes[-1] - scratch_logits(smol, m.seq(len(m.nodes) - 1))).max() <= GGUF_TOL  # = sequential

@@ -1,4 +1,4 @@
-"""Model registry: local / Hub resolution and loading by runtime. Offline and fast."""
+"""Model resolution (local files and folders, the Hub) and loading by runtime. Offline and fast."""
 
 import os
 import shutil
@@ -11,7 +11,9 @@ import pytest
 
 from backends import registry as reg
 from backends.base import ModelNotFound, RegistryError
-from backends.registry import ModelSpec, ResolvedModel, resolve
+from backends.modelfiles import resolution
+from backends.modelfiles.resolution import ResolvedModel, resolve
+from backends.registry import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,7 +76,7 @@ def test_safetensors_folder_missing_tokenizer_names_it(tmp_path):
     ("tiny", False),
 ])
 def test_hub_id_syntax(source, hub):
-    assert reg._is_hub_id(source) is hub
+    assert resolution._is_hub_id(source) is hub
 
 
 # ---------------------------------------------------------------- Hugging Face Hub (offline)
@@ -138,7 +140,8 @@ def test_hub_unreachable_and_not_cached(hub, monkeypatch, offline, why):
 def test_real_hub_offline_with_empty_cache(hub, tmp_path):
     # A fresh process, because huggingface_hub reads HF_HUB_OFFLINE and HF_HOME once at import.
     script = textwrap.dedent("""
-        from backends.registry import RegistryError, resolve
+        from backends.base import RegistryError
+        from backends.modelfiles.resolution import resolve
         for source in ("HuggingFaceTB/SmolLM2-135M", "bartowski/x-GGUF:x.Q4_K_M.gguf"):
             try:
                 resolve(source)

@@ -183,7 +183,7 @@ def random_gguf(tmp_path_factory):
 def test_a_split_float32_model_gives_the_local_forest_logits(workers, random_gguf):
     from test_llamacpp import Tree, check_logits, deepest, iterate, make_oracle, rows_of, three_rows
 
-    from backends.base import Path as KeepPath
+    from backends.base import AcceptedPath
     from backends.llamacpp.runtime import LlamaModel
 
     eps = [w.endpoint for w in workers]
@@ -204,7 +204,8 @@ def test_a_split_float32_model_gives_the_local_forest_logits(workers, random_ggu
                 check_logits(ctx.evaluate(tree.forest(ids, with_suffix=True)), tree, ids, oracle, roots=True)
             with three_rows(split) as ctx:
                 iterate(ctx, oracle, 10 + seed,
-                        lambda t: [KeepPath(0, deepest(t, 0)), KeepPath(1, deepest(t, 1)[:1]), KeepPath(2)], vocab)
+                        lambda t: [AcceptedPath(0, deepest(t, 0)), AcceptedPath(1, deepest(t, 1)[:1]),
+                                   AcceptedPath(2)], vocab)
     finally:
         oracle.close()
         split.close()

@@ -11,9 +11,9 @@ import base64
 
 import pytest
 
-from app.chat import CHATML, ChatError, encode_chat, render
 from app.cli import bind_address, build_parser, main, parse_auth
 from app.config import ConfigError, DecodeParams
+from app.prompt import CHATML, ChatError, encode_chat, render
 from backends.registry import ModelSpec
 
 MESSAGES = [{"role": "user", "content": "Hi"}]

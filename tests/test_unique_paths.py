@@ -12,7 +12,7 @@ from app.config import ConfigError, DecodeParams
 from app.decoding import start
 from app.decoding.beams import Stopper
 from app.decoding.metrics import Metrics
-from backends.base import ROOT, Forest, Path
+from backends.base import ROOT, AcceptedPath, Forest
 from backends.unique import CountingContext, UniquePaths
 from refmodel import RefContext, TableModel, bigram
 
@@ -167,7 +167,7 @@ def test_duplicate_rows_and_nodes_are_fed_once_across_layers_and_commits():
     spy.evaluate(Forest(tokens=(1, 1, 3), parents=(0, 1, 1), rows=(0, 0, 0)), model)
     assert ctx.last_distinct == 2
     # Commit duplicated rows through both copies of the duplicated node: 4 rows, 3 of them equal.
-    spy.commit([Path(0, (0, 3)), Path(0, (1, 4)), Path(0, (2,)), Path(0, (0,))])
+    spy.commit([AcceptedPath(0, (0, 3)), AcceptedPath(0, (1, 4)), AcceptedPath(0, (2,)), AcceptedPath(0, (0,))])
     assert spy.rows[0] == spy.rows[1] and spy.rows[0][:-1] == spy.rows[3]
     # Equal rows with equal suffixes are one root; a node under each copy of a row is one node.
     spy.evaluate(Forest(suffix=((2,), (2,), (2,), (1,)), tokens=(3, 3, 3, 4, 3), parents=(ROOT,) * 5,
@@ -175,12 +175,12 @@ def test_duplicate_rows_and_nodes_are_fed_once_across_layers_and_commits():
     assert (ctx.last_query, ctx.last_distinct) == (9, 6)  # rows 0 and 1 give one root, one node under it
     spy.evaluate(Forest(tokens=(5, 5, 5), parents=(0, 1, 2), rows=(0, 1, 2)), model)
     assert ctx.last_distinct == 2
-    spy.commit([Path(1, (1, 6)), Path(3), Path(1, (1, 6))])
+    spy.commit([AcceptedPath(1, (1, 6)), AcceptedPath(3), AcceptedPath(1, (1, 6))])
     # Multi-token suffixes sharing a prefix (a draft after a full pass): the shared token is fed once.
     spy.evaluate(Forest(suffix=((3, 4), (2, 1), (3, 5))), model)
     assert (ctx.last_query, ctx.last_distinct) == (6, 5)
     spy.evaluate(Forest(tokens=(1, 1), parents=(ROOT, ROOT), rows=(0, 2)), model)
-    spy.commit([Path(2, (1,)), Path(0), Path(2)])
+    spy.commit([AcceptedPath(2, (1,)), AcceptedPath(0), AcceptedPath(2)])
     spy.evaluate(Forest(suffix=((1,), (1,), (1,))), model)
     assert ctx.query_tokens > ctx.distinct_tokens == inner.fed
 
@@ -192,12 +192,12 @@ def test_an_entry_scored_by_an_earlier_call_is_not_fed_again():
     ctx.prefill([1, 2])
     spy = Spy(ctx, [[1, 2]])
     spy.evaluate(Forest(suffix=((3,),), tokens=(4,), parents=(ROOT,), rows=(0,)), model)
-    spy.commit([Path(0), Path(0)])
+    spy.commit([AcceptedPath(0), AcceptedPath(0)])
     spy.evaluate(Forest(suffix=((4,), ()), tokens=(5,), parents=(ROOT,), rows=(0,)), model)
     fed, passes = inner.fed, model.passes
     spy.evaluate(Forest(suffix=((), (4,)), tokens=(5,), parents=(ROOT,), rows=(1,)), model)  # row 1 = row 0
     assert ctx.last_distinct == 0 and inner.fed == fed and model.passes == passes  # no pass at all
-    spy.commit([Path(1, (1,)), Path(0, (0,))])
+    spy.commit([AcceptedPath(1, (1,)), AcceptedPath(0, (0,))])
 
 
 def test_invalid_forests_and_paths_raise_and_change_nothing():
@@ -215,8 +215,8 @@ def test_invalid_forests_and_paths_raise_and_change_nothing():
     with pytest.raises(ValueError, match="pending nodes"):
         ctx.evaluate(Forest(suffix=((3,),)))
     with pytest.raises(ValueError, match="chain"):
-        ctx.commit([Path(0, (1,))])
-    ctx.commit([Path(0, (0,))])
+        ctx.commit([AcceptedPath(0, (1,))])
+    ctx.commit([AcceptedPath(0, (0,))])
     assert ctx.tokens(0) == [1, 2, 3, 4] and ctx.evaluations == 1
 
 
@@ -276,16 +276,17 @@ def forest_case(ctx: UniquePaths, prompt: list[int], logits_of, tol: float) -> N
     step(Forest(suffix=((prompt[-1],),), tokens=(11, 11, 12), parents=(ROOT, ROOT, ROOT), rows=(0, 0, 0)))
     step(Forest(tokens=(13, 13, 14), parents=(0, 1, 2), rows=(0, 0, 0)))
     assert ctx.last_distinct == 2
-    commit([Path(0, (1, 4)), Path(0, (0, 3)), Path(0, (2, 5)), Path(0, (1,))])  # rows 0 and 1 equal
+    # new rows 0 and 1 are equal
+    commit([AcceptedPath(0, (1, 4)), AcceptedPath(0, (0, 3)), AcceptedPath(0, (2, 5)), AcceptedPath(0, (1,))])
     step(Forest(suffix=((7,), (7,), (8,), (7,)), tokens=(20, 20, 21, 20), parents=(ROOT,) * 4, rows=(0, 1, 0, 2)))
     assert (ctx.last_query, ctx.last_distinct) == (8, 6)
     step(Forest(tokens=(22, 22, 23), parents=(0, 1, 3), rows=(0, 1, 2)))
     assert ctx.last_distinct == 2
     # Keep row 1's copy of the duplicated chain (its inner nodes are row 0's), twice, and a plain root.
-    commit([Path(1, (1, 5)), Path(1, (1, 5)), Path(3), Path(2, (3, 6))])
+    commit([AcceptedPath(1, (1, 5)), AcceptedPath(1, (1, 5)), AcceptedPath(3), AcceptedPath(2, (3, 6))])
     step(Forest(suffix=((30, 31), (30, 32), (33,), (34,)), tokens=(40, 40), parents=(ROOT, ROOT), rows=(0, 1)))
     assert (ctx.last_query, ctx.last_distinct) == (8, 7)  # the 30 both rows start with, once
-    commit([Path(1, (1,)), Path(2), Path(0)])
+    commit([AcceptedPath(1, (1,)), AcceptedPath(2), AcceptedPath(0)])
     step(Forest(suffix=((41,), (42,), (43,))))
     assert ctx.distinct_tokens < ctx.query_tokens
 

@@ -11,7 +11,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from app.config import MODE_FACTS, DecodeParams
-from backends.base import ROOT, Context, Forest, Path
+from backends.base import ROOT, AcceptedPath, Context, Forest
 
 from . import Step, rng_streams
 from .beams import Beam, Pool, Stopper, common_prefix, final_choice
@@ -72,7 +72,7 @@ def _beam_loop(*, target: Context, prompt: Sequence[int], params: DecodeParams, 
             metrics.finish_reason = "stop" if best.finished else "length"
             yield Step(final=best.tokens, live=0, done=True, output=best)
             return
-        target.commit([Path(r) for r in rows])
+        target.commit([AcceptedPath(r) for r in rows])
         suffix = [(b.tokens[-1],) for b in live]
         yield Step(final=common_prefix([b.tokens for b in live + pool.beams]), live=len(live))
 
@@ -214,11 +214,11 @@ def speculative_sampling(*, target: Context, draft: Context, prompt: Sequence[in
             yield Step(final=beam.tokens, live=0, done=True, output=beam)
             return
         # 4. commit: keep the accepted chain's KV in both caches
-        target.commit([Path(0, tuple(range(accepted)))])
+        target.commit([AcceptedPath(0, tuple(range(accepted)))])
         t_suffix = (new,)
         fed = min(accepted, max(len(drafts) - 1, 0))  # the draft never fed its last token
         if drafts:
-            draft.commit([Path(0, tuple(range(fed)))])
+            draft.commit([AcceptedPath(0, tuple(range(fed)))])
             d_suffix = tuple(drafts[fed:accepted]) + (new,)
         else:
             d_suffix = d_suffix + (new,)

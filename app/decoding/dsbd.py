@@ -27,14 +27,14 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from backends.base import ROOT, ContentKeys, Context, Forest, Path
+from backends.base import ROOT, AcceptedPath, ContentKeys, Context, Forest
 
 from ..config import MODE_FACTS, ConfigError, DecodeParams
 from . import Step, rng_streams
 from .baselines import pad_vocab, warp_of
 from .beams import Beam, Pool, Stopper, common_prefix, final_choice
 from .forest_policy import ForestPolicy, decoder_costs, lookup_layer_cost
-from .lookups import Builder, Shape
+from .lookups import Builder, LookupBudget
 from . import rowmath
 from .metrics import Metrics
 from .sampling import Draft, DraftWOR, Joint, Rand, SeededRand
@@ -339,8 +339,8 @@ class _Run:
         for r, c in enumerate(roots):
             row, w = first.get(c, (r, 0.0))
             first[c] = (row, w + float(weights[r]))
-        shape = Shape(max_depth=depth, width=self.params.min_beams, replacement=not self.without,
-                      per_layer=per_layer, **self._base_price(it))
+        shape = LookupBudget(max_depth=depth, width=self.params.min_beams, replacement=not self.without,
+                             per_layer=per_layer, **self._base_price(it))
         made: dict[int, Node] = {}  # id(candidate) -> its node
 
         def taken(parent, token: int) -> bool:
@@ -515,14 +515,14 @@ class _Run:
         """Both caches keep the kept beams' paths. The draft keeps the KV of each beam's fed nodes; its other
         new tokens become the draft's next suffix. Without a draft pass the draft's rows follow their roots
         and the suffix grows (the draft catches up later). Returns the draft's next suffixes."""
-        target.commit([Path(h.root, tuple(n.tid for n in h.chain)) for h in nxt])
+        target.commit([AcceptedPath(h.root, tuple(n.tid for n in h.chain)) for h in nxt])
         if draft is None:
             return d_suffix
         if fed:
-            paths = [Path(h.root, tuple(n.did for n in h.chain if n.did is not None)) for h in nxt]
+            paths = [AcceptedPath(h.root, tuple(n.did for n in h.chain if n.did is not None)) for h in nxt]
             draft.commit(paths)
             return [h.beam.tokens[len(live[h.root].tokens) + len(p.nodes):] for h, p in zip(nxt, paths)]
-        draft.commit([Path(h.root, ()) for h in nxt])
+        draft.commit([AcceptedPath(h.root, ()) for h in nxt])
         return [tuple(d_suffix[h.root]) + h.beam.tokens[len(live[h.root].tokens):] for h in nxt]
 
     # -- statistics, the forest view, learning (outside the arithmetic) -------------------------------

@@ -235,7 +235,7 @@ class Candidate:
 
 
 @dataclass
-class Shape:
+class LookupBudget:
     """What the builder prices: the forest before model-free nodes, per depth, and the costs."""
 
     max_depth: int
@@ -274,7 +274,7 @@ class Builder:
         self.proposed: list[Candidate] = []  # this iteration's depth-1 candidates, added or not (calibration)
         self.predicted: list[float] = []  # per depth: P(the chosen nodes cover every output | layer reached),
         # from the per-token chances alone (what settle_layer weighs against the layers' outcomes)
-        self.shape: Shape | None = None
+        self.shape: LookupBudget | None = None
 
     def use_corpus(self, corpus: CorpusIndex | None, exclude: object = None) -> None:
         """Let the match source also continue text found in earlier chats (None: the prompt and beams only)."""
@@ -306,7 +306,7 @@ class Builder:
         return sorted(best.values(), key=lambda c: (-c[3], c[0]))
 
     # -- the forest ------------------------------------------------------------------------------------
-    def build(self, roots: Sequence[tuple[int, tuple[int, ...], float]], shape: Shape,
+    def build(self, roots: Sequence[tuple[int, tuple[int, ...], float]], shape: LookupBudget,
               taken: Callable[[object, int], bool]) -> list[Candidate]:
         """Model-free nodes for one iteration, parents before children.
 
@@ -357,7 +357,7 @@ class Builder:
         keep = set(map(id, chosen))  # a prefix of the pop order is closed under parents
         return [c for c in sorted(chosen, key=lambda c: c.depth) if id(c) in keep]
 
-    def _rate(self, shape: Shape, chosen: Sequence[Candidate]) -> float:
+    def _rate(self, shape: LookupBudget, chosen: Sequence[Candidate]) -> float:
         """Expected beam steps per second of the iteration with these model-free nodes (spec §16.4, §16.7).
 
         Layer l passes by the drafted part with chance base_pass[l] and by the model-free nodes when every
@@ -377,7 +377,7 @@ class Builder:
                    - self.target_cost(shape.base_tokens) + self.verify_cost * extra_layers)
         return steps / max(seconds, 1e-12)
 
-    def _covered(self, shape: Shape, chosen: Sequence[Candidate], factor: float) -> list[float]:
+    def _covered(self, shape: LookupBudget, chosen: Sequence[Candidate], factor: float) -> list[float]:
         """Per depth: P(every output of the layer lands on a chosen node | the layer is reached) from the
         per-token chances, times `factor` (what lookup-only layers at this width and law did so far)."""
         by_depth: list[list[float]] = [[] for _ in range(shape.max_depth)]

@@ -20,7 +20,6 @@ from backends.base import BackendError, ContextFull, OutOfMemory
 from backends.unique import CountingContext, UniquePaths
 from offload.runtimes import RUNTIMES
 
-from app.chat import encode_chat
 from app.config import MODE_FACTS, ConfigError, DecodeParams
 from backends.registry import ModelSpec
 from app.decoding import derive_seed, start
@@ -30,7 +29,8 @@ from app.decoding.metrics import Metrics
 from app.engine.interface import Event, ModelEngine, NoModelLoaded, PromptTooLong
 from app.engine.learned import Learned, entry_key, model_key
 from app.engine.timing import CAL_POINTS, TIMED, cached_costs, cost_profile
-from backends.progress import LoadTracker, tracking
+from app.prompt import encode_chat
+from backends.modelfiles.progress import LoadTracker, tracking
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class Engine(ModelEngine):
 
         New models load beside the old ones, outside the lock, so answers keep streaming meanwhile; a spec
         equal to the one already serving that role is kept, not reloaded. Only the switch itself waits
-        for the running generation. `progress(LoadStep)` hears each stage (backends.progress); setting
+        for the running generation. `progress(LoadStep)` hears each stage (backends.modelfiles.progress); setting
         `cancel` stops the load at its next report (llama.cpp: within its load) and raises LoadCancelled.
         """
         tracker = LoadTracker(progress, cancel)
@@ -624,7 +624,7 @@ _POLL_S = 0.1  # how often a swap waiting for the running answer looks at its ca
 def _plan(target: ModelSpec, draft: ModelSpec | None, tracker: LoadTracker, *, budget=None, keep=None):
     """The memory plan, after resolving each file to load under its role (so a preset's assembly and hashing
     report as that role's stages); `keep(role, spec)`: a model already serving, nothing to resolve."""
-    from backends.registry import resolve
+    from backends.modelfiles.resolution import resolve
 
     for role, spec in (("target", target), ("draft", draft)):
         if spec is not None and not (keep and keep(role, spec)):

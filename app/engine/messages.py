@@ -20,7 +20,7 @@ class Message:
 # -- supervisor -> model process ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Call(Message):
-    """Run `Engine.<name>(*args, **kwargs)`; answered by Result or Failed (and Progress for a swap)."""
+    """Run `Engine.<name>(*args, **kwargs)`; answered by Result or Failed (and LoadProgress for a swap)."""
 
     name: str
     args: tuple = ()
@@ -71,7 +71,7 @@ class LoadFailed(Message):
 
 
 @dataclass(frozen=True)
-class Progress(Message):
+class LoadProgress(Message):
     """A swap's progress callback, forwarded."""
 
     args: tuple = ()

@@ -1,7 +1,7 @@
-"""Memory plans for model specs: resolve the files (backends.registry), read their headers (offload.geometry)
-and hand the planner plain facts: each decoding mode as a `Shape` read from app.config.MODE_FACTS, the app's
-limits, what to price. One function per question, whichever edge asks (engine load, the Models tab,
-`dsbd-chat plan`); no weights are read.
+"""Memory plans for model specs: resolve the files (backends.modelfiles.resolution), read their headers
+(offload.geometry) and hand the planner plain facts: each decoding mode as a `ModeShape` read from
+app.config.MODE_FACTS, the app's limits, what to price. One function per question, whichever edge asks (engine load,
+the Models tab, `dsbd-chat plan`); no weights are read.
 
 Fit badges (the Models tab and `dsbd-chat models`): `fit(target_geometry, draft_geometry, context=...) -> Fit`
 plans a target with a draft and both KV caches at a context exactly as a load would (`memory_plan`'s decoding
@@ -18,11 +18,12 @@ from pathlib import Path
 
 from app.config import ACCEPTANCE_PRIOR, MAX_BEAMS, MAX_GAMMA, MODE_FACTS, DecodeParams, Mode
 from backends.base import BackendError
-from backends.registry import ModelSpec, resolve
+from backends.modelfiles.resolution import resolve
+from backends.registry import ModelSpec
 from app.engine.timing import TIMED, cost_profile
 from offload.cost import CostProfile, ModeStats, PlanReport, datasheet, project
 from offload.geometry import ModelGeometry, read_geometry
-from offload.plan import GiB, Budget, Plan, PlanError, PlanRequest, Shape, fmt_bytes, parse_size, plan
+from offload.plan import GiB, Budget, ModeShape, Plan, PlanError, PlanRequest, fmt_bytes, parse_size, plan
 
 __all__ = ["Budget", "Fit", "PlanError", "PlanRequest", "budget_for", "fit", "geometries", "hub_fits", "library_fits",
            "parse_size", "plan_for", "plan_models", "plan_request", "shape"]
@@ -33,14 +34,14 @@ FULL_MODE = {True: "dsbd", False: "beam-sample"}
 PROJECTED_MODES = ("sample", "beam-sample", "sps", "dsbd", "dsbd-mem")  # `plan --cost-profile` without a bench file
 
 
-def shape(mode: str) -> Shape:
+def shape(mode: str) -> ModeShape:
     """A mode as the planner sees it, read from its row of MODE_FACTS."""
     f = MODE_FACTS[mode]
-    return Shape(mode, keeps_rows=f.keeps_rows, drafts=f.uses_draft,
+    return ModeShape(mode, keeps_rows=f.keeps_rows, drafts=f.uses_draft,
                  memory_twin=shape(f.memory_twin) if f.memory_twin else None)
 
 
-def _shapes(mode: str, full: Shape) -> tuple[Shape, ...]:
+def _shapes(mode: str, full: ModeShape) -> tuple[ModeShape, ...]:
     """The modes a plan for `mode` tries: auto, the full mode and its memory twin; any other, itself."""
     if mode == "auto":
         return (full, full.memory_twin) if full.memory_twin else (full,)
@@ -291,7 +292,7 @@ def draft_geometry(draft: ModelSpec | str | None) -> ModelGeometry | None:
 
 def library_fits(entries, *, draft: ModelSpec | str | None = None, context: int = 4096,
                  budget: Budget | None = None) -> dict[str, Fit]:
-    """entry path -> Fit for every usable `backends.library.ModelEntry` (unreadable ones are left out)."""
+    """entry path -> Fit for every usable `backends.modelfiles.library.ModelEntry` (unreadable ones are left out)."""
     b = budget if budget is not None else budget_for()
     dgeo = draft_geometry(draft)
     out = {}
@@ -308,9 +309,10 @@ def library_fits(entries, *, draft: ModelSpec | str | None = None, context: int 
 
 def hub_fits(listing, *, draft: ModelSpec | str | None = None, context: int = 4096,
              budget: Budget | None = None) -> dict[str, Fit]:
-    """group name -> Fit for the model groups of a `backends.hub.RepoFiles` (one header fetched: a single-file
-    group's when there is one); raises backends.hub.HubError when the header cannot be fetched."""
-    from backends import hub
+    """group name -> Fit for the model groups of a `backends.modelfiles.hub.RepoFiles` (one header fetched: a
+    single-file group's when there is one); raises backends.modelfiles.hub.HubError when the header cannot be
+    fetched."""
+    from backends.modelfiles import hub
 
     groups = [g for g in listing.groups if g.kind == "model"]
     if not groups:

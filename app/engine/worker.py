@@ -31,12 +31,13 @@ import time
 from typing import Callable, Sequence
 
 from backends.base import BackendError
-from backends.progress import LoadCancelled
+from backends.modelfiles.progress import LoadCancelled
 
 from app.config import DecodeParams
 from app.engine.timing import TIMED
 from app.engine.interface import ModelEngine, ModelProcessLost, NoModelLoaded
-from app.engine.messages import Call, Cancel, Close, LoadFailed, Lost, Open, Opened, Progress, Ready, unpack_exc
+from app.engine.messages import (Call, Cancel, Close, LoadFailed, LoadProgress, Lost, Open, Opened, Ready,
+                                 unpack_exc)
 from app.engine.proxies import RemoteTokenizer, Stream, reply
 from app.engine.worker_child import child_main
 from backends.registry import ModelSpec
@@ -246,7 +247,7 @@ class WorkerEngine(ModelEngine):
                         child.send(Cancel(rid))
                         asked = True
                     continue
-                if isinstance(msg, Progress):
+                if isinstance(msg, LoadProgress):
                     if progress is not None:
                         progress(*msg.args, **msg.kwargs)
                     continue
@@ -399,7 +400,7 @@ class WorkerEngine(ModelEngine):
                     raise LoadCancelled(f"cancelled while {last or 'starting the model process'}; the model process "
                                         "that was loading ended") from None
                 continue
-            if not isinstance(msg, Progress):
+            if not isinstance(msg, LoadProgress):
                 break
             last = msg.args[0] if msg.args else last
             if progress is not None:

@@ -15,8 +15,8 @@ import threading
 
 from backends.base import BackendError
 
-from app.engine.messages import (Call, Cancel, Close, Drop, End, Failed, Go, LoadFailed, Open, Opened, Progress, Ready,
-                                 Result, Streamed, pack_exc)
+from app.engine.messages import (Call, Cancel, Close, Drop, End, Failed, Go, LoadFailed, LoadProgress, Open, Opened,
+                                 Ready, Result, Streamed, pack_exc)
 from backends.registry import ModelSpec
 
 TOKENIZER_ATTRS = ("name", "n_vocab", "bos_id", "eos_id", "eos_ids", "vocab_type", "add_bos", "chat_template")
@@ -61,7 +61,7 @@ def child_main(conn, target: ModelSpec, draft: ModelSpec | None, budget, on_star
             from app.engine.engine import Engine
 
             engine = Engine.load(target, draft, budget=budget, profile=profile,
-                                 progress=lambda step: send(Progress(0, (step,))))
+                                 progress=lambda step: send(LoadProgress(0, (step,))))
         except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
             send(LoadFailed(0, pack_exc(e)))
             return
@@ -122,7 +122,7 @@ def _serve_call(engine, rid: int, name: str, args, kwargs, send, served: dict | 
         for part in name.split("."):
             fn = getattr(fn, part)
         if name == "swap" and kwargs.pop("progress", None):
-            kwargs["progress"] = lambda *a, **k: send(Progress(rid, a, k))
+            kwargs["progress"] = lambda *a, **k: send(LoadProgress(rid, a, k))
         result = fn(*args, **kwargs)
         if name == "swap":
             result = (result, _state(engine))

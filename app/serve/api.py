@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP API beside the chat UI: GET /v1/models, POST /v1/chat/completions, /v1/completions.
 
 GET /v1/models lists the served model first (`loaded: true`; its id answers requests), then every model of
-the local library (`backends.library`) as `library/<id>` with `loaded` telling whether it is the served
+the local library (`backends.modelfiles.library`) as `library/<id>` with `loaded` telling whether it is the served
 target or draft.
 
 One FastAPI app serves both: the API routes under /v1 and the Gradio UI mounted at "/" (`build_server`).
@@ -36,10 +36,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from backends.base import BackendError
 
 from app import attachments
-from app.chat import ChatError
 from app.config import API_MODES, MODE_FACTS, ConfigError, DecodeParams
 from app.decoding import derive_seed
 from app.engine.interface import NoModelLoaded, PromptTooLong
+from app.prompt import ChatError
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"  # loopback by default, like the UI
@@ -514,7 +514,7 @@ LIBRARY_PREFIX = "library/"
 def _library_cards(engine) -> list[dict]:
     """The model library as OpenAI model objects (`library/<id>`), each with `loaded`: whether it is the served
     target or draft. Requests still answer with the loaded pair; the Models tab switches models."""
-    from backends import library
+    from backends.modelfiles import library
 
     try:
         entries = library.scan().entries

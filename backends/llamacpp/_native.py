@@ -14,7 +14,7 @@ from pathlib import Path
 
 import llama_cpp.llama_cpp as ll
 
-from backends import progress
+from backends.modelfiles import progress
 from backends.base import BackendError, BadModelFile
 
 log = logging.getLogger("backends.llamacpp.native")

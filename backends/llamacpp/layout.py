@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-from backends.base import ROOT, ContextFull, Forest, Path
+from backends.base import ROOT, AcceptedPath, ContextFull, Forest
 
 
 class Memory(Protocol):
@@ -165,7 +165,7 @@ class LayoutU:
         return int(t)
 
     # -- commit / truncate / prefill -------------------------------------------------------------------
-    def commit(self, paths: Sequence[Path], mem: Memory) -> None:
+    def commit(self, paths: Sequence[AcceptedPath], mem: Memory) -> None:
         """Rows := paths, keeping their cells; frees everything else."""
         if not paths:
             raise ValueError("commit needs at least one path")
@@ -208,7 +208,7 @@ class LayoutU:
         self._tip = {r.seq: ROOT for r in new_rows}
         self._recount()
 
-    def _commit_shared(self, paths: Sequence[Path], outs: list) -> list[list[int]]:
+    def _commit_shared(self, paths: Sequence[AcceptedPath], outs: list) -> list[list[int]]:
         n = len(paths)
         shared = [[0] * n for _ in range(n)]
         for i in range(n):

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from backends import progress
+from backends.modelfiles import progress
 
 ENV = "DSBD_CHAT_LLAMA_EXTRA_BUFTS"
 SETTINGS = ("auto", "on", "off")

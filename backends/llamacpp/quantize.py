@@ -24,7 +24,7 @@ _GGML_Q4_0 = 2  # enum ggml_type
 
 
 def quantized_path(src: Path, qtype: str, *, folder: Path) -> Path:
-    """Where the `qtype` copy of `src` lives in `folder` (the models cache: backends.presets.cache_dir())."""
+    """Where the `qtype` copy of `src` lives in `folder` (the models cache: backends.modelfiles.presets.cache_dir())."""
     _check(qtype)
     src = Path(src)
     return Path(folder) / f"{src.stem}.{qtype}.gguf"

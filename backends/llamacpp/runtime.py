@@ -9,12 +9,12 @@ from typing import Sequence
 import numpy as np
 import llama_cpp.llama_cpp as ll
 
-from backends.base import BackendError, Closing, ContextFull, Forest, Logits, ModelInfo, OutOfMemory
-from backends.base import Path as KeepPath
+from backends.base import AcceptedPath, BackendError, Closing, ContextFull, Forest, Logits, ModelInfo, OutOfMemory
 from backends.llamacpp import probe
 from backends.llamacpp._native import ModelHandle, ThreadGovernor, check_gguf_header, default_threads, take_errors
 from backends.llamacpp.layout import LayoutU
 from backends.llamacpp.tokenizer import GGUFTokenizer
+from offload.gguf_header import read_header
 from offload.runtimes import KV_TYPE_BYTES, RUNTIMES
 
 _LIMITS = RUNTIMES["llamacpp"]  # n_batch (tokens per llama_decode) and the sequence ids llama.cpp compiles in
@@ -40,9 +40,7 @@ class LlamaModel(Closing):
             from backends.llamacpp.rpc import Placement
 
             placement = Placement(rpc)  # checks every worker before any native call can abort on one
-            head = ModelHandle(Path(path), vocab_only=True)  # the header only: the layer count
-            n_layer = int(head.meta(f"{head.meta('general.architecture')}.block_count") or 0)
-            head.close()
+            n_layer = read_header(Path(path), keep=()).n_layers or 0
             remote = n_layer if n_gpu_layers < 0 else min(n_gpu_layers, n_layer)
             placement.spread(remote)
             # llama.cpp counts the output layer as the first offloaded one; ours is pinned to the host CPU.
@@ -86,11 +84,10 @@ class LlamaModel(Closing):
 
 def _model_info(h: ModelHandle, kv_type: str, repack: probe.Verdict) -> ModelInfo:
     m = h.ptr
-    arch = h.meta("general.architecture") or "llama"
+    hp = read_header(h.path, keep=()).hyperparameters()  # the K and V widths, which llama.cpp's API does not expose
+    arch, head_k, head_v = hp.arch, hp.key_length, hp.value_length
     n_layer, n_head = ll.llama_model_n_layer(m), ll.llama_model_n_head(m)
     n_head_kv, n_embd = ll.llama_model_n_head_kv(m), ll.llama_model_n_embd(m)
-    head_k = int(h.meta(f"{arch}.attention.key_length") or n_embd // max(n_head, 1))
-    head_v = int(h.meta(f"{arch}.attention.value_length") or head_k)
     return ModelInfo(
         name=h.meta("general.name") or h.path.stem,
         backend="llamacpp",
@@ -216,7 +213,7 @@ class LlamaContext(Closing):
         k = len(b.root_rows)
         return Logits(tuple(b.root_rows), out[:k], out[k:])
 
-    def commit(self, paths: Sequence[KeepPath]) -> None:
+    def commit(self, paths: Sequence[AcceptedPath]) -> None:
         self._live()
         self._layout.commit(paths, self._mem)
 

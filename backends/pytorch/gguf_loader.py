@@ -1,4 +1,4 @@
-"""GGUF -> Transformer: hyperparameters from metadata, weights dequantised with gguf-py.
+"""GGUF -> Transformer: hyperparameters from the header (offload.gguf_header), weights dequantised with gguf-py.
 
 llama.cpp's converter permutes the Q/K rows of llama-arch models into its interleaved RoPE layout;
 we undo that so one rotate-half RoPE serves GGUF and safetensors weights alike. qwen2 files use
@@ -14,6 +14,7 @@ import torch
 
 from backends.base import BadModelFile
 from backends.pytorch.model import ARCHS, ModelArgs, Transformer, build
+from offload.gguf_header import GGUFHeader, read_header
 
 _LAYER_NAMES = {  # GGUF blk.N.* -> Block attribute
     "attn_norm": "attn_norm",
@@ -44,56 +45,46 @@ def _reader(path: pathlib.Path):
         raise BadModelFile(f"cannot read {path} as GGUF: {e}") from e
 
 
-def _meta(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def read_args(reader, path: pathlib.Path) -> ModelArgs:
-    """ModelArgs from `{arch}.*` metadata keys (plus tensor shapes where metadata is optional)."""
-    arch = _meta(reader, "general.architecture")
+def model_args(header: GGUFHeader, reader) -> ModelArgs:
+    """ModelArgs from the header's hyperparameters (plus the reader's tensors where metadata is optional)."""
+    name = header.name  # the file name
+    arch = header.arch
     if arch not in ARCHS:
         raise BadModelFile(
-            f"{path.name}: architecture {arch!r} is not supported by the pytorch backend ({', '.join(ARCHS)})"
+            f"{name}: architecture {arch!r} is not supported by the pytorch backend ({', '.join(ARCHS)})"
         )
-
-    def need(key: str):
-        value = _meta(reader, f"{arch}.{key}")
-        if value is None:
-            raise BadModelFile(f"{path.name}: GGUF metadata key {arch}.{key} is missing")
-        return value
-
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
-        raise BadModelFile(f"{path.name}: tensor token_embd.weight is missing")
-    dim, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
-    head_dim = int(_meta(reader, f"{arch}.attention.key_length", dim // n_heads))
+        raise BadModelFile(f"{name}: tensor token_embd.weight is missing")
+    hp = header.hyperparameters()
+    for key, value in (("feed_forward_length", hp.hidden_dim), ("attention.layer_norm_rms_epsilon", hp.norm_eps)):
+        if value is None:
+            raise BadModelFile(f"{name}: GGUF metadata key {arch}.{key} is missing")
+    head_dim = hp.key_length
     factors = np.ones(head_dim // 2)
     if "rope_freqs.weight" in tensors:  # llama3-style scaling is stored as per-frequency divisors
         factors = factors * _dequant(tensors["rope_freqs.weight"]).reshape(-1)
-    scaling = _meta(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling == "linear":
-        factors = factors * float(_meta(reader, f"{arch}.rope.scaling.factor", 1.0))
-    elif scaling not in ("none", ""):
-        raise BadModelFile(f"{path.name}: RoPE scaling {scaling!r} is not supported by the pytorch backend")
-    rope_dim = int(_meta(reader, f"{arch}.rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise BadModelFile(f"{path.name}: partial RoPE ({rope_dim} of {head_dim} dims) is not supported")
+    if hp.rope_scaling == "linear":
+        factors = factors * hp.rope_scaling_factor
+    elif hp.rope_scaling not in ("none", ""):
+        raise BadModelFile(f"{name}: RoPE scaling {hp.rope_scaling!r} is not supported by the pytorch backend")
+    if hp.rope_dim != head_dim:
+        raise BadModelFile(f"{name}: partial RoPE ({hp.rope_dim} of {head_dim} dims) is not supported")
     return ModelArgs(
         arch=arch,
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF shapes are [in, out]
-        dim=dim,
-        n_layers=int(need("block_count")),
-        n_heads=n_heads,
-        n_kv_heads=int(_meta(reader, f"{arch}.attention.head_count_kv", n_heads)),
-        hidden_dim=int(need("feed_forward_length")),
+        dim=hp.dim,
+        n_layers=hp.n_layers,
+        n_heads=hp.n_heads,
+        n_kv_heads=hp.n_kv_heads,
+        hidden_dim=hp.hidden_dim,
         head_dim=head_dim,
-        norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_meta(reader, f"{arch}.rope.freq_base", 10000.0)),
+        norm_eps=hp.norm_eps,
+        rope_theta=hp.rope_freq_base,
         rope_factors=None if np.all(factors == 1) else tuple(float(f) for f in factors),
         qkv_bias="blk.0.attn_q.bias" in tensors,
         tied_embeddings="output.weight" not in tensors,
-        max_seq_len=int(_meta(reader, f"{arch}.context_length", 4096)),
+        max_seq_len=hp.context_length,
     )
 
 
@@ -124,7 +115,8 @@ def _gguf_name(name: str) -> str:
 def load_gguf(path: pathlib.Path, *, dtype: torch.dtype, device: torch.device) -> tuple[Transformer, dict]:
     """Build the transformer from a GGUF file; returns (model, extra info for ModelInfo.extra)."""
     reader = _reader(path)
-    args = read_args(reader, path)
+    header = read_header(path, keep=())  # the metadata, parsed by the one GGUF reader; the tensors come from `reader`
+    args = model_args(header, reader)
     tensors = {t.name: t for t in reader.tensors}
 
     def load(name: str) -> torch.Tensor:
@@ -142,7 +134,7 @@ def load_gguf(path: pathlib.Path, *, dtype: torch.dtype, device: torch.device) -
     model = build(args, load)
     extra = {
         "format": "gguf",
-        "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _meta(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": header.metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": header.metadata.get("tokenizer.ggml.eos_token_id"),
     }
     return model, extra

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.progress import current
+from backends.modelfiles.progress import current
 
 ARCHS = ("llama", "qwen2")
 

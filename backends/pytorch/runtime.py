@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from backends.base import ROOT, BackendError, Closing, ContextFull, Forest, Logits, ModelInfo, OutOfMemory, Path
+from backends.base import ROOT, AcceptedPath, BackendError, Closing, ContextFull, Forest, Logits, ModelInfo, OutOfMemory
 from backends.pytorch.model import KVCache, Transformer
 from offload.runtimes import RUNTIMES
 
@@ -214,7 +214,7 @@ class PyTorchContext(Closing):
 
     @torch.inference_mode()
     @_typed_oom
-    def commit(self, paths: Sequence[Path]) -> None:
+    def commit(self, paths: Sequence[AcceptedPath]) -> None:
         """New row o = paths[o].row's committed tokens + suffix + its node chain; KV kept, compacted."""
         kv = self._live()
         if not paths:

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoint folder -> Transformer: config.json + *.safetensors (sharded or not)."""
+"""Hugging Face checkpoint folder -> Transformer: config.json (read by offload.config_json) + *.safetensors (sharded
+or not)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from backends.base import BadModelFile
 from backends.pytorch.model import ModelArgs, Transformer, build
+from offload.config_json import CheckpointConfig, read_config
 
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}  # HF model_type -> our arch
 _LAYER_NAMES = {  # Block attribute -> HF name under model.layers.N.
@@ -39,7 +41,7 @@ def hf_name(name: str) -> str:
 
 
 def hf_config(args: ModelArgs) -> dict:
-    """A config.json for `args` (inverse of read_config, for plain RoPE)."""
+    """A config.json for `args` (inverse of model_args, for plain RoPE)."""
     if args.rope_factors is not None:
         raise ValueError("hf_config: scaled RoPE is not expressible here")
     return {
@@ -72,19 +74,17 @@ def _llama3_factors(inv_freq: torch.Tensor, rs: dict) -> torch.Tensor:
     return inv_freq / scaled
 
 
-def read_config(folder: pathlib.Path) -> ModelArgs:
-    path = folder / "config.json"
-    if not path.is_file():
-        raise BadModelFile(f"{folder}: config.json is missing (not a Hugging Face checkpoint folder?)")
-    c = json.loads(path.read_text())
-    arch = _MODEL_TYPES.get(c.get("model_type"))
+def model_args(c: CheckpointConfig) -> ModelArgs:
+    """ModelArgs from what the checkpoint's config.json says."""
+    path = c.path
+    arch = _MODEL_TYPES.get(c.model_type)
     if arch is None:
-        raise BadModelFile(f"{path}: model_type {c.get('model_type')!r} is not supported ({', '.join(_MODEL_TYPES)})")
-    dim, n_heads = c["hidden_size"], c["num_attention_heads"]
-    head_dim = c.get("head_dim") or dim // n_heads
-    theta = float(c.get("rope_theta", 10000.0))
+        raise BadModelFile(f"{path}: model_type {c.model_type!r} is not supported ({', '.join(_MODEL_TYPES)})")
+    if c.hidden_dim is None:
+        raise BadModelFile(f"{path}: intermediate_size is missing")
+    head_dim, theta = c.head_dim, c.rope_theta
     factors = None
-    rs = c.get("rope_scaling")
+    rs = c.rope_scaling
     if rs:
         kind = rs.get("rope_type", rs.get("type"))
         inv = 1.0 / theta ** (torch.arange(head_dim // 2, dtype=torch.float64) * 2 / head_dim)
@@ -96,19 +96,19 @@ def read_config(folder: pathlib.Path) -> ModelArgs:
             raise BadModelFile(f"{path}: RoPE scaling {kind!r} is not supported by the pytorch backend")
     return ModelArgs(
         arch=arch,
-        vocab_size=c["vocab_size"],
-        dim=dim,
-        n_layers=c["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=c.get("num_key_value_heads") or n_heads,
-        hidden_dim=c["intermediate_size"],
+        vocab_size=c.vocab_size,
+        dim=c.dim,
+        n_layers=c.n_layers,
+        n_heads=c.n_heads,
+        n_kv_heads=c.n_kv_heads,
+        hidden_dim=c.hidden_dim,
         head_dim=head_dim,
-        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        norm_eps=c.norm_eps,
         rope_theta=theta,
         rope_factors=factors,
-        qkv_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
-        tied_embeddings=bool(c.get("tie_word_embeddings", False)),
-        max_seq_len=int(c.get("max_position_embeddings", 4096)),
+        qkv_bias=arch == "qwen2" or c.attention_bias,
+        tied_embeddings=c.tied_embeddings,
+        max_seq_len=c.context_length,
     )
 
 
@@ -137,7 +137,8 @@ def load_safetensors(folder: pathlib.Path, *, dtype: torch.dtype, device: torch.
     """Build the transformer from a checkpoint folder; returns (model, extra info)."""
     from safetensors import safe_open
 
-    args = read_config(folder)
+    config = read_config(folder)
+    args = model_args(config)
     files = _weight_map(folder)
     if not args.tied_embeddings and "lm_head.weight" not in files:
         raise BadModelFile(f"{folder}: tensor lm_head.weight is missing (and tie_word_embeddings is false)")
@@ -157,6 +158,5 @@ def load_safetensors(folder: pathlib.Path, *, dtype: torch.dtype, device: torch.
         return t.to(device=device, dtype=dtype)
 
     model = build(args, load)
-    c = json.loads((folder / "config.json").read_text())
-    extra = {"format": "safetensors", "bos_token_id": c.get("bos_token_id"), "eos_token_id": c.get("eos_token_id")}
+    extra = {"format": "safetensors", "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
     return model, extra

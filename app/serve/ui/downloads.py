@@ -1,4 +1,4 @@
-"""The Models tab's Hugging Face views, over backends.hub: Discover (search GGUF repos, a repo's files by
+"""The Models tab's Hugging Face views, over backends.modelfiles.hub: Discover (search GGUF repos, a repo's files by
 quantization with fit badges, Download) and Downloads (the queue: bytes, speed, ETA; pause, resume, cancel with
 confirmation).
 
@@ -18,7 +18,7 @@ import gradio as gr
 
 from app.config import ConfigError
 from backends.base import BackendError
-from backends.presets import PRESETS
+from backends.modelfiles.presets import PRESETS
 
 SEARCH_HEADERS = ["repo", "params", "downloads", "likes", "updated", "as a draft"]
 FILE_HEADERS = ["quantization", "file", "size", "shards", "fits", "plan"]
@@ -36,7 +36,7 @@ def on_disk(source: str, role: str) -> bool:
     if not source:
         return False
     if source in PRESETS:
-        from backends.presets import list_models
+        from backends.modelfiles.presets import list_models
 
         return any(r["preset"] == source and role in r["role"].split("+") and r["status"] == "verified"
                    for r in list_models())
@@ -44,7 +44,7 @@ def on_disk(source: str, role: str) -> bool:
         return True
     repo, sep, filename = source.partition(":")
     if sep and filename.endswith(".gguf"):
-        from backends.presets import downloaded_file
+        from backends.modelfiles.presets import downloaded_file
 
         return downloaded_file(repo, filename).is_file()
     return False
@@ -70,7 +70,7 @@ def form_int(value, name: str, *, low: int) -> int | None:
 
 
 def _size(n: int | float) -> str:
-    from backends.library import format_bytes
+    from backends.modelfiles.library import format_bytes
 
     return format_bytes(n)
 
@@ -107,12 +107,12 @@ class HubUI:
         self.models = models_ui
         self._manager = None
         self._lock = threading.Lock()
-        self._listings: dict[str, object] = {}  # repo -> backends.hub.RepoFiles, as last listed
+        self._listings: dict[str, object] = {}  # repo -> backends.modelfiles.hub.RepoFiles, as last listed
 
     @property
     def manager(self):
         """The download queue, made on first use (it brings back downloads an earlier run left paused)."""
-        from backends import hub
+        from backends.modelfiles import hub
 
         with self._lock:
             if self._manager is None:
@@ -127,7 +127,7 @@ class HubUI:
     # -- search
     def search(self, query: str, sort: str = "downloads") -> tuple[list[list], str]:
         """(result rows, status) for a search of GGUF repos."""
-        from backends import hub
+        from backends.modelfiles import hub
 
         try:
             found = hub.search(query or "", sort=sort or "downloads")
@@ -140,14 +140,14 @@ class HubUI:
 
     @staticmethod
     def _row(m, note: str = "") -> list:
-        from backends.library import format_params
+        from backends.modelfiles.library import format_params
 
         return [m.id, format_params(m.params) or "", m.downloads if m.downloads is not None else "",
                 m.likes if m.likes is not None else "", (m.last_modified or "")[:10], note]
 
     def family(self, target: str) -> tuple[list[list], str]:
         """Drafts of the target's family on the Hub, each checked against the target from its fetched header."""
-        from backends import hub, library
+        from backends.modelfiles import hub, library
 
         target = (target or "").strip()
         try:
@@ -170,7 +170,7 @@ class HubUI:
 
     def _check(self, repo: str, target) -> str:
         """Whether the smallest model file of `repo` can draft for the local `target`, from its header only."""
-        from backends import hub, library
+        from backends.modelfiles import hub, library
 
         try:
             listing = self._listings[repo] = hub.repo_files(repo)
@@ -188,7 +188,7 @@ class HubUI:
         """(one row per downloadable model of `repo`: quantization, file, size, shards, fit badge, plan; status)."""
         from app.engine.planning import hub_fits
 
-        from backends import hub
+        from backends.modelfiles import hub
 
         repo = (repo or "").strip()
         if not repo:
@@ -218,7 +218,7 @@ class HubUI:
     # -- downloads
     def download(self, repo: str, name: str) -> tuple[str, str]:
         """Queue every file of the chosen model (all shards of a split one): (queue html, status)."""
-        from backends import hub
+        from backends.modelfiles import hub
 
         repo, name = (repo or "").strip(), (name or "").strip()
         if not repo or not name:
@@ -366,7 +366,7 @@ def create(models_ui) -> HubUI:
 def create_discover() -> dict:
     """Discover: the search and its results, then the picked repo (List files), the picked file (Download) and
     the repo's files."""
-    from backends import hub
+    from backends.modelfiles import hub
 
     w = {}
     with gr.Row():
@@ -389,7 +389,7 @@ def create_discover() -> dict:
 
 def create_downloads(ui: HubUI) -> dict:
     """Downloads: the queue, then the picked download's Pause, Resume and Cancel (with its confirmation)."""
-    from backends import hub
+    from backends.modelfiles import hub
 
     if hub.partial_downloads():  # an earlier run's partial files come back as paused downloads
         ui.manager

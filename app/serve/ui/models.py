@@ -6,7 +6,7 @@ and connected by a `wire_*` one.
 
 Handlers are methods of `ModelsUI` returning plain values (one per output widget), so tests drive them without a
 server. A load is a `LoadJob`: `engine.swap` on a background thread with a progress listener and a cancel
-Event (backends.progress), so the page streams its stages and Cancel stops it; the new models load beside the
+Event (backends.modelfiles.progress), so the page streams its stages and Cancel stops it; the new models load beside the
 serving ones and replace them only once both loaded and their vocabularies match: a failure or a cancel keeps
 the old ones serving.
 """
@@ -30,8 +30,8 @@ from app.serve.ui.downloads import FAST, fit_html, form_int, on_disk
 from app.serve.ui.settings import default_settings, params_from
 from app.serve.ui.stats import memory_line
 from backends.base import BackendError
-from backends.progress import STAGES, LoadCancelled, LoadStep
-from backends.presets import PRESETS
+from backends.modelfiles.progress import STAGES, LoadCancelled, LoadStep
+from backends.modelfiles.presets import PRESETS
 from backends.registry import BACKENDS, ModelSpec
 from backends.tokenizer import VocabMismatch
 
@@ -363,7 +363,7 @@ class ModelsUI:
     def library(self, n_ctx=None, draft: str = "") -> tuple[list[list], str, list]:
         """(table rows, summary, target choices): every model file found, with a fit badge at the form's
         context with the form's draft (or the loaded one)."""
-        from backends import library
+        from backends.modelfiles import library
 
         try:
             scan = library.scan()
@@ -400,14 +400,14 @@ class ModelsUI:
     @staticmethod
     def target_choices(entries) -> list[tuple[str, str]]:
         """The target dropdown: every usable library file (its path), then the presets by name."""
-        from backends.library import format_bytes
+        from backends.modelfiles.library import format_bytes
 
         out = [(f"{e.name} · {e.quant or '?'} · {format_bytes(e.size)}", e.path) for e in entries if e.usable]
         return out + [(f"preset {p}", p) for p in PRESETS]
 
     def card(self, entry_id: str) -> tuple[str, str]:
         """(card markdown, the selected file's path) for a library row."""
-        from backends import library
+        from backends.modelfiles import library
 
         try:
             c = library.card(entry_id)
@@ -428,7 +428,7 @@ class ModelsUI:
 
     def delete_plan(self, path: str) -> tuple[str, bool]:
         """The Delete button: (what a delete would remove and free, whether to show the confirmation)."""
-        from backends import library
+        from backends.modelfiles import library
 
         if not path:
             return "Click a model in the library first.", False
@@ -446,7 +446,7 @@ class ModelsUI:
 
     def delete(self, path: str, n_ctx=None, draft: str = "") -> tuple[str, list[list], str, list]:
         """Yes, delete: (status, table rows, summary, target choices)."""
-        from backends import library
+        from backends.modelfiles import library
 
         try:
             freed = library.delete(library.plan_delete(path))
@@ -458,7 +458,7 @@ class ModelsUI:
 
     def add_folder(self, folder: str, n_ctx=None, draft: str = "") -> tuple[str, list[list], str, list]:
         """Remember a folder of models (scanned in place, nothing copied): (status, rows, summary, choices)."""
-        from backends import library
+        from backends.modelfiles import library
 
         try:
             kept = library.add_folder((folder or "").strip())
@@ -471,7 +471,7 @@ class ModelsUI:
         """(draft choices: none, then the compatible local files, best size first; the draft to keep: `current`
         unless it is a library file this target refuses; notes: why each other file is refused, and what the
         app does without a draft)."""
-        from backends import library
+        from backends.modelfiles import library
 
         none = [("none (the target alone)", "")]
         target, current = (target or "").strip(), (current or "").strip()

@@ -3,7 +3,7 @@
 Everything goes through `huggingface_hub` (its `HfApi`, its HTTP session, its auth headers) at the endpoint
 `$HF_ENDPOINT` names when the call is made (huggingface.co by default), and honours `HF_HUB_OFFLINE`.
 
-Downloads land in the model cache, `<cache>/hub/<org>/<name>/<file>` (`backends.presets.downloaded_file`):
+Downloads land in the model cache, `<cache>/hub/<org>/<name>/<file>` (`presets.downloaded_file`):
 plain files the model library lists and `--target org/name:file.gguf` finds without the network. A download
 writes `<file>.part` and a sidecar `<file>.part.json` (repo, file, revision, size, sha256); a stop, a lost
 connection or a killed app leaves both, and the next start continues with an HTTP Range request from the bytes
@@ -24,12 +24,12 @@ Public API (plain data and callbacks, no printing; errors are `HubError` subclas
   until it parses), cached under `<cache>/.library/hub-headers/`; readable by `offload.gguf_header`,
   `offload.geometry` and `backends.tokenizer.HeaderVocab` like a local file.
 - `download_file(repo, filename, *, revision="main", progress=None, stop=None) -> Path`: one file, blocking,
-  resuming a partial one; `progress(Progress)` a few times a second; setting the `stop` Event pauses it
+  resuming a partial one; `progress(DownloadProgress)` a few times a second; setting the `stop` Event pauses it
   (`DownloadStopped`, the partial file kept).
 - `DownloadManager(on_progress=None, parallel=1)`: a queue on worker threads: `add`, `jobs`, `get`, `pause`,
   `resume`, `cancel(id, confirm=False) -> CancelPlan` (without confirm it only says what would be lost),
   `remove`, `wait`, `close`. Partial downloads left by an earlier run come back as paused jobs.
-- `partial_downloads() -> list[Progress]`, `download_path(repo, filename) -> Path`.
+- `partial_downloads() -> list[DownloadProgress]`, `download_path(repo, filename) -> Path`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from typing import Callable
 
 from offload.gguf_header import HeaderTruncated, parse_header, shard_of
 from backends.base import ModelNotFound, RegistryError, atomic_write
-from backends.presets import cache_dir, downloaded_file
+from backends.modelfiles.presets import cache_dir, downloaded_file
 
 CHUNK = 1 << 20  # bytes per read while downloading
 SORTS = {"downloads": "downloads", "recent": "last_modified", "likes": "likes", "trending": "trending_score"}
@@ -159,7 +159,7 @@ class RepoFiles:
 
 
 @dataclass(frozen=True)
-class Progress:
+class DownloadProgress:
     """One download as the UI and the CLI show it."""
 
     id: str  # "org/name:file"
@@ -185,7 +185,7 @@ class Progress:
 class CancelPlan:
     """What cancelling a download would throw away; `cancelled` once it was done (confirm=True)."""
 
-    job: Progress
+    job: DownloadProgress
     bytes_lost: int
     files: tuple[str, ...]
     cancelled: bool
@@ -328,7 +328,7 @@ def search(query: str, *, sort: str = "downloads", limit: int = 20) -> list[HubM
 def family_drafts(family: str, *, below_params: int | None = None, limit: int = 10) -> list[HubModel]:
     """GGUF repos of a model family (general.basename, e.g. "Qwen2.5-Coder"), most downloaded first, smaller
     than `below_params` where the Hub states a size: draft candidates to download. Whether one can draft for a
-    target is a header question: `fetch_header` then `backends.library.check_pair`."""
+    target is a header question: `fetch_header` then `library.check_pair`."""
     found = search(family, sort="downloads", limit=max(limit * 3, limit))
     keep = [m for m in found if below_params is None or m.params is None or m.params < below_params]
     return keep[:limit]
@@ -499,72 +499,78 @@ def _hash_prefix(path: Path, n: int, h) -> None:
             left -= len(block)
 
 
-def download_file(repo: str, filename: str, *, revision: str = "main",
-                  progress: Callable[[Progress], None] | None = None,
-                  stop: threading.Event | None = None) -> Path:
-    """Download one file into the model cache, resuming a partial one; see the module docstring."""
-    dest = download_path(repo, filename)
-    job = f"{repo}:{filename}"
-    report = progress or (lambda p: None)
-    what = f"downloading {filename}"
-    remote = _remote(repo, filename, revision)
-    if dest.is_file() and dest.stat().st_size == remote.size:
-        report(Progress(job, repo, filename, "done", remote.size, remote.size, path=str(dest)))
-        return dest
-    part, side = _part(dest)
-    facts = {"repo": repo, "filename": filename, "revision": revision, "size": remote.size, "sha256": remote.sha256,
-             "blob_id": remote.blob_id}
-    old = _read_sidecar(side)
-    offset = part.stat().st_size if part.is_file() and old and _same_file(old, facts) else 0
-    if offset > remote.size:
-        offset = 0
-    _check_space(dest.parent, remote.size - offset, filename)
-    if offset == 0:
-        part.parent.mkdir(parents=True, exist_ok=True)
-        part.write_bytes(b"")
-    _write_sidecar(side, facts)
-    h = hashlib.sha256() if remote.sha256 else hashlib.sha1(b"blob %d\0" % remote.size)
-    if offset:
-        _hash_prefix(part, offset, h)
-    meter, done = _Meter(), offset
-    last = 0.0
+class _Transfer:
+    """One file's download: the bytes on disk, their running hash, and the progress it reports."""
 
-    def tick(state: str = "running", force: bool = False) -> None:
-        nonlocal last
+    def __init__(self, repo: str, filename: str, revision: str, remote: HubFile, dest: Path,
+                 report: Callable[[DownloadProgress], None]) -> None:
+        self.repo, self.filename, self.revision, self.remote, self.dest = repo, filename, revision, remote, dest
+        self.report, self.job = report, f"{repo}:{filename}"
+        self.part, self.side = _part(dest)
+        self.offset = self.done = 0
+        self.h = self._new_hash()
+        self.meter, self.last = _Meter(), 0.0
+
+    def _new_hash(self):
+        # the Hub states a sha256 for LFS files, else git's blob hash
+        return hashlib.sha256() if self.remote.sha256 else hashlib.sha1(b"blob %d\0" % self.remote.size)
+
+    def prepare(self) -> None:
+        """Keep the partial file when its sidecar names the same file, else start an empty one; hash what is kept."""
+        remote = self.remote
+        facts = {"repo": self.repo, "filename": self.filename, "revision": self.revision, "size": remote.size,
+                 "sha256": remote.sha256, "blob_id": remote.blob_id}
+        old = _read_sidecar(self.side)
+        offset = self.part.stat().st_size if self.part.is_file() and old and _same_file(old, facts) else 0
+        if offset > remote.size:
+            offset = 0
+        _check_space(self.dest.parent, remote.size - offset, self.filename)
+        if offset == 0:
+            self.part.parent.mkdir(parents=True, exist_ok=True)
+            self.part.write_bytes(b"")
+        _write_sidecar(self.side, facts)
+        self.h = self._new_hash()
+        if offset:
+            _hash_prefix(self.part, offset, self.h)
+        self.meter, self.offset, self.done = _Meter(), offset, offset
+
+    def tick(self, state: str = "running", force: bool = False) -> None:
         now = time.monotonic()
-        if force or now - last >= PROGRESS_EVERY_S:
-            last = now
-            speed = meter.add(done)
-            eta = (remote.size - done) / speed if speed > 0 else None
-            report(Progress(job, repo, filename, state, done, remote.size, speed, eta, str(dest)))
+        if force or now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            speed = self.meter.add(self.done)
+            eta = (self.remote.size - self.done) / speed if speed > 0 else None
+            self.report(DownloadProgress(self.job, self.repo, self.filename, state, self.done, self.remote.size, speed,
+                                         eta, str(self.dest)))
 
-    tick(force=True)
-    if offset < remote.size:
+    def fetch(self, stop: threading.Event | None) -> None:
+        """Stream the missing bytes onto the partial file (a Range request from what is there) until done or stopped."""
         from huggingface_hub.utils import get_session
 
-        headers = _headers({"Range": f"bytes={offset}-"} if offset else None)
+        repo, filename, what = self.repo, self.filename, f"downloading {self.filename}"
+        headers = _headers({"Range": f"bytes={self.offset}-"} if self.offset else None)
         answered = False
         try:
-            with get_session().stream("GET", _url(repo, filename, revision), headers=headers, follow_redirects=True,
-                                      timeout=60) as r:
+            with get_session().stream("GET", _url(repo, filename, self.revision), headers=headers,
+                                      follow_redirects=True, timeout=60) as r:
                 answered = True
                 if r.status_code not in (200, 206):
                     raise _status_error(r.status_code, what, repo=repo, filename=filename,
                                         code=r.headers.get("X-Error-Code"))
                 mode = "ab"
-                if offset and r.status_code == 200:  # the server ignored the Range: start over
-                    offset = done = 0
-                    h = hashlib.sha256() if remote.sha256 else hashlib.sha1(b"blob %d\0" % remote.size)
+                if self.offset and r.status_code == 200:  # the server ignored the Range: start over
+                    self.offset = self.done = 0
+                    self.h = self._new_hash()
                     mode = "wb"
-                with open(part, mode) as out:
+                with open(self.part, mode) as out:
                     try:
                         for block in r.iter_bytes():  # as the bytes arrive: a dropped connection loses none
                             if stop is not None and stop.is_set():
                                 break
                             out.write(block)
-                            h.update(block)
-                            done += len(block)
-                            tick()
+                            self.h.update(block)
+                            self.done += len(block)
+                            self.tick()
                     finally:
                         out.flush()
                         os.fsync(out.fileno())
@@ -573,29 +579,53 @@ def download_file(repo: str, filename: str, *, revision: str = "main",
         except Exception as e:  # noqa: BLE001 (classified)
             err = _hub_error(e, what, repo=repo, filename=filename)
             if answered and _transport_error(e):
-                err = HubError(f"connection lost: {filename} stopped at {done / 1e6:,.1f} of {remote.size / 1e6:,.1f} MB "
+                err = HubError(f"connection lost: {filename} stopped at {self.done / 1e6:,.1f} of "
+                               f"{self.remote.size / 1e6:,.1f} MB "
                                f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); start the download again "
                                "to continue from there")
             raise err from e
-    if stop is not None and stop.is_set() and done < remote.size:
-        tick("paused", force=True)
-        raise DownloadStopped(f"{filename} paused at {done / 1e6:,.0f} of {remote.size / 1e6:,.0f} MB; resume to "
-                              "continue")
-    if done != remote.size:
-        raise HubError(f"{filename}: the connection ended at {done:,} of {remote.size:,} bytes; start the download "
-                       "again to continue from there")
-    want = remote.sha256 or remote.blob_id
-    if h.hexdigest() != want:
-        part.unlink(missing_ok=True)
-        side.unlink(missing_ok=True)
-        kind = "sha256" if remote.sha256 else "git hash"
-        raise ChecksumMismatch(f"{filename} is damaged: its {kind} is {h.hexdigest()[:12]}..., the Hub says "
-                               f"{want[:12]}...; the download was deleted, start it again")
-    os.chmod(part, 0o644)
-    os.replace(part, dest)
-    side.unlink(missing_ok=True)
-    tick("done", force=True)
-    return dest
+
+    def finish(self, stop: threading.Event | None) -> Path:
+        """Check the whole file against the Hub's hash and give it its name (a paused one stays partial)."""
+        filename, size, done = self.filename, self.remote.size, self.done
+        if stop is not None and stop.is_set() and done < size:
+            self.tick("paused", force=True)
+            raise DownloadStopped(f"{filename} paused at {done / 1e6:,.0f} of {size / 1e6:,.0f} MB; resume to "
+                                  "continue")
+        if done != size:
+            raise HubError(f"{filename}: the connection ended at {done:,} of {size:,} bytes; start the download "
+                           "again to continue from there")
+        want = self.remote.sha256 or self.remote.blob_id
+        if self.h.hexdigest() != want:
+            self.part.unlink(missing_ok=True)
+            self.side.unlink(missing_ok=True)
+            kind = "sha256" if self.remote.sha256 else "git hash"
+            raise ChecksumMismatch(f"{filename} is damaged: its {kind} is {self.h.hexdigest()[:12]}..., the Hub says "
+                                   f"{want[:12]}...; the download was deleted, start it again")
+        os.chmod(self.part, 0o644)
+        os.replace(self.part, self.dest)
+        self.side.unlink(missing_ok=True)
+        self.tick("done", force=True)
+        return self.dest
+
+
+def download_file(repo: str, filename: str, *, revision: str = "main",
+                  progress: Callable[[DownloadProgress], None] | None = None,
+                  stop: threading.Event | None = None) -> Path:
+    """Download one file into the model cache, resuming a partial one; see the module docstring."""
+    dest = download_path(repo, filename)
+    report = progress or (lambda p: None)
+    remote = _remote(repo, filename, revision)
+    if dest.is_file() and dest.stat().st_size == remote.size:
+        report(DownloadProgress(f"{repo}:{filename}", repo, filename, "done", remote.size, remote.size,
+                                path=str(dest)))
+        return dest
+    transfer = _Transfer(repo, filename, revision, remote, dest, report)
+    transfer.prepare()
+    transfer.tick(force=True)
+    if transfer.offset < remote.size:
+        transfer.fetch(stop)
+    return transfer.finish(stop)
 
 
 def _same_file(old: dict, new: dict) -> bool:
@@ -614,7 +644,7 @@ def _write_sidecar(side: Path, facts: dict) -> None:
     atomic_write(side, json.dumps(facts))
 
 
-def partial_downloads() -> list[Progress]:
+def partial_downloads() -> list[DownloadProgress]:
     """Downloads a stop, a lost connection or a closed app left behind, as paused jobs."""
     root = cache_dir() / "hub"
     out = []
@@ -627,8 +657,8 @@ def partial_downloads() -> list[Progress]:
             continue
         done = part.stat().st_size if part.is_file() else 0
         dest = side.with_name(side.name.removesuffix(".part.json"))
-        out.append(Progress(f"{facts['repo']}:{facts['filename']}", facts["repo"], facts["filename"], "paused", done,
-                            int(facts.get("size") or 0), path=str(dest)))
+        out.append(DownloadProgress(f"{facts['repo']}:{facts['filename']}", facts["repo"], facts["filename"], "paused",
+                                    done, int(facts.get("size") or 0), path=str(dest)))
     return out
 
 
@@ -636,7 +666,7 @@ def partial_downloads() -> list[Progress]:
 
 
 class _Job:
-    def __init__(self, p: Progress, revision: str) -> None:
+    def __init__(self, p: DownloadProgress, revision: str) -> None:
         self.p, self.revision = p, revision
         self.stop = threading.Event()
         self.cancel = False
@@ -646,10 +676,10 @@ class _Job:
 class DownloadManager:
     """Downloads one after another (`parallel` at a time) on worker threads; see the module docstring.
 
-    `on_progress(Progress)` is called from the worker threads on every change (a few times a second while
+    `on_progress(DownloadProgress)` is called from the worker threads on every change (a few times a second while
     running); `jobs()` is the same information on demand."""
 
-    def __init__(self, *, on_progress: Callable[[Progress], None] | None = None, parallel: int = 1,
+    def __init__(self, *, on_progress: Callable[[DownloadProgress], None] | None = None, parallel: int = 1,
                  restore: bool = True) -> None:
         if parallel < 1:
             raise HubError(f"parallel must be >= 1, got {parallel}")
@@ -667,11 +697,11 @@ class DownloadManager:
             w.start()
 
     # -- queries
-    def jobs(self) -> list[Progress]:
+    def jobs(self) -> list[DownloadProgress]:
         with self._lock:
             return [j.p for j in self._jobs.values()]
 
-    def get(self, job_id: str) -> Progress:
+    def get(self, job_id: str) -> DownloadProgress:
         with self._lock:
             return self._job(job_id).p
 
@@ -682,7 +712,7 @@ class DownloadManager:
         return j
 
     # -- actions
-    def add(self, repo: str, filename: str, *, revision: str = "main") -> Progress:
+    def add(self, repo: str, filename: str, *, revision: str = "main") -> DownloadProgress:
         """Queue `filename` of `repo` (a job already queued, running or paused is returned as it is)."""
         dest = download_path(repo, filename)
         job_id = f"{repo}:{filename}"
@@ -695,15 +725,15 @@ class DownloadManager:
             if j is not None and j.p.state == "paused":
                 return self._requeue(j)
             part, _ = _part(dest)
-            j = _Job(Progress(job_id, repo, filename, "queued", part.stat().st_size if part.is_file() else 0, 0,
-                              path=str(dest)), revision)
+            j = _Job(DownloadProgress(job_id, repo, filename, "queued", part.stat().st_size if part.is_file() else 0,
+                                      0, path=str(dest)), revision)
             self._jobs[job_id] = j
             self._queue.append(job_id)
             self._lock.notify_all()
         self._emit(j.p)
         return j.p
 
-    def pause(self, job_id: str) -> Progress:
+    def pause(self, job_id: str) -> DownloadProgress:
         with self._lock:
             j = self._job(job_id)
             if j.p.state == "queued":
@@ -715,7 +745,7 @@ class DownloadManager:
         self._emit(p)
         return p
 
-    def resume(self, job_id: str) -> Progress:
+    def resume(self, job_id: str) -> DownloadProgress:
         with self._lock:
             j = self._job(job_id)
             if j.p.state not in ("paused", "failed"):
@@ -724,7 +754,7 @@ class DownloadManager:
         self._emit(p)
         return p
 
-    def _requeue(self, j: _Job) -> Progress:
+    def _requeue(self, j: _Job) -> DownloadProgress:
         j.stop.clear()
         j.finished.clear()
         j.p = replace(j.p, state="queued", error=None)
@@ -770,7 +800,7 @@ class DownloadManager:
                 raise HubError(f"{job_id} is {j.p.state}: pause or cancel it first")
             del self._jobs[job_id]
 
-    def wait(self, job_id: str, timeout: float | None = None) -> Progress:
+    def wait(self, job_id: str, timeout: float | None = None) -> DownloadProgress:
         """Block until the job is done, failed, paused or cancelled (or `timeout` passes); its state then."""
         with self._lock:
             j = self._job(job_id)
@@ -789,7 +819,7 @@ class DownloadManager:
             w.join(timeout)
 
     # -- workers
-    def _emit(self, p: Progress) -> None:
+    def _emit(self, p: DownloadProgress) -> None:
         if self._on_progress is not None:
             try:
                 self._on_progress(p)
@@ -808,7 +838,7 @@ class DownloadManager:
             self._run(j)
 
     def _run(self, j: _Job) -> None:
-        def progress(p: Progress) -> None:
+        def progress(p: DownloadProgress) -> None:
             with self._lock:
                 if j.p.state == "running":
                     j.p = replace(p, state="running") if p.state != "done" else p

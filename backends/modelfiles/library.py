@@ -1,13 +1,13 @@
 """The model library: the GGUF files on this machine, found where they are (nothing is copied or imported).
 
-Where it looks (`folders()`): the model cache (`backends.presets.cache_dir()`, downloads from `backends.hub`
-included), the preset files, the Hugging Face cache (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
-~/.cache/huggingface/hub), folders the user added (`add_folder`, remembered in `<cache>/.library/folders.json`),
-and LM Studio's and Jan's model folders when they exist. Per file, from the GGUF header alone: name,
-architecture, parameters, quantization, context length, size on disk, completeness (split GGUFs
-`name-00001-of-00003.gguf` are one entry; a missing shard or a file shorter than its header says is
-"incomplete" with the reason), chat template present, and a tokenizer fingerprint. What a header said is cached
-by (path, size, mtime) in `<cache>/.library/headers.json`, so an unchanged folder lists without reading headers.
+Where it looks (`folders()`): the model cache (`presets.cache_dir()`, downloads from `hub` included), the preset
+files, the Hugging Face cache (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else ~/.cache/huggingface/hub), folders the
+user added (`add_folder`, remembered in `<cache>/.library/folders.json`), and LM Studio's and Jan's model folders
+when they exist. Per file, from the GGUF header alone: name, architecture, parameters, quantization, context length,
+size on disk, completeness (split GGUFs `name-00001-of-00003.gguf` are one entry; a missing shard or a file shorter
+than its header says is "incomplete" with the reason), chat template present, and a tokenizer fingerprint. What a
+header said is cached by (path, size, mtime) in `<cache>/.library/headers.json`, so an unchanged folder lists
+without reading headers.
 
 Public API (plain data, no printing; every error is a `LibraryError` with an actionable message):
 
@@ -44,7 +44,7 @@ from typing import Callable, Iterable
 
 from backends.base import BackendError, atomic_write
 from offload.gguf_header import GGUFHeader, metadata_card, read_header, shard_of
-from backends.presets import cache_dir, list_models
+from backends.modelfiles.presets import cache_dir, list_models
 from backends.tokenizer import HeaderVocab, VocabFingerprint, header_fingerprint, load_tokenizer, vocab_differences
 from offload.errors import BadModelFile
 
@@ -377,7 +377,7 @@ def _record(path: Path) -> dict:
         "kind": _str(meta.get("general.type")) or ("mmproj" if h.arch == "clip" else "model"),
         "arch": h.arch, "params": h.n_params, "size_label": _str(meta.get("general.size_label")),
         "family": _str(meta.get("general.basename")), "quant": h.quant, "context_length": h.context_length,
-        "n_layers": _int(h.arch_key("block_count")), "chat_template": "tokenizer.chat_template" in meta,
+        "n_layers": h.n_layers, "chat_template": "tokenizer.chat_template" in meta,
         "split": list(h.split) if h.split else None, "expected_size": h.expected_size, "missing_bytes": missing,
         "fingerprint": fp.as_dict() if fp else None,
     }
@@ -385,13 +385,6 @@ def _record(path: Path) -> dict:
 
 def _str(v) -> str | None:
     return v if isinstance(v, str) and v else None
-
-
-def _int(v) -> int | None:
-    try:
-        return int(v) if v is not None else None
-    except (TypeError, ValueError):
-        return None
 
 
 class _HeaderCache:
@@ -630,7 +623,7 @@ def plan_delete(path: str | Path, entries: list[ModelEntry] | None = None) -> De
         else:
             files.append(f)  # a link elsewhere goes alone: the file it points to is not the library's
             freed += 0 if f.is_symlink() else f.stat().st_size
-    if entry.preset:  # the registry's checksum marker of an assembled preset file
+    if entry.preset:  # the presets module's checksum marker of an assembled preset file
         files += [m for m in (cache_dir() / f"{Path(entry.path).name}.sha256",) if m.is_file()]
     unique = tuple(dict.fromkeys(str(f) for f in files))
     return DeletePlan(entry, unique, freed)

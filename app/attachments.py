@@ -591,5 +591,5 @@ __all__ = ["Attachment", "AttachmentError", "TooManyFiles", "FileTooLarge", "Emp
            "UnreadableFile", "UnsupportedEncoding", "PdfWithoutText", "Limits", "LIMITS", "Part", "Budget",
            "ContextPlan", "BM25", "FileDiff", "from_bytes", "read_path", "read_paths", "check_count", "render",
            "render_whole", "render_part", "plan_context", "chunks", "terms", "diffs", "code_blocks",
-           "estimate_tokens", "human_size", "clean_name", "unique_names", "message_files", "message_content", "task_prompt",
-           "task_files"]
+           "estimate_tokens", "human_size", "clean_name", "unique_names", "message_files", "message_content",
+           "task_prompt", "task_files"]

@@ -327,8 +327,13 @@ def task_prompt(item) -> str:
     rendered as the chat sends attached files that fit."""
     if not isinstance(item, dict):
         return item
-    files = [Attachment(f["name"], f["text"], len(f["text"].encode())) for f in item.get("files") or []]
-    return render(item["prompt"], files)
+    return render(item["prompt"], task_files(item))
+
+
+def task_files(item) -> list[Attachment]:
+    """The files a prompt-set item attaches ({name, text} each; none for a prompt string)."""
+    files = item.get("files") if isinstance(item, dict) else None
+    return [Attachment(f["name"], f["text"], len(f["text"].encode())) for f in files or []]
 
 
 # ------------------------------------------------------------------------------------- fit, then retrieval
@@ -586,4 +591,5 @@ __all__ = ["Attachment", "AttachmentError", "TooManyFiles", "FileTooLarge", "Emp
            "UnreadableFile", "UnsupportedEncoding", "PdfWithoutText", "Limits", "LIMITS", "Part", "Budget",
            "ContextPlan", "BM25", "FileDiff", "from_bytes", "read_path", "read_paths", "check_count", "render",
            "render_whole", "render_part", "plan_context", "chunks", "terms", "diffs", "code_blocks",
-           "estimate_tokens", "human_size", "clean_name", "unique_names", "message_files", "message_content", "task_prompt"]
+           "estimate_tokens", "human_size", "clean_name", "unique_names", "message_files", "message_content",
+           "task_prompt", "task_files"]

@@ -195,6 +195,21 @@ class HistoryStore(DataFolder):
         items.sort(key=lambda c: c["updated"], reverse=True)
         return items, notices
 
+    def recent(self, max_chars: int) -> list[dict]:
+        """The newest chats whose text (messages and attached files) adds up to about `max_chars`, newest first."""
+        out, total = [], 0
+        for item in self.list_chats()[0]:
+            if total >= max_chars:
+                break
+            try:
+                chat = self.load(item["id"])
+            except HistoryError:  # deleted or spoilt meanwhile
+                continue
+            out.append(chat)
+            total += sum(len(m["content"]) + sum(len(f["text"]) for f in m.get("attachments") or [])
+                         for m in chat["messages"])
+        return out
+
     def rename(self, chat_id: str, title: str) -> dict:
         chat = self.load(chat_id)
         chat["title"] = " ".join(str(title).split())[:120]

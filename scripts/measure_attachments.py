@@ -1,6 +1,7 @@
-"""Attachment costs: a ~100 KB text file read, tokenized and indexed (the prompt's n-gram table, what every DSBD
-answer builds over its prompt, and the cross-chat index), retrieval over it, and the diff of a rewritten file.
-Medians of --repeats. Writes JSON (--json) and prints it.
+"""Attachment costs: a ~100 KB text file read, tokenized and indexed (the prompt's n-gram index, what every DSBD
+answer builds over its prompt, beside the plain table of every n-gram it replaced, and the cross-chat index), a
+lookup in each, retrieval over it, and the diff of a rewritten file. Medians of --runs. Writes JSON (--json) and
+prints it.
 
     python scripts/measure_attachments.py --preset tiny --json docs/measurements/attachments.json
 """
@@ -8,7 +9,10 @@ Medians of --repeats. Writes JSON (--json) and prints it.
 from __future__ import annotations
 
 import json
+import platform
+import random
 import statistics
+import subprocess
 import time
 
 from _common import ROOT_DIR, pair_arguments
@@ -23,6 +27,29 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
+def lookups_s(cls, ids, tails, repeats: int) -> float:
+    """Median seconds of proposing every tail from a fresh index (as each answer's builder starts cold)."""
+    times = []
+    for _ in range(repeats):
+        idx = cls()
+        idx.add(ids)
+        t0 = time.perf_counter()
+        for t in tails:
+            idx.propose(t)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def cpu_name() -> str:
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     ap = pair_arguments(runs=5, max_tokens=0)
     ap.add_argument("--kb", type=int, default=100)
@@ -32,6 +59,7 @@ def main() -> None:
     from backends import llamacpp
     from backends.modelfiles.resolution import resolve
     from backends.registry import ModelSpec
+    from test_match_index import PlainIndex  # the reference the fast index is held equal to
 
     # ~100 KB of the project's own prose and code (what users attach: documents and source files)
     text = ""
@@ -42,11 +70,18 @@ def main() -> None:
     data = text.encode()[: a.kb * 1024].decode("utf-8", "ignore").encode()
     model = llamacpp.load(resolve(a.preset, role="target").path, ModelSpec(source=a.preset, n_threads=a.threads))
     tok = model.tokenizer
-    out: dict = {"preset": a.preset, "bytes": len(data), "repeats": a.runs}
+    out: dict = {"preset": a.preset, "bytes": len(data), "repeats": a.runs, "cpu": cpu_name()}
     out["read_s"], f = timed(lambda: att.from_bytes("doc.md", data), a.runs)
     out["tokenize_s"], ids = timed(lambda: tok.encode(att.render_whole(f)), a.runs)
     out["tokens"] = len(ids)
     out["match_index_s"], _ = timed(lambda: MatchIndex().add(ids), a.runs)
+    out["match_index_plain_s"], _ = timed(lambda: PlainIndex().add(ids), a.runs)
+    rng = random.Random(0)  # lookups as the builder makes them: tails of the text, half with a changed token
+    tails = [list(ids[e - 8:e]) for e in (rng.randrange(8, len(ids)) for _ in range(5000))]
+    for t in tails[::2]:
+        t[rng.randrange(8)] = rng.randrange(tok.n_vocab)
+    for name, cls in (("match_propose_us", MatchIndex), ("match_propose_plain_us", PlainIndex)):
+        out[name] = 1e6 * lookups_s(cls, ids, tails, a.runs) / len(tails)
     out["corpus_index_s"], _ = timed(lambda: CorpusIndex().add("doc", ids), a.runs)
     out["retrieval_s"], plan = timed(lambda: att.plan_context("How are attachments rendered into the prompt?",
                                                               [f], 3000, lambda s: len(tok.encode(s))), a.runs)

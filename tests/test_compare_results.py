@@ -239,6 +239,44 @@ def test_code_suite_is_graded_by_hidden_tests(tmp_path):
     assert ms["greedy"]["pass_rate"] == 1.0 and ms["beam"]["pass_rate"] == 0.0
 
 
+def test_an_answer_rewriting_a_prompt_sets_file_shows_the_chats_diff(tmp_path):
+    from html import unescape
+
+    from app import attachments as att
+    from app.serve.ui.compare import SOURCES, blind_cards_html
+
+    engine, store = FakeEngine(), R.ResultStore(tmp_path)
+    ui = CompareUI(engine, store)
+    assert "files suite" in SOURCES and ui._items("files suite", "", None)[0] == "edit-files"
+    task = R.load_prompt_source("edit-files")[0]
+    answer = f"Here it is:\n```python\n{task['reference']}```"
+    orig = engine._run
+
+    def greedy_rewrites_the_file(messages, params, *a, **k):
+        assert task["files"][0]["text"] in messages[-1]["content"]  # the file went into the prompt
+        for ev in orig(messages, params, *a, **k):
+            if ev.done and params.mode == "greedy":
+                ev = type(ev)(**(vars(ev) | {"text": answer}))
+            yield ev
+
+    engine._run = greedy_rewrites_the_file
+    params = _params("greedy", "beam")
+    R.run_items(engine, store, R.new_run(source="edit-files", items=[task], params=params, settings={}, models={},
+                                         seed=0), params, cancel=threading.Event())
+    (r,) = store.list()
+    choices = ui.saved_choices()["choices"]
+    assert choices == [(choices[0][0], r["id"])] and task["prompt"][:40] in choices[0][0]  # the question, not the file
+    html = ui.show(r["id"])
+    want = att.diffs(answer, att.task_files(task))  # what the chat shows for this answer and file
+    assert len(want) == 1 and want[0].added > 0
+    assert html.count('class="dsbd-card-diff"') == 1  # the greedy answer's; beam's text rewrites nothing
+    assert f"Changes to <code>{want[0].name}</code> (+{want[0].added} −{want[0].removed})" in html
+    shown = re.search(r"<pre>(.*?)</pre>", html, re.S).group(1)
+    assert unescape(re.sub(r"<[^>]+>", "", shown)) == want[0].diff
+    assert ui.show(None) == "" and "does not exist" in ui.show("20990101-000000-abcdef")
+    assert blind_cards_html(r, 2).count('class="dsbd-card-diff"') == 1  # a blind view hides modes, not diffs
+
+
 # -- the Compare tab's handlers ------------------------------------------------------------------------
 def _mode_names_in(html: str) -> set[str]:
     return {m for m in MODES if re.search(rf"(?<![\w-]){re.escape(m)}(?![\w-])", html)}

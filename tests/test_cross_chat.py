@@ -112,3 +112,48 @@ def test_the_engine_remembers_each_chat_once_and_hands_the_index_to_the_next(tin
         assert len(engine.corpus.docs) == 2 and handed[-1] == (handed[-1][0], chat_key(other)) and handed[-1][0] > 0
     finally:
         engine.close()
+
+
+def _saved_chat(store, question: str, answer: str) -> dict:
+    chat = store.new_chat()
+    chat["messages"] = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    store.save(chat)
+    return chat
+
+
+def test_saved_chats_fill_the_index_of_a_new_engine_newest_first_within_its_bound(tiny_gguf_path, tmp_path):
+    from app.config import DecodeParams
+    from app.engine.engine import Engine
+    from app.serve.ui.chat import prompt_messages
+    from app.storage import HistoryStore
+    from backends.registry import ModelSpec
+
+    store = HistoryStore(tmp_path)
+    old = _saved_chat(store, "Spell the old word.", "The old word is quarantine, spelt q-u-a-r-a-n-t-i-n-e.")
+    time.sleep(0.01)  # `updated` orders them
+    new = _saved_chat(store, "Write the function.", "def zebra_crossing(width_m: float) -> int:\n"
+                                                     "    return int(width_m // 0.5) + 1\n")
+    assert [c["id"] for c in store.recent(10_000)] == [new["id"], old["id"]]
+    assert [c["id"] for c in store.recent(1)] == [new["id"]]  # the newest alone already holds that much
+
+    engine = Engine.load(ModelSpec(source="tiny", n_ctx=512))  # a later start: nothing in memory
+    try:
+        saved = [prompt_messages(c) for c in store.recent(10_000)]
+        engine.remember_chats(saved)
+        assert len(engine.corpus) == 0  # encoded at the first generation, not at the start
+        prompt = engine.encode([{"role": "user", "content": "Hello."}])
+        p = DecodeParams(mode="dsbd", beams=1, max_new_tokens=2, seed=1, lookup_nodes=2, lookup_sources=("match",))
+        list(engine.generate(prompt, p))
+        ids = {chat_key(engine.encode(m)): engine.encode(m) for m in saved}
+        assert list(engine.corpus.docs)[:2] == list(ids)[::-1]  # the oldest first: the bound drops it first
+        code = engine.tokenizer.encode("def zebra_crossing(width_m")
+        want = engine.corpus.docs[chat_key(engine.encode(saved[0]))]
+        at = next(i for i in range(len(want)) if tuple(want[i:i + len(code)]) == tuple(code))
+        assert engine.corpus.propose(want[:at + len(code)])[0][0] == want[at + len(code)]  # it continues the edit
+
+        newest = chat_key(engine.encode(saved[0]))
+        engine.corpus = CorpusIndex(max_tokens=len(ids[newest]) + 5)  # a small bound: only the newest chat fits
+        engine._fill_corpus()
+        assert list(engine.corpus.docs) == [newest]
+    finally:
+        engine.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import pytest
 
@@ -412,6 +413,25 @@ def test_build_app_and_launch_kwargs(tmp_path):
     kw = launch_kwargs(app)
     assert ".dsbd-cards" in kw["css"] and kw["allowed_paths"] == [str((tmp_path / "exports").resolve())]
     assert isinstance(app, gr.Blocks)
+
+
+def test_the_app_hands_the_saved_chats_to_the_engine_newest_first(tmp_path):
+    from app.storage import HistoryStore
+
+    store = HistoryStore(tmp_path)
+    for i, text in enumerate(["first chat", "second chat"]):
+        chat = store.new_chat(system="Be brief." if i else "")
+        chat["messages"] = [{"role": "user", "content": text, "attachments": [{"name": "a.py", "text": "x = 1\n"}]},
+                            {"role": "assistant", "content": "ok"}]
+        store.save(chat)
+        time.sleep(0.01)
+    handed = []
+    engine = FakeEngine()
+    engine.remember_chats = handed.append
+    build_app(engine, data_dir=tmp_path)
+    (chats,) = handed
+    assert [[m["role"] for m in c] for c in chats] == [["system", "user", "assistant"], ["user", "assistant"]]
+    assert "second chat" in chats[0][1]["content"] and "x = 1" in chats[0][1]["content"]  # the files as sent
 
 
 def test_session_state_is_not_copied():

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import heapq
 import math
+from array import array
+from bisect import bisect_left, bisect_right
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
@@ -44,6 +46,8 @@ LAYER_STRENGTH = 1.0  # expected passes behind the prior that a lookup-only laye
 # recycled successors of a 2-token / 1-token key.
 _MATCH_PRIOR = (0.0, 0.08, 0.15, 0.3, 0.45, 0.55, 0.6, 0.65, 0.7)
 _RECYCLED_PRIOR = (0.0, 0.12, 0.2)
+BLOCK_MIN = 256  # positions from which an added sequence is indexed as a sorted block
+COUNTS_KEPT = 64  # ranges at least this wide keep their counts (bounds that memo to max_n/64 entries per position)
 CORPUS_TOKENS = 200_000  # the cross-chat index's bound: the oldest chats leave beyond this many tokens
 CORPUS_KEY = 2  # positions are found by the last two tokens, then matched backwards up to MAX_NGRAM
 CORPUS_SCAN = 256  # positions looked at per proposal (the newest): bounds a proposal's time for common keys
@@ -52,14 +56,22 @@ CORPUS_SCAN = 256  # positions looked at per proposal (the newest): bounds a pro
 # ------------------------------------------------------------------------------------------------- sources
 
 class MatchIndex:
-    """n-gram -> {next token: count} over the prompt and every sequence added, for suffixes of 1..MAX_NGRAM."""
+    """n-gram -> {next token: count} over the prompt and every sequence added, for suffixes of 1..MAX_NGRAM.
+
+    A long sequence (the prompt, attached files) becomes a `_SortedContexts` block, built with numpy in
+    milliseconds; the few tokens added per iteration go to a dict of every n-gram. A proposal takes the longest
+    suffix found in either and adds up the counts of both, so it equals one table of every n-gram."""
 
     def __init__(self, max_n: int = MAX_NGRAM) -> None:
         self.max_n = max_n
         self.table: dict[tuple[int, ...], dict[int, int]] = {}
+        self.blocks: list[_SortedContexts] = []
 
     def add(self, seq: Sequence[int], start: int = 0) -> None:
         """Index the continuation at every position i >= max(start, 1) of seq: seq[i] after seq[i-n:i]."""
+        if len(seq) - max(start, 1) >= BLOCK_MIN:
+            self.blocks.append(_SortedContexts(seq, max(start, 1), self.max_n))
+            return
         table, seq = self.table, tuple(seq)
         for i in range(max(start, 1), len(seq)):
             nxt = seq[i]
@@ -70,13 +82,71 @@ class MatchIndex:
     def propose(self, text: Sequence[int]) -> list[tuple[int, int, float]]:
         """[(token, match length, share)] for the longest indexed suffix of text, most frequent first."""
         tail = tuple(text[-self.max_n:])
-        for n in range(len(tail), 0, -1):
-            d = self.table.get(tail[-n:])
-            if d:
-                total = sum(d.values())
-                best = sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))[:PER_KEY]
-                return [(tok, n, c / total) for tok, c in best]
-        return []
+        found = [(b, *b.longest(tail)) for b in self.blocks]
+        n = max((m for _, m, _, _ in found), default=0)
+        for k in range(len(tail), n, -1):  # a longer suffix among the small adds
+            if tail[-k:] in self.table:
+                n = k
+                break
+        if n == 0:
+            return []
+        parts = [b.counts(lo, hi) for b, m, lo, hi in found if m == n]
+        if tail[-n:] in self.table:
+            parts.append(_ranked(self.table[tail[-n:]]))
+        if len(parts) > 1:
+            merged: dict[int, int] = {}
+            for d, _, _ in parts:
+                for tok, c in d.items():
+                    merged[tok] = merged.get(tok, 0) + c
+            parts = [_ranked(merged)]
+        _, total, best = parts[0]
+        return [(tok, n, c / total) for tok, c in best]
+
+
+def _ranked(counts: dict[int, int]) -> tuple[dict[int, int], int, list[tuple[int, int]]]:
+    """(counts, their total, the PER_KEY most frequent (token, count), ties to the smaller token)."""
+    return counts, sum(counts.values()), sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:PER_KEY]
+
+
+class _SortedContexts:
+    """The positions of one sequence sorted by their reversed context (the token before, then the one before
+    that, ... up to max_n): the positions whose last n tokens equal a given n-gram form one contiguous range,
+    found by bisecting one column per token. Padding (-1) stands where a context runs past the start."""
+
+    def __init__(self, seq: Sequence[int], start: int, max_n: int) -> None:
+        s = np.asarray(seq, dtype=np.int64)
+        pos = np.arange(start, len(s))
+        cols = [np.where(pos - k - 1 >= 0, s[np.maximum(pos - k - 1, 0)], -1) for k in range(max_n)]
+        order = np.lexsort(cols[::-1])  # the last key sorts first: the token just before the position
+        # array('q') keeps the columns compact and lets bisect read them at C speed
+        self.cols = [array("q", c[order].tobytes()) for c in cols]
+        self.next = array("q", s[pos[order]].tobytes())
+        self._counts: dict[tuple[int, int], tuple] = {}
+
+    def longest(self, tail: tuple[int, ...]) -> tuple[int, int, int]:
+        """(n, lo, hi): the longest suffix of tail found (n tokens) and its positions' range."""
+        lo, hi, n = 0, len(self.next), 0
+        for k, col in enumerate(self.cols[:len(tail)]):
+            tok = tail[-1 - k]
+            a = bisect_left(col, tok, lo, hi)
+            b = bisect_right(col, tok, a, hi)
+            if a == b:
+                break
+            lo, hi, n = a, b, k + 1
+        return n, lo, hi
+
+    def counts(self, lo: int, hi: int) -> tuple[dict[int, int], int, list[tuple[int, int]]]:
+        """`_ranked` {next token: count} over a range; kept for wide ranges (short common n-grams are asked
+        often)."""
+        r = self._counts.get((lo, hi))
+        if r is None:
+            c: dict[int, int] = {}
+            for tok in self.next[lo:hi]:
+                c[tok] = c.get(tok, 0) + 1
+            r = _ranked(c)
+            if hi - lo >= COUNTS_KEPT:
+                self._counts[(lo, hi)] = r
+        return r
 
 
 class CorpusIndex:

@@ -29,7 +29,7 @@ from app.decoding.metrics import Metrics
 from app.engine.interface import Event, ModelEngine, NoModelLoaded, PromptTooLong
 from app.engine.learned import Learned, entry_key, model_key
 from app.engine.timing import CAL_POINTS, TIMED, cached_costs, cost_profile
-from app.prompt import encode_chat
+from app.prompt import ChatError, encode_chat
 from backends.modelfiles.progress import LoadTracker, tracking
 
 log = logging.getLogger(__name__)
@@ -59,8 +59,11 @@ class Engine(ModelEngine):
         self._calibration: dict = {}
         self._unsaved: set[str] = set()  # keys of models without a file identity: learnt in memory only
         # Earlier chats' tokens (prompt + answer, the newest version of each chat) for the match source's
-        # lookup nodes: in memory, bounded (lookups.CORPUS_TOKENS), dropped with the target's tokenizer.
+        # lookup nodes: in memory, bounded (lookups.CORPUS_TOKENS), dropped with the target's tokenizer; the saved
+        # chats (remember_chats) fill it at the first generation, and again after the target changes.
         self.corpus = CorpusIndex()
+        self._saved: list[list[dict]] = []  # saved chats' messages (newest first), for the corpus at startup
+        self._saved_due = False  # they still have to be encoded into the corpus (at the next generation)
         if draft is not None:
             from backends.tokenizer import check_compatible
 
@@ -136,7 +139,7 @@ class Engine(ModelEngine):
             # The new state first, so a failing close below cannot leave the engine half switched.
             self._ctx.clear()
             if staged.target is not self.target:  # token ids mean nothing to another tokenizer
-                self.corpus = CorpusIndex()
+                self.corpus, self._saved_due = CorpusIndex(), bool(self._saved)
             self.target, self.draft = staged.target, staged.draft
             self.n_ctx, self.tokenizer, self.specs = staged.n_ctx, staged.tokenizer, (target, draft)
             self.plan, self.policy = plan, None  # pass costs and acceptance belong to the old models
@@ -371,6 +374,31 @@ class Engine(ModelEngine):
         self._require()
         return encode_chat(messages, self.tokenizer)
 
+    def remember_chats(self, chats: Sequence[list[dict]]) -> None:
+        """Saved chats (each its messages as the model sees them, newest chat first) for the cross-chat index;
+        encoded at the next generation, so a start stays quick."""
+        self._saved, self._saved_due = [list(c) for c in chats], bool(chats)
+
+    def _fill_corpus(self) -> None:
+        """The remembered chats into the cross-chat index, newest first up to its bound, added oldest first (the
+        index drops its oldest); a chat this process already answered keeps its own, newer version."""
+        self._saved_due = False
+        picked, seen, total = [], set(self.corpus.docs), 0
+        for messages in self._saved:
+            if total >= self.corpus.max_tokens:
+                break
+            try:
+                ids = encode_chat(messages, self.tokenizer)
+            except ChatError:
+                continue  # a template that cannot render it: that chat is only left out
+            key = chat_key(ids)
+            if key not in seen:
+                seen.add(key)
+                picked.append((key, ids))
+                total += len(ids)
+        for key, ids in reversed(picked):
+            self.corpus.add(key, ids)
+
     def generate(self, prompt: Sequence[int], params: DecodeParams, *,
                  cancel: threading.Event | None = None) -> Iterator[Event]:
         """Stream one completion of `prompt` (token ids). Raises ConfigError before any work."""
@@ -448,6 +476,8 @@ class Engine(ModelEngine):
                 raise NoModelLoaded()
             if self.target is not encoded_for:  # a model swap went through while this request waited
                 raise BackendError("the models changed while this request waited; send it again")
+            if self._saved_due:
+                self._fill_corpus()
             target = self._context("target", rows, cells)
             drafts = params.uses_draft and self.draft is not None
             draft = self._context("draft", rows, cells) if drafts else None

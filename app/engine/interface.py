@@ -132,6 +132,10 @@ class ModelEngine(ABC):
     def encode(self, messages: list[dict]) -> list[int]:
         """Chat messages -> prompt token ids (the model's template)."""
 
+    def remember_chats(self, chats: Sequence[list[dict]]) -> None:
+        """Saved chats (each its messages, newest chat first) whose text the `match` source may continue in
+        later answers (the cross-chat index); an engine without that index ignores them."""
+
     @abstractmethod
     def generate(self, prompt: Sequence[int], params: DecodeParams, *,
                  cancel: threading.Event | None = None) -> Iterator[Event]:

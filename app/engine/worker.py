@@ -152,6 +152,7 @@ class WorkerEngine(ModelEngine):
         self._state: dict = {}
         self._child: _Child | None = None
         self.restarts = 0  # model processes started after a crash (for tests and logs)
+        self._saved: list[list[dict]] = []  # remember_chats: each new model process gets them too
         self._child = self._start(target, draft)
         self._phase = "ready"
 
@@ -212,6 +213,13 @@ class WorkerEngine(ModelEngine):
 
     def encode(self, messages: list[dict]) -> list[int]:
         return self._call("encode", messages)
+
+    def remember_chats(self, chats: Sequence[list[dict]]) -> None:
+        self._saved = [list(c) for c in chats]
+        with self._cv:
+            ready = self._phase == "ready"
+        if ready:  # otherwise the next model process is started with them
+            self._call("remember_chats", self._saved)
 
     def complete(self, prompt: Sequence[int], params: DecodeParams, *, n: int = 1) -> list[dict]:
         return self._call("complete", list(prompt), params, n=n, kind="answer")
@@ -382,7 +390,7 @@ class WorkerEngine(ModelEngine):
         ctx = multiprocessing.get_context("spawn")
         mine, theirs = ctx.Pipe()
         proc = ctx.Process(target=child_main, args=(theirs, target, draft, self._budget, self._on_start,
-                                                    self._profile),
+                                                    self._profile, self._saved),
                            name="dsbd-model", daemon=True)
         proc.start()
         theirs.close()  # only the child holds its end now: its death is our EOF

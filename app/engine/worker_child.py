@@ -22,7 +22,7 @@ from backends.registry import ModelSpec
 TOKENIZER_ATTRS = ("name", "n_vocab", "bos_id", "eos_id", "eos_ids", "vocab_type", "add_bos", "chat_template")
 # What the supervisor may call on the child's Engine (streams: "generate" / "chat", opened separately).
 CALLS = frozenset({"describe", "check_params", "resolve", "pick", "costs", "observe", "encode", "complete", "swap",
-                   "use_cost_profile", "tokenizer.encode", "tokenizer.decode", "tokenizer.piece"})
+                   "use_cost_profile", "remember_chats", "tokenizer.encode", "tokenizer.decode", "tokenizer.piece"})
 
 
 class _Served:
@@ -32,8 +32,10 @@ class _Served:
         self.cancel, self.go, self.dropped = threading.Event(), threading.Event(), False
 
 
-def child_main(conn, target: ModelSpec, draft: ModelSpec | None, budget, on_start, profile: str = "timed") -> None:
-    """Entry point of the model process: load, report, then serve requests until the pipe closes."""
+def child_main(conn, target: ModelSpec, draft: ModelSpec | None, budget, on_start, profile: str = "timed",
+               saved=()) -> None:
+    """Entry point of the model process: load, report, then serve requests until the pipe closes. `saved`: the
+    chats the supervisor was told to remember (Engine.remember_chats)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the parent's: it closes this process
     try:  # a crash must not leave a core file of the size of the models behind
         import resource
@@ -62,6 +64,8 @@ def child_main(conn, target: ModelSpec, draft: ModelSpec | None, budget, on_star
 
             engine = Engine.load(target, draft, budget=budget, profile=profile,
                                  progress=lambda step: send(LoadProgress(0, (step,))))
+            if saved:
+                engine.remember_chats(saved)
         except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
             send(LoadFailed(0, pack_exc(e)))
             return

@@ -12,15 +12,24 @@ import gradio as gr
 
 from app.serve.ui import chat, compare, models
 from app.compare.store import ResultStore
+from app.decoding.lookups import CORPUS_TOKENS
 from app.storage import HistoryStore
+from backends.base import BackendError
 from app.serve.ui.settings import ASSETS, set_machine
 
 QUEUE_KWARGS = {"default_concurrency_limit": 1, "max_size": 64}
+CORPUS_CHARS = 8 * CORPUS_TOKENS  # saved chats' text handed to the cross-chat index: more than its token bound
 
 
 def build_app(engine, *, data_dir: str | os.PathLike | None = None) -> gr.Blocks:
     """The whole app over `engine`; chats are kept in `data_dir` (else $DSBD_CHAT_DATA, else the platform dir)."""
     store = HistoryStore(data_dir)
+    remember = getattr(engine, "remember_chats", None)  # (a test's stand-in engine may have none)
+    if remember is not None:  # the match source may continue earlier chats' text after a restart too
+        try:
+            remember([chat.prompt_messages(c) for c in store.recent(CORPUS_CHARS)])
+        except BackendError:  # no model loaded, or its process is down: the next one starts with them
+            pass
     try:
         set_machine(engine.describe().get("machine", "cpu"))  # the presets' forest caps for this machine
     except Exception:  # noqa: BLE001 - an engine that cannot describe itself still gets a page (CPU caps)

@@ -5,6 +5,7 @@ Blind (the default): one prompt, two or more modes, all with the same seed, answ
 (the engine runs one generation at a time) and shown as they finish under labels A, B, ... in a random
 order. Nothing in the page names a mode until the vote; the label -> mode map stays on the server. Each
 mode reuses the decoding panel's settings with only the mode swapped, so a comparison varies one thing.
+An answer that rewrites a prompt-set item's attached file shows its unified diff, as the chat does.
 Records, the store, tallies and the runner live in app/compare/, the report in app/compare/report.py.
 """
 
@@ -20,6 +21,7 @@ from typing import Iterator
 import gradio as gr
 from matplotlib.figure import Figure
 
+from app import attachments as att
 from app.config import MODES, ConfigError
 from app.engine.interface import NoModelLoaded
 from app.compare.records import (BOTH_BAD, TIE, ResultsError, load_prompt_source, needs_vote, new_comparison, new_run,
@@ -30,7 +32,8 @@ from app.serve.ui.chat import ENGINE_QUEUE, Session
 from app.serve.ui.settings import params_from, settings_from_values
 
 DEFAULT_MODES = ["greedy", "beam", "dsbd"]
-SOURCES = ("chat suite", "code suite", "paste", "upload")
+SOURCES = ("chat suite", "code suite", "files suite", "paste", "upload")
+SUITES = {"chat suite": "chat", "code suite": "code", "files suite": "edit-files"}  # packaged prompt sets
 _VOTE_NAMES = {TIE: "Tie", BOTH_BAD: "Both bad"}
 UPLOAD_LABEL = 'Prompt file: .jsonl (a JSON string or {"prompt": …} per line), .txt (one per line)'
 
@@ -54,15 +57,35 @@ def _stats_line(st: dict) -> str:
             f'mean log-p {_fmt(st.get("mean_target_logprob"), ".3f")}</div>')
 
 
-def cards_html(results: list[dict], pending: list[str] = (), *, winner: str | None = None) -> str:
-    """Revealed cards: label (if any) and mode, headline numbers, text; placeholders for modes still to run."""
+def diffs_html(text: str, files: list[att.Attachment]) -> str:
+    """The unified diff of each attached file the answer rewrites (a fenced block like it), as the chat shows it."""
+    out = []
+    for d in att.diffs(text, files) if files else []:
+        lines = "".join(f'<span class="dsbd-diff-{_DIFF_CLASS.get(line[:1], "same")}">{escape(line)}</span>'
+                        for line in d.diff.splitlines(keepends=True))
+        out.append(f'<details class="dsbd-card-diff" open><summary>Changes to <code>{escape(d.name)}</code> '
+                   f'(+{d.added} −{d.removed})</summary><pre>{lines}</pre></details>')
+    return "".join(out)
+
+
+_DIFF_CLASS = {"+": "add", "-": "del", "@": "hunk"}
+
+
+def _text_html(a: dict, files: list[att.Attachment]) -> str:
+    return f'<div class="dsbd-card-text">{escape(a["text"]) or "<i>(empty)</i>"}</div>{diffs_html(a["text"], files)}'
+
+
+def cards_html(results: list[dict], pending: list[str] = (), *, winner: str | None = None,
+               files: list[att.Attachment] = ()) -> str:
+    """Revealed cards: label (if any) and mode, headline numbers, text and the diffs of the `files` it rewrites;
+    placeholders for modes still to run."""
     cards = []
     for r in results:
         st = r.get("stats") or {}
         if r.get("error"):
             body = f'<div class="dsbd-card-error">⚠️ {escape(r["error"])}</div>'
         else:
-            body = f'<div class="dsbd-card-text">{escape(r["text"]) or "<i>(empty)</i>"}</div>'
+            body = _text_html(r, files)
         head = (f'{escape(r["label"])} = ' if r.get("label") else "") + escape(r["mode"])
         if r.get("passed") is not None:
             head += " · tests " + ("passed ✅" if r["passed"] else "failed ❌")
@@ -77,14 +100,14 @@ def cards_html(results: list[dict], pending: list[str] = (), *, winner: str | No
 
 
 def blind_cards_html(rec: dict, done: int, *, writing: bool = True) -> str:
-    """Cards under neutral labels only: finished answers' text, the one being written, the queue.
+    """Cards under neutral labels only: finished answers' text (and diffs), the one being written, the queue.
     No mode, no stats, no error text (an error message may name its mode) until the vote."""
-    cards = []
+    cards, files = [], att.task_files(rec.get("task"))
     for i, a in enumerate(rec["answers"]):
         label = f'<div class="dsbd-card-mode">Answer {escape(a["label"])}</div>'
         if i < done:
             body = ('<div class="dsbd-card-error">⚠️ this answer failed; the reason is shown after the vote</div>'
-                    if a.get("error") else f'<div class="dsbd-card-text">{escape(a["text"]) or "<i>(empty)</i>"}</div>')
+                    if a.get("error") else _text_html(a, files))
             cards.append(f'<div class="dsbd-card">{label}{body}</div>')
         else:
             state = "writing…" if writing and i == done else f"queued ({i - done + (not writing)} to go)" \
@@ -96,7 +119,12 @@ def blind_cards_html(rec: dict, done: int, *, writing: bool = True) -> str:
 
 def revealed_html(rec: dict) -> str:
     vote = rec.get("vote") or {}
-    return cards_html(rec["answers"], winner=vote.get("choice"))
+    return cards_html(rec["answers"], winner=vote.get("choice"), files=att.task_files(rec.get("task")))
+
+
+def record_html(rec: dict) -> str:
+    """A saved comparison's answers: blind while it waits for a vote, else with modes, stats and tests."""
+    return blind_cards_html(rec, len(rec["answers"])) if needs_vote(rec) else revealed_html(rec)
 
 
 def scatter(results: list[dict]) -> Figure | None:
@@ -126,6 +154,11 @@ def _vote_choices(rec: dict) -> list[tuple[str, str]]:
 
 def _hidden_vote() -> tuple:
     return gr.update(visible=False, value=None), gr.update(visible=False)
+
+
+def _question(rec: dict) -> str:
+    """What was asked: a task's own prompt (the record's prompt starts with the task's files)."""
+    return (rec.get("task") or {}).get("prompt") or rec["prompt"]
 
 
 def _progress_html(done: int, total: int, state: str) -> str:
@@ -270,10 +303,8 @@ class CompareUI:
 
     # -- prompt sets ----------------------------------------------------------------------------------
     def _items(self, source: str, pasted: str, upload) -> tuple[str, list]:
-        if source == "chat suite":
-            return "chat", load_prompt_source("chat")
-        if source == "code suite":
-            return "code", load_prompt_source("code")
+        if source in SUITES:
+            return SUITES[source], load_prompt_source(SUITES[source])
         if source == "paste":
             return "pasted", parse_prompts(pasted or "", name="pasted text")
         if not upload:
@@ -358,10 +389,25 @@ class CompareUI:
                 (f"{vote['choice']} = {vote['winner']}" if vote["winner"] else vote["choice"])
             modes = ", ".join(a["mode"] for a in r["answers"]) if not needs_vote(r) else "(hidden until the vote)"
             rows.append(f"<tr><td>{time.strftime('%m-%d %H:%M', time.localtime(r['created']))}</td>"
-                        f"<td>{escape(r['prompt'][:80])}</td><td>{escape(modes)}</td><td>{escape(verdict)}</td></tr>")
+                        f"<td>{escape(_question(r)[:80])}</td><td>{escape(modes)}</td><td>{escape(verdict)}</td></tr>")
         listing = ('<table class="dsbd-results"><tr><th>when</th><th>prompt</th><th>modes</th><th>vote</th></tr>'
                    f"{''.join(rows)}</table>")
         return head, mode_table_html(records), pair_table_html(records), listing, self.run_choices()
+
+    def saved_choices(self) -> dict:
+        """The Show list: the latest saved comparisons, newest first."""
+        choices = [(f"{time.strftime('%m-%d %H:%M', time.localtime(r['created']))} · {_question(r)[:70]}", r["id"])
+                   for r in reversed(self.store.list()[-30:])]
+        return gr.update(choices=choices, value=None)
+
+    def show(self, rec_id: str | None) -> str:
+        """One saved comparison's answers (record_html)."""
+        if not rec_id:
+            return ""
+        try:
+            return record_html(self.store.load(rec_id))
+        except ResultsError as e:
+            return f'<div class="dsbd-card-error">⚠️ {escape(str(e))}</div>'
 
     def export(self, fmt: str) -> tuple:
         records = self.store.list()
@@ -393,90 +439,131 @@ class CompareUI:
                 f"Report for {len(paths) // 2} model pair(s): {', '.join(p.name for p in paths)}.")
 
 
+# -- the tab's views: widgets first (create_*), then their events (wire_*) -----------------------------------
+FAST = dict(concurrency_limit=None, show_progress="hidden")
+
+
 def build(engine, session: gr.State, system: gr.Textbox, panel, store: ResultStore | None = None) -> CompareUI:
-    """Create the Compare tab's widgets; `panel` is the chat tab's decoding panel (shared settings)."""
+    """The Compare tab in three views (Blind compare, Prompt sets, Results & report); `panel` is the chat tab's
+    decoding panel (shared settings)."""
     ui = CompareUI(engine, store or ResultStore())
-    fast = dict(concurrency_limit=None, show_progress="hidden")
     with gr.Tabs():
         with gr.Tab("Blind compare", id="compare-one"):
-            gr.Markdown("One prompt, several modes, the same seed, answered one after another. Blind: the "
-                        "answers appear as they finish under labels A, B, … in a random order; your vote reveals "
-                        "the modes. Other settings come from the decoding panel on the Chat tab.")
-            with gr.Row():
-                prompt = gr.Textbox(label="Prompt", lines=3, scale=4, elem_id="compare-prompt")
-                with gr.Column(scale=2):
-                    modes = gr.CheckboxGroup(list(MODES), value=DEFAULT_MODES, label="Modes", elem_id="compare-modes")
-                    blind = gr.Checkbox(value=True, label="Blind (hide the modes until I vote)",
-                                        elem_id="compare-blind")
-                    with gr.Row():
-                        run_btn = gr.Button("Compare", variant="primary", elem_id="compare-run")
-                        stop_btn = gr.Button("Stop", variant="stop", elem_id="compare-stop")
-                        next_btn = gr.Button("Vote on the next pending", elem_id="compare-next")
-            status = gr.Markdown("", elem_id="compare-status")
-            cards = gr.HTML(cards_html([]), elem_id="compare-cards")
-            with gr.Row():
-                vote = gr.Radio([], label="Which answer is better?", visible=False, elem_id="compare-vote", scale=4)
-                vote_btn = gr.Button("Vote and reveal", visible=False, variant="primary", elem_id="compare-vote-btn")
-            plot = gr.Plot(label="Speed vs quality", elem_id="compare-plot")
+            w = create_blind_view()
         with gr.Tab("Prompt sets", id="compare-sets"):
-            gr.Markdown("Run a list of prompts through the modes ticked on the Blind compare tab, in the background "
-                        "(chats still get answers between its generations). The code suite is graded by its hidden "
-                        "tests; chat prompts wait for your blind votes. Stop keeps what is done; Resume goes on.")
-            with gr.Row():
-                source = gr.Radio(list(SOURCES), value="chat suite", label="Prompts", elem_id="compare-set-source")
-                limit = gr.Number(value=0, precision=0, label="Use the first N (0 = all)", elem_id="compare-set-limit")
-            pasted = gr.Textbox(label="Pasted prompts (one per line)", lines=4, elem_id="compare-set-paste")
-            upload = gr.File(label=UPLOAD_LABEL,
-                             file_types=[".jsonl", ".txt", ".json"], elem_id="compare-set-file")
-            with gr.Row():
-                start_btn = gr.Button("Start", variant="primary", elem_id="compare-set-start")
-                set_stop_btn = gr.Button("Stop", variant="stop", elem_id="compare-set-stop")
-                runs = gr.Dropdown([], label="Unfinished runs", elem_id="compare-set-runs", scale=3)
-                resume_btn = gr.Button("Resume", elem_id="compare-set-resume")
-            set_bar = gr.HTML(_progress_html(0, 0, "idle"), elem_id="compare-set-progress")
-            set_status = gr.Markdown("", elem_id="compare-set-status")
-            timer = gr.Timer(1.0, active=False)
+            w |= create_sets_view()
         with gr.Tab("Results & report", id="compare-results") as results_tab:
-            with gr.Row():
-                refresh_btn = gr.Button("Refresh", elem_id="compare-refresh")
-                json_btn = gr.Button("Export JSON", elem_id="compare-export-json")
-                csv_btn = gr.Button("Export CSV", elem_id="compare-export-csv")
-                report_btn = gr.Button("Quality report (PNG + HTML)", variant="primary", elem_id="compare-report")
-            res_head = gr.Markdown("", elem_id="compare-results-head")
-            res_status = gr.Markdown("", elem_id="compare-results-status")
-            export_file = gr.File(label="Export", visible=False, interactive=False, elem_id="compare-export-file")
-            import_file = gr.File(label="Import an export (.json / .csv)", file_types=[".json", ".csv"],
-                                  elem_id="compare-import-file")
-            gr.Markdown("#### Per mode")
-            mode_table = gr.HTML("", elem_id="compare-mode-table")
-            gr.Markdown("#### Blind votes per pair of modes")
-            pair_table = gr.HTML("", elem_id="compare-pair-table")
-            report_img = gr.Image(label="Quality report", type="filepath", elem_id="compare-report-img")
-            report_files = gr.File(label="Report files", file_count="multiple", visible=False, interactive=False,
-                                   elem_id="compare-report-files")
-            gr.Markdown("#### Latest comparisons")
-            listing = gr.HTML("", elem_id="compare-list")
-
-    inputs = [session, prompt, modes, blind, system, *panel.components]
-    outs = [cards, plot, status, vote, vote_btn]
-    engine_ev = dict(concurrency_id=ENGINE_QUEUE, concurrency_limit=1, show_progress_on=[cards])
-    run_btn.click(ui.run, inputs, outs, **engine_ev)
-    prompt.submit(ui.run, inputs, outs, **engine_ev)  # Enter in the prompt box runs it too
-    stop_btn.click(lambda s: s.cancel.set() or "Stopping…", [session], [status], **fast)
-    vote_btn.click(ui.vote, [session, vote], outs, **fast)
-    next_btn.click(ui.next_pending, [session], outs, **fast)
-
-    start_btn.click(ui.set_start, [source, pasted, upload, limit, modes, system, *panel.components],
-                    [set_bar, set_status, timer], **fast)
-    set_stop_btn.click(ui.set_stop, None, [set_status], **fast)
-    resume_btn.click(ui.set_resume, [runs], [set_bar, set_status, timer], **fast)
-    timer.tick(ui.set_tick, None, [set_bar, set_status, timer, runs], **fast)
-
-    view = [res_head, mode_table, pair_table, listing, runs]
-    refresh_btn.click(ui.results_view, None, view, **fast)
-    results_tab.select(ui.results_view, None, view, **fast)
-    json_btn.click(lambda: ui.export("json"), None, [export_file, res_status], **fast)
-    csv_btn.click(lambda: ui.export("csv"), None, [export_file, res_status], **fast)
-    report_btn.click(ui.report, None, [report_img, report_files, res_status], **fast)
-    import_file.upload(ui.import_file, [import_file], [res_status], **fast)
+            w |= create_results_view()
+    w["results_tab"] = results_tab
+    settings = [system, *panel.components]
+    wire_blind_view(ui, w, session, settings)
+    wire_sets_view(ui, w, settings)
+    wire_results_view(ui, w)
     return ui
+
+
+def create_blind_view() -> dict:
+    """One prompt, the modes, Compare / Stop / Vote on the next pending, the cards, the vote and the plot."""
+    gr.Markdown("One prompt, several modes, the same seed, answered one after another. Blind: the "
+                "answers appear as they finish under labels A, B, … in a random order; your vote reveals "
+                "the modes. Other settings come from the decoding panel on the Chat tab.")
+    w = {}
+    with gr.Row():
+        w["prompt"] = gr.Textbox(label="Prompt", lines=3, scale=4, elem_id="compare-prompt")
+        with gr.Column(scale=2):
+            w["modes"] = gr.CheckboxGroup(list(MODES), value=DEFAULT_MODES, label="Modes", elem_id="compare-modes")
+            w["blind"] = gr.Checkbox(value=True, label="Blind (hide the modes until I vote)", elem_id="compare-blind")
+            with gr.Row():
+                w["run"] = gr.Button("Compare", variant="primary", elem_id="compare-run")
+                w["stop"] = gr.Button("Stop", variant="stop", elem_id="compare-stop")
+                w["next"] = gr.Button("Vote on the next pending", elem_id="compare-next")
+    w["status"] = gr.Markdown("", elem_id="compare-status")
+    w["cards"] = gr.HTML(cards_html([]), elem_id="compare-cards")
+    with gr.Row():
+        w["vote"] = gr.Radio([], label="Which answer is better?", visible=False, elem_id="compare-vote", scale=4)
+        w["vote_btn"] = gr.Button("Vote and reveal", visible=False, variant="primary", elem_id="compare-vote-btn")
+    w["plot"] = gr.Plot(label="Speed vs quality", elem_id="compare-plot")
+    return w
+
+
+def create_sets_view() -> dict:
+    """The prompt source (suite, pasted, uploaded), Start / Stop, unfinished runs to resume, the progress."""
+    gr.Markdown("Run a list of prompts through the modes ticked on the Blind compare tab, in the background "
+                "(chats still get answers between its generations). The code and files suites are graded by their "
+                "hidden tests; chat prompts wait for your blind votes. Stop keeps what is done; Resume goes on.")
+    w = {}
+    with gr.Row():
+        w["source"] = gr.Radio(list(SOURCES), value="chat suite", label="Prompts", elem_id="compare-set-source")
+        w["limit"] = gr.Number(value=0, precision=0, label="Use the first N (0 = all)", elem_id="compare-set-limit")
+    w["pasted"] = gr.Textbox(label="Pasted prompts (one per line)", lines=4, elem_id="compare-set-paste")
+    w["upload"] = gr.File(label=UPLOAD_LABEL, file_types=[".jsonl", ".txt", ".json"], elem_id="compare-set-file")
+    with gr.Row():
+        w["start"] = gr.Button("Start", variant="primary", elem_id="compare-set-start")
+        w["set_stop"] = gr.Button("Stop", variant="stop", elem_id="compare-set-stop")
+        w["runs"] = gr.Dropdown([], label="Unfinished runs", elem_id="compare-set-runs", scale=3)
+        w["resume"] = gr.Button("Resume", elem_id="compare-set-resume")
+    w["set_bar"] = gr.HTML(_progress_html(0, 0, "idle"), elem_id="compare-set-progress")
+    w["set_status"] = gr.Markdown("", elem_id="compare-set-status")
+    w["timer"] = gr.Timer(1.0, active=False)
+    return w
+
+
+def create_results_view() -> dict:
+    """Refresh, exports, import, the per-mode and per-pair tables, the report, and the saved comparisons (one
+    shown with its answers)."""
+    w = {}
+    with gr.Row():
+        w["refresh"] = gr.Button("Refresh", elem_id="compare-refresh")
+        w["json"] = gr.Button("Export JSON", elem_id="compare-export-json")
+        w["csv"] = gr.Button("Export CSV", elem_id="compare-export-csv")
+        w["report"] = gr.Button("Quality report (PNG + HTML)", variant="primary", elem_id="compare-report")
+    w["res_head"] = gr.Markdown("", elem_id="compare-results-head")
+    w["res_status"] = gr.Markdown("", elem_id="compare-results-status")
+    w["export_file"] = gr.File(label="Export", visible=False, interactive=False, elem_id="compare-export-file")
+    w["import_file"] = gr.File(label="Import an export (.json / .csv)", file_types=[".json", ".csv"],
+                               elem_id="compare-import-file")
+    gr.Markdown("#### Per mode")
+    w["mode_table"] = gr.HTML("", elem_id="compare-mode-table")
+    gr.Markdown("#### Blind votes per pair of modes")
+    w["pair_table"] = gr.HTML("", elem_id="compare-pair-table")
+    w["report_img"] = gr.Image(label="Quality report", type="filepath", elem_id="compare-report-img")
+    w["report_files"] = gr.File(label="Report files", file_count="multiple", visible=False, interactive=False,
+                                elem_id="compare-report-files")
+    gr.Markdown("#### Latest comparisons")
+    w["listing"] = gr.HTML("", elem_id="compare-list")
+    w["shown"] = gr.Dropdown([], label="Show a comparison's answers (with the diffs of files they rewrite)",
+                             elem_id="compare-show")
+    w["shown_cards"] = gr.HTML("", elem_id="compare-show-cards")
+    return w
+
+
+def wire_blind_view(ui: CompareUI, w: dict, session: gr.State, settings: list) -> None:
+    inputs = [session, w["prompt"], w["modes"], w["blind"], *settings]
+    outs = [w[k] for k in ("cards", "plot", "status", "vote", "vote_btn")]
+    engine_ev = dict(concurrency_id=ENGINE_QUEUE, concurrency_limit=1, show_progress_on=[w["cards"]])
+    w["run"].click(ui.run, inputs, outs, **engine_ev)
+    w["prompt"].submit(ui.run, inputs, outs, **engine_ev)  # Enter in the prompt box runs it too
+    w["stop"].click(lambda s: s.cancel.set() or "Stopping…", [session], [w["status"]], **FAST)
+    w["vote_btn"].click(ui.vote, [session, w["vote"]], outs, **FAST)
+    w["next"].click(ui.next_pending, [session], outs, **FAST)
+
+
+def wire_sets_view(ui: CompareUI, w: dict, settings: list) -> None:
+    """Start takes the modes ticked on the Blind compare view; the timer redraws the progress while a run goes."""
+    progress = [w["set_bar"], w["set_status"], w["timer"]]
+    w["start"].click(ui.set_start, [w[k] for k in ("source", "pasted", "upload", "limit", "modes")] + settings,
+                     progress, **FAST)
+    w["set_stop"].click(ui.set_stop, None, [w["set_status"]], **FAST)
+    w["resume"].click(ui.set_resume, [w["runs"]], progress, **FAST)
+    w["timer"].tick(ui.set_tick, None, progress + [w["runs"]], **FAST)
+
+
+def wire_results_view(ui: CompareUI, w: dict) -> None:
+    view = [w[k] for k in ("res_head", "mode_table", "pair_table", "listing", "runs")]
+    for ev in (w["refresh"].click, w["results_tab"].select):
+        ev(ui.results_view, None, view, **FAST).then(ui.saved_choices, None, [w["shown"]], **FAST)
+    w["shown"].change(ui.show, [w["shown"]], [w["shown_cards"]], **FAST)
+    w["json"].click(lambda: ui.export("json"), None, [w["export_file"], w["res_status"]], **FAST)
+    w["csv"].click(lambda: ui.export("csv"), None, [w["export_file"], w["res_status"]], **FAST)
+    w["report"].click(ui.report, None, [w["report_img"], w["report_files"], w["res_status"]], **FAST)
+    w["import_file"].upload(ui.import_file, [w["import_file"]], [w["res_status"]], **FAST)

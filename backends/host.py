@@ -23,6 +23,23 @@ def cpu_summary() -> str:
     return summary()
 
 
+def machine_facts(cost_profile: str | None = None) -> dict:
+    """The machine a measurement ran on, for its JSON: CPU model, the flags that decide llama.cpp's speed, cores,
+    the GPU (None without CUDA) and, where the times are projected, the cost profile that priced them."""
+    import os
+    import sys
+
+    from backends.llamacpp.probe import cpu_id
+
+    model, _, flags = cpu_id().partition("|")
+    gpu = None
+    torch = sys.modules.get("torch")  # only where torch is already loaded: this must stay cheap
+    if torch is not None and torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name(0)
+    return {"cpu": model, "flags": sorted(set(flags.split()) & {"avx2", "avx512f", "avx512_bf16", "amx_tile", "asimd"}),
+            "cores": os.cpu_count(), "gpu": gpu, "cost_profile": cost_profile}
+
+
 def timing_identity(model) -> dict | None:
     """What a loaded model's pass costs depend on, for caching them: its file (path, size, mtime), runtime and
     build, CPU (model + flags), threads and weight placement. None when it has no file to key on."""

@@ -29,3 +29,10 @@ def load_pair(preset: str, threads: int):
 
     spec = ModelSpec(source=preset, n_threads=threads)
     return tuple(llamacpp.load(resolve(preset, role=role).path, spec) for role in ("target", "draft"))
+
+
+def machine(cost_profile: str | None = None) -> dict:
+    """The machine block every measurement JSON carries (CPU model and flags, cores, GPU, cost profile)."""
+    from backends.host import machine_facts
+
+    return machine_facts(cost_profile)

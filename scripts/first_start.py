@@ -94,7 +94,7 @@ def main() -> int:
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
-    text = json.dumps(out, indent=2)
+    text = json.dumps(out | {"machine": _common.machine()}, indent=2)
     print(text)
     if a.json:
         Path(a.json).write_text(text + "\n")

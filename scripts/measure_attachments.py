@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import time
 
-from _common import ROOT_DIR, pair_arguments
+from _common import ROOT_DIR, machine, pair_arguments
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:
@@ -91,7 +91,7 @@ def main() -> None:
     out["diff_s"], d = timed(lambda: att.diffs(f"{fence}\n{rewritten}\n{fence}", [f]), a.runs)
     out["diff_changed_lines"] = d[0].added if d else 0
     model.close()
-    text_out = json.dumps(out, indent=1)
+    text_out = json.dumps(out | {"machine": machine()}, indent=1)
     print(text_out)
     if a.json:
         with open(a.json, "w") as fh:

@@ -69,7 +69,7 @@ def main() -> None:
         time.sleep(1.0)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"preset": a.preset, "rows": a.rows, "passes": a.passes, "results": results}, f, indent=1)
+            json.dump({"machine": _common.machine(), "preset": a.preset, "rows": a.rows, "passes": a.passes, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-from _common import load_pair, pair_arguments
+from _common import load_pair, machine, pair_arguments
 
 from app.config import DecodeParams  # noqa: E402
 from app.decoding import decoder  # noqa: E402
@@ -66,7 +66,7 @@ def main() -> None:
               f"max {r['tv']['max']:.3f}; max |dlogit| {r['max_abs_logit']['max']:.2f}; "
               f"top-1 agree {r['top1_agree']:.3f}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"preset": a.preset, "runs": a.runs, "max_tokens": a.max_tokens,
+        Path(a.json).write_text(json.dumps({"machine": machine(), "preset": a.preset, "runs": a.runs, "max_tokens": a.max_tokens,
                                             "report": report}, indent=1))
 
 

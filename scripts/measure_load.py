@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 
-from _common import ROOT_DIR  # noqa: F401  (puts the repository on sys.path)
+from _common import ROOT_DIR, machine  # noqa: F401  (ROOT_DIR: the repository on sys.path)
 
 
 def _timeline(engine, target, draft):
@@ -93,7 +93,7 @@ def main() -> None:
     print(json.dumps(out, indent=2))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(out, f, indent=2)
+            json.dump(out | {"machine": machine()}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -139,7 +139,7 @@ def main() -> None:
         print(json.dumps(out["check"]))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+            json.dump(out | {"machine": _common.machine()}, f, indent=1)
 
 
 def check(backends: dict, rng, trials: int = 20) -> dict:

@@ -23,7 +23,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from _common import ROOT_DIR as ROOT  # the repository (and tests/, for helpers) on sys.path
+from _common import ROOT_DIR as ROOT, machine  # the repository (and tests/, for helpers) on sys.path
 
 from app.config import DecodeParams  # noqa: E402
 from backends.llamacpp import rpc  # noqa: E402
@@ -204,7 +204,7 @@ def main() -> int:
     procs = [start_worker() for _ in range(2)]
     eps = [ep for _, ep in procs]
     try:
-        result = {"preset": a.preset, "threads": a.threads, "max_new_tokens": a.max_tokens, "rounds": a.rounds,
+        result = {"machine": machine(), "preset": a.preset, "threads": a.threads, "max_new_tokens": a.max_tokens, "rounds": a.rounds,
                   "workers": eps, "load_average": list(__import__("os").getloadavg())}
         result["bytes_per_pass"] = pass_bytes(path, eps, a.threads)
         if a.bytes_only:

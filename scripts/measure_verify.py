@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from _common import load_pair, pair_arguments
+from _common import load_pair, machine, pair_arguments
 
 from app.config import DecodeParams  # noqa: E402
 from app.decoding import start  # noqa: E402
@@ -89,7 +89,7 @@ def main() -> None:
                   f"({100 * row['decoder_share']:.1f}%; {row['decoder_ms_per_layer']:.1f} ms per verified layer)",
                   flush=True)
     if a.json:
-        Path(a.json).write_text(json.dumps({"preset": a.preset, "runs": a.runs, "rows": out}, indent=1))
+        Path(a.json).write_text(json.dumps({"machine": machine(), "preset": a.preset, "runs": a.runs, "rows": out}, indent=1))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,8 @@ def test_run_bench_resolves_auto_records_passes_and_summarizes(tmp_path):
     assert s["sample"]["peak_rss_bytes"] >= max(r["peak_rss_bytes"] for r in res["runs"] if r["mode"] == "sample") > 0
     assert s["dsbd"]["draft_token_share"] == 0.5 and "draft_token_share" not in s["sample"]  # fake: every other word
     assert json.loads(out.read_text())["summary"]["auto"]["runs"] == 2
+    machine = json.loads(out.read_text())["machine"]  # which machine the figures are from
+    assert machine["cores"] >= 1 and isinstance(machine["flags"], list) and machine["cost_profile"] is None
     # A finished file resumes to the same runs without running anything again; the engine relearns from
     # them, auto's runs as the setting it picked.
     fresh = FakeEngine(n_ctx=400)

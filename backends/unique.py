@@ -160,6 +160,22 @@ class UniquePaths(CountingContext):
         self._set_rows([t[:n] for t in self._tokens])
 
     def evaluate(self, forest: Forest) -> Logits:
+        self._check(forest)
+        plan = _Plan(self)  # works on copies: nothing changes unless the inner evaluate succeeds
+        plan.add_suffixes(forest.suffix)
+        plan.add_nodes(forest)
+        out = plan.feed()
+        self._apply(plan, forest, out)
+        query = sum(map(len, forest.suffix)) + len(forest.tokens)
+        self._count(query, sum(map(len, plan.isuffix)) + len(plan.itok))
+        if not plan.asked:
+            return out
+        rows = self._gather(plan.asked)
+        root_rows = tuple(r for r, s in enumerate(forest.suffix) if s)
+        k = len(root_rows)
+        return Logits(root_rows, rows[:k], rows[k:])
+
+    def _check(self, forest: Forest) -> None:
         n_rows = len(self._tokens)
         if len(forest.suffix) > n_rows:
             raise ValueError(f"Forest.suffix has {len(forest.suffix)} entries for {n_rows} rows")
@@ -174,96 +190,20 @@ class UniquePaths(CountingContext):
             if suf and self._has_nodes[r]:
                 raise ValueError(f"row {r} already has pending nodes; its suffix must come before them")
 
-        # Plan on copies: nothing changes unless the inner evaluate succeeds.
-        ifed, ibusy = list(self._ifed), list(self._ibusy)
-        fresh: dict[int, tuple[int, int, str, int]] = {}  # key fed now -> (row, node, "roots"|"nodes", index)
-        isuffix: list[tuple[int, ...]] = [() for _ in range(n_rows)]
-        itok: list[int] = []
-        ipar: list[int] = []
-        irow: list[int] = []
-        inode0 = len(self._inode)
-
-        def where(key: int, row: int) -> tuple[int, int] | None:
-            hit = fresh.get(key) or self._at.get(key)
-            return (hit[0], hit[1]) if hit else self._committed_at(key, row, ifed)
-
-        def feed_node(key: int, token: int, at: tuple[int, int]) -> tuple[int, int]:
-            nid = inode0 + len(itok)
-            itok.append(int(token))
-            ipar.append(at[1])
-            irow.append(at[0])
-            ibusy[at[0]] = True
-            fresh[key] = (at[0], nid, "nodes", len(itok) - 1)
-            return at[0], nid
-
-        rkey = list(self._rkey)
-        chains = {}  # row -> keys of its root and of each suffix prefix
-        for r, suf in enumerate(forest.suffix):
-            if suf:
-                chains[r] = keys = [rkey[r]]
-                for t in suf:
-                    keys.append(self._keys.child(keys[-1], int(t)))
-        # A suffix prefix two rows share must be addressable (an inner row end or node) to hang the other on.
-        nexts: dict[int, set[int]] = {}
-        for keys in chains.values():
-            for a, b in zip(keys[1:], keys[2:]):
-                nexts.setdefault(a, set()).add(b)
-        ends = {keys[-1] for keys in chains.values()}
-        asked: list[int] = []  # the key of every caller entry with logits: roots (row order), then nodes
-        for r, keys in chains.items():
-            suf = forest.suffix[r]
-            if keys[-1] not in fresh and keys[-1] not in self._at:
-                # the longest known prefix (not the whole: a committed twin has no logits to hand out)
-                j = max(i for i in range(len(keys) - 1) if i == 0 or where(keys[i], r) is not None)
-                at = where(keys[j], r)
-                if j == 0 and not ifed[r] and not ibusy[r] and not self._suffix[r]:  # its own row: a suffix
-                    m = next((i for i in range(1, len(suf)) if len(nexts.get(keys[i], ())) > 1
-                              or (keys[i] in ends and keys[i] in nexts)), len(suf))
-                    isuffix[r] = tuple(int(t) for t in suf[:m])
-                    ifed[r] = True
-                    fresh[keys[m]] = (r, ROOT, "roots", sum(1 for s in isuffix if s) - 1)
-                    at, j = (r, ROOT), m
-                for i in range(j + 1, len(keys)):  # the rest as a chain of nodes
-                    at = feed_node(keys[i], suf[i - 1], at)
-            rkey[r] = keys[-1]
-            asked.append(keys[-1])
-        root_rows = tuple(r for r, s in enumerate(forest.suffix) if s)
-        new_nodes = []
-        for t, par, r in zip(forest.tokens, forest.parents, forest.rows):
-            pkey = rkey[r] if par == ROOT else (self._nodes[par][0] if par < base else new_nodes[par - base][0])
-            key = self._keys.child(pkey, int(t))
-            if key not in fresh and key not in self._at:
-                feed_node(key, t, where(pkey, r))
-            new_nodes.append((key, r, par, int(t)))
-            asked.append(key)
-
-        query = sum(map(len, forest.suffix)) + len(forest.tokens)
-        distinct = sum(map(len, isuffix)) + len(itok)
-        if distinct or not asked:
-            out = self._inner_evaluate(Forest(suffix=tuple(isuffix) if any(isuffix) else (), tokens=tuple(itok),
-                                             parents=tuple(ipar), rows=tuple(irow)))
-        else:  # every entry was scored by an earlier call since the commit
-            out = None
-
-        # Apply.
-        self._ifed, self._ibusy, self._rkey = ifed, ibusy, rkey
+    def _apply(self, plan: _Plan, forest: Forest, out: Logits | None) -> None:
+        """The planned state becomes the wrapper's; the inner logits are kept for every key fed now."""
+        self._ifed, self._ibusy, self._rkey = plan.ifed, plan.ibusy, plan.rkey
         for r, suf in enumerate(forest.suffix):
             self._suffix[r].extend(int(t) for t in suf)
-        for _, r, _, _ in new_nodes:
+        for _, r, _, _ in plan.new_nodes:
             self._has_nodes[r] = True
-        self._nodes.extend(new_nodes)
-        self._inode.extend(zip(irow, ipar))
+        self._nodes.extend(plan.new_nodes)
+        self._inode.extend(zip(plan.irow, plan.ipar))
         if out is not None:
             a = len(self._arrays)
             self._arrays += [out.roots, out.nodes]
-            for key, (row, node, kind, i) in fresh.items():
+            for key, (row, node, kind, i) in plan.fresh.items():
                 self._at[key] = (row, node, a + (kind == "nodes"), i)
-        self._count(query, distinct)
-        if not asked:
-            return out
-        rows = self._gather(asked)
-        k = len(root_rows)
-        return Logits(root_rows, rows[:k], rows[k:])
 
     def _gather(self, keys: list[int]) -> np.ndarray:
         """The logits of `keys`, one row each, copied out of the inner results ([len(keys), vocab])."""
@@ -297,3 +237,90 @@ class UniquePaths(CountingContext):
             keys.append(key)
         self.inner.commit(inner_paths)
         self._set_rows(tokens, keys)
+
+
+class _Plan:
+    """What one `UniquePaths.evaluate` feeds the inner context, worked out on copies of the wrapper's state."""
+
+    def __init__(self, up: UniquePaths) -> None:
+        self.up = up
+        self.ifed, self.ibusy, self.rkey = list(up._ifed), list(up._ibusy), list(up._rkey)
+        self.fresh: dict[int, tuple[int, int, str, int]] = {}  # key fed now -> (row, node, "roots"|"nodes", index)
+        self.isuffix: list[tuple[int, ...]] = [() for _ in up._tokens]
+        self.itok: list[int] = []
+        self.ipar: list[int] = []
+        self.irow: list[int] = []
+        self.inode0 = len(up._inode)
+        self.asked: list[int] = []  # the key of every caller entry with logits: roots (row order), then nodes
+        self.new_nodes: list[tuple[int, int, int, int]] = []  # as UniquePaths._nodes
+
+    def known(self, key: int) -> bool:
+        return key in self.fresh or key in self.up._at
+
+    def where(self, key: int, row: int) -> tuple[int, int] | None:
+        hit = self.fresh.get(key) or self.up._at.get(key)
+        return (hit[0], hit[1]) if hit else self.up._committed_at(key, row, self.ifed)
+
+    def feed_node(self, key: int, token: int, at: tuple[int, int]) -> tuple[int, int]:
+        nid = self.inode0 + len(self.itok)
+        self.itok.append(int(token))
+        self.ipar.append(at[1])
+        self.irow.append(at[0])
+        self.ibusy[at[0]] = True
+        self.fresh[key] = (at[0], nid, "nodes", len(self.itok) - 1)
+        return at[0], nid
+
+    def add_suffixes(self, suffix: Sequence[Sequence[int]]) -> None:
+        """Each row's suffix: as an inner suffix on its own row where it can, else as nodes off the longest
+        known prefix."""
+        chains = {}  # row -> keys of its root and of each suffix prefix
+        for r, suf in enumerate(suffix):
+            if suf:
+                chains[r] = keys = [self.rkey[r]]
+                for t in suf:
+                    keys.append(self.up._keys.child(keys[-1], int(t)))
+        # A suffix prefix two rows share must be addressable (an inner row end or node) to hang the other on.
+        nexts: dict[int, set[int]] = {}
+        for keys in chains.values():
+            for a, b in zip(keys[1:], keys[2:]):
+                nexts.setdefault(a, set()).add(b)
+        ends = {keys[-1] for keys in chains.values()}
+        for r, keys in chains.items():
+            suf = suffix[r]
+            if not self.known(keys[-1]):
+                # the longest known prefix (not the whole: a committed twin has no logits to hand out)
+                j = max(i for i in range(len(keys) - 1) if i == 0 or self.where(keys[i], r) is not None)
+                at = self.where(keys[j], r)
+                if j == 0 and not self.ifed[r] and not self.ibusy[r] and not self.up._suffix[r]:  # own row
+                    m = next((i for i in range(1, len(suf)) if len(nexts.get(keys[i], ())) > 1
+                              or (keys[i] in ends and keys[i] in nexts)), len(suf))
+                    self.isuffix[r] = tuple(int(t) for t in suf[:m])
+                    self.ifed[r] = True
+                    self.fresh[keys[m]] = (r, ROOT, "roots", sum(1 for s in self.isuffix if s) - 1)
+                    at, j = (r, ROOT), m
+                for i in range(j + 1, len(keys)):  # the rest as a chain of nodes
+                    at = self.feed_node(keys[i], suf[i - 1], at)
+            self.rkey[r] = keys[-1]
+            self.asked.append(keys[-1])
+
+    def add_nodes(self, forest: Forest) -> None:
+        """Each new node: fed as an inner node unless its content key is already scored."""
+        base = len(self.up._nodes)
+        for t, par, r in zip(forest.tokens, forest.parents, forest.rows):
+            if par == ROOT:
+                pkey = self.rkey[r]
+            else:
+                pkey = self.up._nodes[par][0] if par < base else self.new_nodes[par - base][0]
+            key = self.up._keys.child(pkey, int(t))
+            if not self.known(key):
+                self.feed_node(key, t, self.where(pkey, r))
+            self.new_nodes.append((key, r, par, int(t)))
+            self.asked.append(key)
+
+    def feed(self) -> Logits | None:
+        """The inner evaluate of what was planned; None when every entry was scored since the commit."""
+        if any(self.isuffix) or self.itok or not self.asked:
+            return self.up._inner_evaluate(Forest(suffix=tuple(self.isuffix) if any(self.isuffix) else (),
+                                                  tokens=tuple(self.itok), parents=tuple(self.ipar),
+                                                  rows=tuple(self.irow)))
+        return None

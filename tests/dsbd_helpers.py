@@ -1,5 +1,5 @@
-"""Test helpers for the decoding math: fixed seeds, merged-cell chi-square, test distributions and drafts, and an
-enumerating `Rand`.
+"""Test helpers for the decoding math: fixed seeds, merged-cell chi-square, test distributions and drafts, an
+enumerating `Rand`, and a forest policy whose every node is a lookup node.
 
 Statistical design (spec §13): chi-square with cells of expected count < 5 merged, significance 1e-4 per
 assertion, seeds fixed from `numpy.random.SeedSequence(test_id)`. Set DSBD_FRESH_SEEDS=1 (nightly) to draw fresh
@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import Counter
 from typing import Any, Callable, Iterator
 
 import numpy as np
 from scipy import stats
+from scipy.stats import chi2_contingency
 
 from app.decoding.sampling import Draft, Joint, Warp, warp_joint
 
@@ -185,3 +187,34 @@ def layer_cases() -> dict[str, tuple[Joint, Joint, np.ndarray]]:
         ),
         "random": _random_case(7),
     }
+
+
+class LookupOnly:
+    """A forest policy stub: gamma layers, no drafts (W_S = 0): every node is a lookup node."""
+
+    def __init__(self, g: int) -> None:
+        self.g = g
+
+    def choose(self, *, max_gamma, roots, draft_roots, **_):
+        return min(self.g, max_gamma), 0
+
+    def observe(self, *a, **kw):
+        pass
+
+    def settle(self, steps):
+        pass
+
+
+def homogeneous(a: Counter, b: Counter) -> float:
+    """p-value of the chi-square homogeneity test, merging rare cells (expected < 5)."""
+    cells = sorted(set(a) | set(b))
+    na, nb = sum(a.values()), sum(b.values())
+    table = np.array([[a[c] for c in cells], [b[c] for c in cells]], dtype=float)
+    expected_min = table.sum(0) * min(na, nb) / (na + nb)
+    rare = expected_min < 5
+    if rare.any():
+        table = np.concatenate([table[:, ~rare], table[:, rare].sum(1, keepdims=True)], axis=1)
+    table = table[:, table.sum(0) > 0]
+    if table.shape[1] < 2:
+        return 1.0
+    return float(chi2_contingency(table)[1])

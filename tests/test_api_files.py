@@ -11,7 +11,7 @@ import pytest
 from app import attachments as att
 from app.serve.api import build_api
 from fake_engine import FakeEngine
-from test_api import running
+from api_helpers import running
 
 openai = pytest.importorskip("openai")
 

@@ -9,7 +9,7 @@ import pytest
 from app.compare import bench
 from app.config import ConfigError, DecodeParams
 from helpers import ADD_TASK
-from tests.fake_engine import FakeEngine
+from fake_engine import FakeEngine
 
 
 def test_edit_suite_references_pass_and_the_pasted_code_fails():

@@ -9,7 +9,7 @@ import pytest
 
 pytestmark = [pytest.mark.browser, pytest.mark.filterwarnings("ignore:::gradio.queueing")]
 from browser_support import launch_browser, serve, sync_api, wait_text  # noqa: E402  (skips without Chromium)
-from test_chat_files import CALC, FIXED, Answering  # noqa: E402
+from chat_file_helpers import CALC, FIXED, Answering  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -9,24 +9,11 @@ import pytest
 gr = pytest.importorskip("gradio")
 
 from app import attachments as att  # noqa: E402
-from app.engine.interface import Event  # noqa: E402
 from app.serve.ui.chat import ChatUI, Session, prompt_messages  # noqa: E402
 from app.storage import HistoryStore  # noqa: E402
 from fake_engine import FakeEngine  # noqa: E402
-from test_ui_handlers import values  # noqa: E402
-
-CALC = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
-FIXED = CALC.replace("a - b", "a + b")
-
-
-class Answering(FakeEngine):
-    """Answers every chat with `answer` (one done event), recording the messages it was sent."""
-
-    answer = "Fixed:\n\n```python\n" + FIXED + "```\n"
-
-    def _run(self, messages, params, cancel, call_no, auto=None):
-        yield Event(text=self.answer, tokens=20, live_beams=0, done=True,
-                    stats={"mode": params.mode, "new_tokens": 20, "finish_reason": "stop"})
+from chat_file_helpers import CALC, FIXED, Answering  # noqa: E402
+from ui_helpers import values  # noqa: E402
 
 
 @pytest.fixture

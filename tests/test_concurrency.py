@@ -16,7 +16,7 @@ from app.serve.api import build_server
 from app.config import DecodeParams
 from backends.registry import ModelSpec
 from app.engine.engine import Engine
-from test_api import Recorder, running
+from api_helpers import Recorder, running
 
 openai = pytest.importorskip("openai")
 

@@ -10,7 +10,7 @@ import pytest
 from app.decoding.beams import Stopper
 from app.decoding.lookups import MAX_NGRAM, Builder, CorpusIndex
 from app.engine.engine import chat_key
-from test_model_free import BASELINE, EXACT, law_of, max_gap, params
+from law_helpers import BASELINE, EXACT, law_of, max_gap, params
 
 
 def test_longest_match_with_counts_across_chats():

@@ -12,17 +12,16 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from scipy.stats import chi2_contingency
 
-from app.engine.auto import CostCurve
 from app.config import MODE_FACTS, DecodeParams
 from app.decoding import decoder, start
 from app.decoding.beams import Stopper
 from app.decoding.metrics import Metrics
+from dsbd_helpers import homogeneous
 from refmodel import TableModel, bigram
+from toy_models import DRAFT, TARGET, V, VARYING
 
 ALPHA = 1e-4
-V = 4  # token 0 is EOS
 
 
 def run(mode: str, target, draft=None, *, seed: int, prompt=(1, 2), collect_steps=False, costs=None, **kw):
@@ -40,21 +39,6 @@ def run(mode: str, target, draft=None, *, seed: int, prompt=(1, 2), collect_step
     return (out, metrics, steps, t) if collect_steps else out
 
 
-def homogeneous(a: Counter, b: Counter) -> float:
-    """p-value of the chi-square homogeneity test, merging rare cells (expected < 5)."""
-    cells = sorted(set(a) | set(b))
-    na, nb = sum(a.values()), sum(b.values())
-    table = np.array([[a[c] for c in cells], [b[c] for c in cells]], dtype=float)
-    expected_min = table.sum(0) * min(na, nb) / (na + nb)
-    rare = expected_min < 5
-    if rare.any():
-        table = np.concatenate([table[:, ~rare], table[:, rare].sum(1, keepdims=True)], axis=1)
-    table = table[:, table.sum(0) > 0]
-    if table.shape[1] < 2:
-        return 1.0
-    return float(chi2_contingency(table)[1])
-
-
 def sample_arm(mode, target, draft, n, base_seed, *, forest: str = "fixed", **kw) -> Counter:
     """n answers; forest="adaptive" prices forests with VARYING and asserts the choice varied with the past."""
     if forest == "fixed":
@@ -70,13 +54,6 @@ def sample_arm(mode, target, draft, n, base_seed, *, forest: str = "fixed", **kw
             done += steps
     assert any(len(chosen) > 1 for chosen in by_cap.values()), by_cap  # not a function of the budget alone
     return out
-
-
-TARGET = bigram(V, 11)
-DRAFT = bigram(V, 12, sharp=1.0)  # a different model: many rejections
-# Pass costs under which the adaptive forest policy (tests/test_forest_policy.py) changes gamma and W_S with the
-# acceptance it sees on TARGET / DRAFT (gamma 0-2, W_S 2-3): sample_arm asserts that it did vary.
-VARYING = (CostCurve.of({1: 1.0, 2: 1.1, 4: 1.3, 5: 1.7, 6: 1.8, 8: 2.1}), CostCurve.of({1: 0.3, 8: 0.36}))
 
 
 # --- reductions (spec §11 R1-R3) -----------------------------------------------------------------

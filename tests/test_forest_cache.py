@@ -19,7 +19,7 @@ from app.decoding import baselines, dsbd as D
 from app.decoding.beams import Stopper
 from app.decoding.metrics import Metrics
 from app.decoding.sampling import DraftWOR, SeededRand, sample_without_replacement, verify_layer_without_replacement
-from dsbd_helpers import ALPHA_TEST, chisquare_pvalue, enumerate_paths, joint, layer_cases, rngs
+from dsbd_helpers import ALPHA_TEST, LookupOnly, chisquare_pvalue, enumerate_paths, joint, layer_cases, rngs
 from refmodel import bigram
 
 EXACT = 1e-12
@@ -223,21 +223,6 @@ def test_negative_controls_choosing_outputs_by_hits_are_biased(monkeypatch, wron
 
 
 # -------------------------------------------------------------------------- lookup-only layers = baseline A
-
-class LookupOnly:
-    """A forest policy stub: gamma layers, no drafts (W_S = 0): every node is a lookup node."""
-
-    def __init__(self, g: int) -> None:
-        self.g = g
-
-    def choose(self, *, max_gamma, roots, draft_roots, **_):
-        return min(self.g, max_gamma), 0
-
-    def observe(self, *a, **kw):
-        pass
-
-    def settle(self, steps):
-        pass
 
 
 def every_token(l, parent_content, prev, q, drafts):

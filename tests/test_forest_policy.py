@@ -25,8 +25,7 @@ from app.decoding.forest_policy import (PRIOR, ForestPolicy, count_law, expected
                                         layer_pass)
 from app.decoding.metrics import Metrics
 from app.decoding.sampling import log_softmax
-from test_decoding import DRAFT, TARGET, VARYING
-from test_exact_real import SEQ_DRAFT, SEQ_TARGET, SV, _hashed
+from toy_models import DRAFT, SEQ_DRAFT, SEQ_TARGET, SV, TARGET, VARYING, hashed
 
 CPU = (CostCurve.of({1: 0.080, 8: 0.25, 64: 1.0}), CostCurve.of({1: 0.045, 8: 0.11, 64: 0.76}))  # qwen, 2 cores
 GPU = (CostCurve.of({1: 0.020, 64: 0.022}), CostCurve.of({1: 0.004, 64: 0.0045}))  # a pass costs ~ its launch
@@ -137,7 +136,7 @@ def test_self_draft_accepts_everything_across_undrafted_iterations(mode):
 def test_changing_sizes_keep_every_score_exact(mode):
     """Per-iteration gamma / W_S reach every index: a node looked up with another iteration's W_S would hand a
     beam another node's target log-probs, and the returned score would no longer be the sequence's."""
-    tempered = _hashed(0, 0.8)  # the target's logits, flattened: deep layers pass often
+    tempered = hashed(0, 0.8)  # the target's logits, flattened: deep layers pass often
     deep = 0
     for seed in range(12):
         params = DecodeParams(mode=mode, beams=3, draft_beams=5, gamma=4, max_new_tokens=14, seed=seed).validated()

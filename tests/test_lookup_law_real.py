@@ -40,7 +40,7 @@ def answer(target, prompt, mode: str, seed: int, **kw) -> tuple[tuple[int, ...],
 
 @pytest.mark.slow
 def test_lookup_only_layers_without_replacement_keep_beam_samplings_law(tiny_gguf_path):
-    from test_decoding import homogeneous
+    from dsbd_helpers import homogeneous
 
     llamacpp = pytest.importorskip("backends.llamacpp")
     from backends.registry import ModelSpec

@@ -22,15 +22,8 @@ from app.decoding.beams import Stopper
 from app.decoding.lookups import Builder, Calibration, LookupBudget, MatchIndex, Recycler
 from app.decoding.metrics import Metrics
 from app.engine.timing import CostCurve
-from dsbd_helpers import ALPHA_TEST, chisquare_pvalue, enumerate_paths
-from refmodel import bigram
-
-EXACT = 1e-12
-V = 3  # token 0 is EOS
-TARGET = bigram(V, 21, sharp=2.0)
-DRAFT = bigram(V, 22, sharp=1.5)
-PROMPT = [1, 2, 1, 2, 1]  # repeats: the match source has something to continue
-BASELINE = {"with": "beam-sample-repl", "without": "beam-sample"}
+from dsbd_helpers import ALPHA_TEST, LookupOnly, chisquare_pvalue, enumerate_paths
+from law_helpers import BASELINE, DRAFT, EXACT, PROMPT, TARGET, V, generate, law_of, max_gap, params
 
 
 # ------------------------------------------------------------------------------------------------- sources
@@ -148,48 +141,6 @@ def test_decode_params_take_lookup_sources():
 
 # ------------------------------------------------------------------------------------ process level, exact
 
-def params(mode: str, **kw) -> DecodeParams:
-    base = dict(beams=2, min_beams=2, draft_beams=2, gamma=2, max_new_tokens=3, seed=0)
-    return DecodeParams(mode=mode, **{**base, **kw}).validated()
-
-
-def generate(p: DecodeParams, rand, *, draft=True, metrics=None, builder=None, run_cls=None):
-    stopper = Stopper(eos_ids=frozenset({0}))
-    metrics = metrics if metrics is not None else Metrics(mode=p.mode)
-    t = TARGET.context(rows=p.beams, max_tokens=64)
-    if p.mode in ("dsbd", "dsbd-mem"):
-        d = DRAFT.context(rows=p.beams, max_tokens=64) if draft else None
-        nodes = builder(p) if builder is not None else None
-        gen = D.dsbd(target=t, draft=d, prompt=PROMPT, params=p, stopper=stopper, metrics=metrics, vocab=V,
-                     nodes=nodes, rands=None if rand is None else (rand, rand))
-    else:
-        from app.decoding import baselines
-
-        gen = baselines.beam_sampling(target=t, prompt=PROMPT, params=p, stopper=stopper, metrics=metrics,
-                                      rand=rand)
-    return list(gen)[-1].output.tokens
-
-
-def law_of(p: DecodeParams, **kw) -> tuple[dict, dict]:
-    """Exact law of the returned sequence, and P(a model-free node was hit)."""
-    law: dict = defaultdict(float)
-    seen: dict = defaultdict(float)
-
-    def one(rand):
-        m = Metrics(mode=p.mode)
-        return generate(p, rand, metrics=m, **kw), m
-
-    for (tokens, m), pr in enumerate_paths(one):
-        law[tokens] += pr
-        for source in ("match", "recycled"):
-            seen[source] += pr * bool(m.sources.get(source, [0, 0])[1])
-    return law, seen
-
-
-def max_gap(a: dict, b: dict) -> float:
-    return max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
-
-
 def sources(*names):
     """A fresh builder per run (it learns as the answer goes): fixed forests take the likeliest nodes."""
     return lambda p: Builder(PROMPT, sources=names, finished=Stopper(eos_ids=frozenset({0})).finished)
@@ -243,8 +194,6 @@ def every_token(l, parent_content, prev, q, drafts):
 def test_negative_control_a_source_that_sees_the_layers_draws_moves_the_law(monkeypatch):
     """dsbd-mem (the set collapses to one beam at each iteration's end, so where iterations end matters):
     the same forest and pass chance, chosen with or without sight of the draws, give different laws."""
-    from test_forest_cache import LookupOnly
-
     def law(run_cls):
         monkeypatch.setattr(D, "_Run", run_cls)
         out: dict = defaultdict(float)

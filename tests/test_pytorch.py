@@ -16,41 +16,17 @@ import torch
 from backends.registry import ModelSpec
 from backends.base import ROOT, AcceptedPath, BackendError, ContextFull, Forest
 from backends.pytorch import load
-from backends.pytorch.model import KVCache, ModelArgs, init_random
+from backends.pytorch.model import ModelArgs, init_random
 from backends.pytorch.runtime import PyTorchModel, model_info
 from backends.pytorch.safetensors_loader import hf_config, hf_name
+from torch_helpers import F64_TOL, TINY_ARGS, scratch_logits, wrap
 
-TINY_ARGS = ModelArgs(
-    arch="llama", vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96,
-    rope_theta=10000.0, max_seq_len=512,
-)
-F64_TOL = 1e-9
 GGUF_TOL = 1e-4
-
-
-def wrap(transformer, dtype=torch.float64) -> PyTorchModel:
-    dev = torch.device("cpu")
-    info = model_info(transformer, name="random", dtype=dtype, device=dev)
-    return PyTorchModel(transformer, info=info, device=dev, dtype=dtype)
 
 
 @pytest.fixture(scope="module")
 def tiny() -> PyTorchModel:
     return wrap(init_random(TINY_ARGS, seed=0))
-
-
-@torch.inference_mode()
-def scratch_logits(model: PyTorchModel, seq: list[int]) -> np.ndarray:
-    """Plain causal forward over `seq` in a fresh cache -> logits of its last token, [vocab]."""
-    t = model.transformer
-    n = len(seq)
-    pos = torch.arange(n)[None]  # [1, n]
-    kv = KVCache(t.args, rows=1, slots=n, dtype=model.dtype, device=model.device)
-    mask = torch.ones(n, n, dtype=torch.bool).tril()[None]  # [1, n, n]
-    last = (torch.tensor([0]), torch.tensor([n - 1]))
-    out = t(torch.tensor([seq], device=model.device), positions=pos.to(model.device), slots=pos.to(model.device),
-            mask=mask.to(model.device), kv=kv, select=tuple(i.to(model.device) for i in last))  # [1, vocab]
-    return out[0].double().cpu().numpy()
 
 
 class Mirror:

@@ -175,13 +175,13 @@ def test_ctrl_c_stops_a_worker():
 # -- the split model equals the local one ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def random_gguf(tmp_path_factory):
-    from test_llamacpp import write_random_llama
+    from llama_helpers import write_random_llama
 
     return write_random_llama(tmp_path_factory.mktemp("rpc") / "random.gguf", n_layer=3)
 
 
 def test_a_split_float32_model_gives_the_local_forest_logits(workers, random_gguf):
-    from test_llamacpp import Tree, check_logits, deepest, iterate, make_oracle, rows_of, three_rows
+    from llama_helpers import Tree, check_logits, deepest, iterate, make_oracle, rows_of, three_rows
 
     from backends.base import AcceptedPath
     from backends.llamacpp.runtime import LlamaModel

@@ -294,7 +294,7 @@ def forest_case(ctx: UniquePaths, prompt: list[int], logits_of, tol: float) -> N
 def test_llamacpp_forest_through_the_wrapper_equals_sequential(tmp_path):
     pytest.importorskip("gguf")
     pytest.importorskip("backends.llamacpp")
-    from test_llamacpp import TOL, load, make_oracle, write_random_llama
+    from llama_helpers import TOL, load, make_oracle, write_random_llama
 
     model = load(write_random_llama(tmp_path / "random.gguf"))
     oracle = make_oracle(model)
@@ -308,7 +308,8 @@ def test_llamacpp_forest_through_the_wrapper_equals_sequential(tmp_path):
 
 def test_pytorch_forest_through_the_wrapper_equals_sequential():
     pytest.importorskip("torch")
-    from test_pytorch import F64_TOL, TINY_ARGS, init_random, scratch_logits, wrap
+    from backends.pytorch.model import init_random
+    from torch_helpers import F64_TOL, TINY_ARGS, scratch_logits, wrap
 
     model = wrap(init_random(TINY_ARGS, seed=0))
     ctx = UniquePaths(model.context(rows=4, max_tokens=64, logits_dtype=np.float64))

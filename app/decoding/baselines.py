@@ -146,55 +146,13 @@ def speculative_sampling(*, target: Context, draft: Context, prompt: Sequence[in
     drafted: list[bool] = []  # per token: an accepted draft token (else drawn by the target)
     score = 0.0
     t_suffix, d_suffix = (prompt[-1],), (prompt[-1],)
-
-    def per_token(logits: np.ndarray):
-        return warp_joint(log_softmax(logits)[None, :], warp)  # one parent: keys are token ids
-
     while True:
         g = min(params.gamma, params.max_new_tokens - len(tokens) - 1)
-        # 1. draft a chain of g tokens (g draft passes; the last token is never fed)
-        drafts, qs = [], []
-        for i in range(g):
-            if i == 0:
-                dl = draft.evaluate(Forest(suffix=(d_suffix,))).roots[0]
-            else:
-                dl = draft.evaluate(Forest(tokens=(drafts[-1],), parents=(ROOT if i == 1 else i - 2,),
-                                           rows=(0,))).nodes[0]
-            metrics.draft_passes += 1
-            q = per_token(pad_vocab(dl, vocab))
-            x = int(sample_iid(q, 1, rng_draft)[0])
-            drafts.append(x)
-            qs.append(q)
-            if stopper.finished(tokens + drafts):
-                break  # nothing to draft after an end
-        # 2. one target pass over the suffix and the chain
-        out = target.evaluate(Forest(suffix=(t_suffix,), tokens=tuple(drafts),
-                                     parents=(ROOT, *range(len(drafts) - 1))[: len(drafts)],
-                                     rows=(0,) * len(drafts)))
-        metrics.target_passes += 1
-        metrics.iterations += 1
+        drafts, qs = _draft_chain(draft, d_suffix, g, tokens, warp, vocab, rng_draft, stopper, metrics)
+        out = _score_chain(target, t_suffix, drafts, metrics)
         metrics.track_kv(target, draft)
         lp = log_softmax(np.concatenate([out.roots, out.nodes]))  # [1 + len(drafts), vocab]
-        # 3. verify the chain
-        accepted = 0
-        new = None
-        for i, x in enumerate(drafts):
-            p = per_token(out.roots[0] if i == 0 else out.nodes[i - 1])
-            ratio = p.lookup(np.array([x]))[0] / qs[i].lookup(np.array([x]))[0]
-            st = metrics.layer(i + 1)
-            st.attempted += 1
-            st.tested += 1
-            if rand.bernoulli(min(1.0, ratio)):
-                accepted += 1
-                st.accepted += 1
-                st.passed += 1
-                continue
-            S, R, _ = residual_chain(p, qs[i], 1)
-            new = int(rand.categorical(S, R[1]))  # residual norm(max(p - q, 0))
-            break
-        if new is None:  # bonus token after a full pass
-            p = per_token(out.roots[0] if not drafts else out.nodes[len(drafts) - 1])
-            new = int(rand.categorical(p.keys, p.probs))
+        accepted, new = _verify_chain(out, drafts, qs, warp, rand, metrics)
         emitted = drafts[:accepted] + [new]
         metrics.steps.append(len(emitted))
         # EOS, stop strings and the budget end the chain at the first token that ends it.
@@ -213,13 +171,71 @@ def speculative_sampling(*, target: Context, draft: Context, prompt: Sequence[in
             metrics.finish_reason = "stop" if beam.finished else "length"
             yield Step(final=beam.tokens, live=0, done=True, output=beam)
             return
-        # 4. commit: keep the accepted chain's KV in both caches
-        target.commit([AcceptedPath(0, tuple(range(accepted)))])
-        t_suffix = (new,)
-        fed = min(accepted, max(len(drafts) - 1, 0))  # the draft never fed its last token
-        if drafts:
-            draft.commit([AcceptedPath(0, tuple(range(fed)))])
-            d_suffix = tuple(drafts[fed:accepted]) + (new,)
-        else:
-            d_suffix = d_suffix + (new,)
+        t_suffix, d_suffix = _commit_chain(target, draft, d_suffix, drafts, accepted, new)
         yield Step(final=tuple(tokens), live=1)
+
+
+def _per_token(logits: np.ndarray, warp: Warp):
+    """The warped law of one row's next token (one parent: keys are token ids)."""
+    return warp_joint(log_softmax(logits)[None, :], warp)
+
+
+def _draft_chain(draft: Context, d_suffix: tuple[int, ...], g: int, tokens: list[int], warp: Warp, vocab: int,
+                 rng, stopper: Stopper, metrics: Metrics) -> tuple[list[int], list]:
+    """Draft a chain of up to g tokens (g draft passes; the last token is never fed) and the laws drawn from."""
+    drafts, qs = [], []
+    for i in range(g):
+        if i == 0:
+            dl = draft.evaluate(Forest(suffix=(d_suffix,))).roots[0]
+        else:
+            dl = draft.evaluate(Forest(tokens=(drafts[-1],), parents=(ROOT if i == 1 else i - 2,),
+                                       rows=(0,))).nodes[0]
+        metrics.draft_passes += 1
+        q = _per_token(pad_vocab(dl, vocab), warp)
+        x = int(sample_iid(q, 1, rng)[0])
+        drafts.append(x)
+        qs.append(q)
+        if stopper.finished(tokens + drafts):
+            break  # nothing to draft after an end
+    return drafts, qs
+
+
+def _score_chain(target: Context, t_suffix: tuple[int, ...], drafts: list[int], metrics: Metrics):
+    """One target pass over the suffix and the chain."""
+    out = target.evaluate(Forest(suffix=(t_suffix,), tokens=tuple(drafts),
+                                 parents=(ROOT, *range(len(drafts) - 1))[: len(drafts)],
+                                 rows=(0,) * len(drafts)))
+    metrics.target_passes += 1
+    metrics.iterations += 1
+    return out
+
+
+def _verify_chain(out, drafts: list[int], qs: list, warp: Warp, rand: SeededRand,
+                  metrics: Metrics) -> tuple[int, int]:
+    """min(1, p/q) tests along the chain: (drafts accepted, the token drawn after them): the residual
+    norm(max(p - q, 0)) at the first rejection, else a bonus token from p."""
+    for i, x in enumerate(drafts):
+        p = _per_token(out.roots[0] if i == 0 else out.nodes[i - 1], warp)
+        ratio = p.lookup(np.array([x]))[0] / qs[i].lookup(np.array([x]))[0]
+        st = metrics.layer(i + 1)
+        st.attempted += 1
+        st.tested += 1
+        if rand.bernoulli(min(1.0, ratio)):
+            st.accepted += 1
+            st.passed += 1
+            continue
+        S, R, _ = residual_chain(p, qs[i], 1)
+        return i, int(rand.categorical(S, R[1]))
+    p = _per_token(out.roots[0] if not drafts else out.nodes[len(drafts) - 1], warp)
+    return len(drafts), int(rand.categorical(p.keys, p.probs))
+
+
+def _commit_chain(target: Context, draft: Context, d_suffix: tuple[int, ...], drafts: list[int], accepted: int,
+                  new: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Keep the accepted chain's KV in both caches; returns the next target and draft suffixes."""
+    target.commit([AcceptedPath(0, tuple(range(accepted)))])
+    fed = min(accepted, max(len(drafts) - 1, 0))  # the draft never fed its last token
+    if drafts:
+        draft.commit([AcceptedPath(0, tuple(range(fed)))])
+        return (new,), tuple(drafts[fed:accepted]) + (new,)
+    return (new,), d_suffix + (new,)

@@ -46,11 +46,12 @@ class Stopper:
             return any(s in tail for s in self.stop)
         return False
 
-    def visible_text(self, tokens: Sequence[int], *, final: bool) -> str:
+    def visible_text(self, tokens: Sequence[int], *, final: bool, fresh: bool = False) -> str:
         """Text to show: EOS dropped, cut before a stop string; when not final, hold back a tail
-        that could still become a stop string and any incomplete UTF-8 sequence."""
+        that could still become a stop string and any incomplete UTF-8 sequence. fresh: decode all of `tokens`,
+        not only what the last call's did not have (for texts that are not the stream's)."""
         ids = [t for t in tokens if t not in self.eos_ids]
-        data = self._bytes(ids)
+        data = (self._decode(ids) if ids else b"") if fresh else self._bytes(ids)
         text = data.decode("utf-8", "ignore") if final else _complete_utf8(data)
         cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
@@ -62,7 +63,6 @@ class Stopper:
                         text = text[:-k]
                         break
         return text
-
 
     def _bytes(self, ids: list[int]) -> bytes:
         seen, data = self._shown
@@ -77,7 +77,7 @@ class Stopper:
     def runs(self, tokens: Sequence[int], flags: Sequence[bool]) -> list[tuple[str, bool]]:
         """The final visible text of `tokens` cut where `flags` (one per token) changes: [(text, flag)].
         A character split across a boundary goes to the run that completes it."""
-        text = self.visible_text(tokens, final=True)
+        text = self.visible_text(tokens, final=True, fresh=True)
         keep = [(t, bool(f)) for t, f in zip(tokens, flags) if t not in self.eos_ids]
         pieces = [self._decode([t]) for t, _ in keep]
         if b"".join(pieces) == self._decode([t for t, _ in keep]):  # byte-level pieces: one pass, O(n)
@@ -94,7 +94,7 @@ class Stopper:
             while j < len(tokens) and flags[j] == flags[i]:
                 j += 1
             done = sum(len(t) for t, _ in out)
-            _append(out, text[done:len(self.visible_text(tokens[:j], final=True)) if j < len(tokens) else None],
+            _append(out, text[done:len(self.visible_text(tokens[:j], final=True, fresh=True)) if j < len(tokens) else None],
                      bool(flags[i]))
             i = j
         return _clip(out, len(text))

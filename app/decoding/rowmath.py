@@ -663,86 +663,97 @@ def _without(tm: TorchRows, p: TorchLaw, q: _QRows, drafts: Sequence[DraftWOR], 
     size = len(p)
     if not 1 <= width <= size:
         raise ValueError(f"width must be in 1..{size} (pairs in supp(p)), got {width}")
-    total = p.total()
-    pn = p.flat if total == 1.0 else p.flat / total
-    qf = q.flat
-    n_cells = int(pn.shape[0])
-    cache: dict[int, tuple[float, float]] = {}
+    run = _Without(tm, p, q)
+    for j, d in enumerate(drafts):
+        if len(run.out) == width:
+            break
+        run.test(j, d, width, rand)
+    if len(run.out) == width:
+        return True, run.out
+    # correction: one draw from r; fills: sequential draws from p over the cells not output
+    run.emit(_draw_u(tm, run.pn, run.qf, run.tau, run.frozen, run.output_keys, rand), None)
+    while len(run.out) < width:
+        run.emit(_draw_u(tm, run.pn, run.qf, 0.0, {}, run.output_keys, rand), None)
+    return False, run.out
 
-    def cell(k: int) -> tuple[float, float]:
-        v = cache.get(k)
+
+class _Without:
+    """The state of one `_without` run: the outputs, the drawn cells' thresholds, tau and Zu."""
+
+    def __init__(self, tm: TorchRows, p: TorchLaw, q: _QRows) -> None:
+        self.tm = tm
+        total = p.total()
+        self.pn = p.flat if total == 1.0 else p.flat / total
+        self.qf = q.flat
+        self.n_cells = int(self.pn.shape[0])
+        self._cache: dict[int, tuple[float, float]] = {}
+        self.out: Outputs = []
+        self.output_keys: set[int] = set()
+        self.frozen: dict[int, float] = {}  # drawn cell -> its threshold
+        self.tau = 0.0
+        self.p_out = 0.0  # mass of p on the cells output
+        self.zu = self.left_mass()
+
+    def cell(self, k: int) -> tuple[float, float]:
+        v = self._cache.get(k)
         if v is None:
-            v = cache[k] = (float(pn[k]), float(qf[k])) if 0 <= k < n_cells else (0.0, 0.0)
+            v = self._cache[k] = (float(self.pn[k]), float(self.qf[k])) if 0 <= k < self.n_cells else (0.0, 0.0)
         return v
 
-    pv = lambda k: cell(k)[0]
-    qv = lambda k: cell(k)[1]
-    out: Outputs = []
-    output_keys: set[int] = set()
-    frozen: dict[int, float] = {}  # drawn cell -> its threshold
-    tau = 0.0
-    p_out = 0.0  # mass of p on the cells output
+    def pv(self, k: int) -> float:
+        return self.cell(k)[0]
 
-    def u(k: int, at: float) -> float:
-        if k in output_keys or not 0 <= k < n_cells:
+    def qv(self, k: int) -> float:
+        return self.cell(k)[1]
+
+    def u(self, k: int, at: float) -> float:
+        if k in self.output_keys or not 0 <= k < self.n_cells:
             return 0.0
-        return max(pv(k) - frozen.get(k, at) * qv(k), 0.0)
+        return max(self.pv(k) - self.frozen.get(k, at) * self.qv(k), 0.0)
 
-    def left_mass() -> float:  # p's mass on the cells not output (p normalised)
-        return 1.0 - p_out
+    def left_mass(self) -> float:  # p's mass on the cells not output (p normalised)
+        return 1.0 - self.p_out
 
-    def mass_at(t: float) -> float:  # sum of u over every cell with the run's threshold t
-        z = _mass(tm, pn, qf, t)
-        for k in output_keys:
+    def mass_at(self, t: float) -> float:  # sum of u over every cell with the run's threshold t
+        pv, qv = self.pv, self.qv
+        z = _mass(self.tm, self.pn, self.qf, t)
+        for k in self.output_keys:
             z -= max(pv(k) - t * qv(k), 0.0)
-        for k, f in frozen.items():
-            if k not in output_keys:
+        for k, f in self.frozen.items():
+            if k not in self.output_keys:
                 z += max(pv(k) - f * qv(k), 0.0) - max(pv(k) - t * qv(k), 0.0)
         return max(z, 0.0)
 
-    zu = left_mass()
+    def reset(self) -> None:
+        for k in self.frozen:
+            self.frozen[k] = 0.0
+        self.tau, self.zu = 0.0, self.left_mass()
 
-    def reset() -> None:
-        nonlocal tau, zu
-        for k in frozen:
-            frozen[k] = 0.0
-        tau, zu = 0.0, left_mass()
+    def emit(self, key: int, draft: int | None) -> None:
+        self.out.append((int(key), draft))
+        self.output_keys.add(int(key))
+        self.p_out += self.pv(int(key))
 
-    def emit(key: int, draft: int | None) -> None:
-        nonlocal p_out
-        out.append((int(key), draft))
-        output_keys.add(int(key))
-        p_out += pv(int(key))
-
-    for j, d in enumerate(drafts):
-        if len(out) == width:
-            break
+    def test(self, j: int, d: DraftWOR, width: int, rand: Rand) -> None:
+        """Draft j's test: accept it (tau resets) or reject it (tau rises, or resets on a tiny residual)."""
         if not d.qval > 0 or not d.rest > 0:
             raise ValueError(f"draft {j} has q {d.qval} and undrawn mass {d.rest}; a drawn pair needs both > 0")
         k = int(d.key)
-        inside = 0 <= k < n_cells and pv(k) > 0
-        r = u(k, tau) / zu if inside else 0.0
+        inside = 0 <= k < self.n_cells and self.pv(k) > 0
+        r = self.u(k, self.tau) / self.zu if inside else 0.0
         if d.valid and inside and r > 0 and rand.bernoulli(min(1.0, r * d.rest / d.qval)):
-            emit(k, j)
-            if len(out) < width:
-                reset()
+            self.emit(k, j)
+            if len(self.out) < width:
+                self.reset()
         else:
-            t_new = tau + zu / d.rest
-            z_new = mass_at(t_new)
-            if z_new / zu >= RESIDUAL_EPS:
-                tau, zu = t_new, z_new
+            t_new = self.tau + self.zu / d.rest
+            z_new = self.mass_at(t_new)
+            if z_new / self.zu >= RESIDUAL_EPS:
+                self.tau, self.zu = t_new, z_new
             else:
-                reset()
-        if inside and k not in frozen:
-            frozen[k] = tau  # q_j subtracted at this cell up to now; later drafts exclude it
-
-    if len(out) == width:
-        return True, out
-    # correction: one draw from r; fills: sequential draws from p over the cells not output
-    emit(_draw_u(tm, pn, qf, tau, frozen, output_keys, rand), None)
-    while len(out) < width:
-        emit(_draw_u(tm, pn, qf, 0.0, {}, output_keys, rand), None)
-    return False, out
+                self.reset()
+        if inside and k not in self.frozen:
+            self.frozen[k] = self.tau  # q_j subtracted at this cell up to now; later drafts exclude it
 
 
 def _draw_u(tm: TorchRows, pn, qf, tau: float, frozen: dict[int, float], output_keys: set[int],

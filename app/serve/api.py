@@ -395,6 +395,26 @@ def build_api(engine, *, api_key: str | None = None, auth: tuple[str, str] | Non
     """The OpenAI-compatible API over `engine` under /v1. With `api_key` and/or `auth` (user, password) a
     request needs `Authorization: Bearer <key>` or HTTP basic auth with that login; with neither it is open."""
     gate = _Gate(max_waiting)  # the model id is read per request: the Models tab can swap models
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_credentials_check(api_key, auth))])
+    _add_model_routes(router, engine)
+    _add_completion_routes(router, engine, gate)
+
+    @router.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    def unknown(rest: str) -> None:  # registered last: it matches every path
+        raise ApiError(404, f"unknown endpoint /v1/{rest}", code="not_found")
+
+    app = FastAPI(title="dsbd-chat OpenAI-compatible API", docs_url="/v1/docs", openapi_url="/v1/openapi.json",
+                  redoc_url=None)
+    app.add_exception_handler(ApiError, lambda _, e: e.response())
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.include_router(router)
+    app.state.gate = gate  # tests and monitoring: gate.waiting
+    return app
+
+
+def _credentials_check(api_key: str | None, auth: tuple[str, str] | None):
+    """The dependency every /v1 request passes: the bearer key or the basic-auth login, when either is set."""
 
     def check_key(request: Request) -> None:
         if api_key is None and auth is None:
@@ -417,8 +437,10 @@ def build_api(engine, *, api_key: str | None = None, auth: tuple[str, str] | Non
             err.challenge = 'Bearer, Basic realm="dsbd-chat"' if api_key is not None else 'Basic realm="dsbd-chat"'
         raise err
 
-    router = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+    return check_key
 
+
+def _add_model_routes(router: APIRouter, engine) -> None:
     @router.get("/models")
     def list_models() -> dict:
         served = [] if _unloaded(engine) else [_model_card(engine)]
@@ -435,6 +457,8 @@ def build_api(engine, *, api_key: str | None = None, auth: tuple[str, str] | Non
                            param="model", code="model_not_found")
         return card
 
+
+def _add_completion_routes(router: APIRouter, engine, gate: _Gate) -> None:
     @router.post("/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request) -> Response:
         messages, extra = _messages(req), {}
@@ -446,7 +470,7 @@ def build_api(engine, *, api_key: str | None = None, auth: tuple[str, str] | Non
             return [engine.chat(sent, replace(p, seed=derive_seed(p.seed, j)) if req.n > 1 else p, cancel=cancel)
                     for j in range(req.n)]
 
-        return await _serve(request, req, "chat", "messages", open_streams, extra)
+        return await _serve(engine, gate, request, req, "chat", "messages", open_streams, extra)
 
     @router.post("/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
@@ -454,44 +478,33 @@ def build_api(engine, *, api_key: str | None = None, auth: tuple[str, str] | Non
             return [engine.generate(ids, replace(p, seed=derive_seed(p.seed, j)) if req.n > 1 else p, cancel=cancel)
                     for ids in _prompts(engine, req.prompt) for j in range(req.n)]
 
-        return await _serve(request, req, "text", "prompt", open_streams)
+        return await _serve(engine, gate, request, req, "text", "prompt", open_streams)
 
-    @router.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
-    def unknown(rest: str) -> None:
-        raise ApiError(404, f"unknown endpoint /v1/{rest}", code="not_found")
 
-    async def _serve(request: Request, req: _Sampling, kind: str, prompt_param: str, open_streams,
-                     extra: dict | None = None) -> Response:
-        try:
-            params = engine.check_params(decode_params(req))
-            leave = gate.admit()
-        except Exception as e:
-            return as_api_error(e, prompt_param).response()
-        cancel = threading.Event()
-        try:  # encoding the prompt is real work: keep it off the event loop
-            streams = await run_in_threadpool(open_streams, params, cancel)
-        except Exception as e:
-            leave()
-            return as_api_error(e, prompt_param).response()
-        run = _Run(streams, cancel, leave)
-        head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}",
-                "object": "chat.completion" if kind == "chat" else "text_completion",
-                "created": int(time.time()), "model": model_id(engine)} | (extra or {})
-        if req.stream:
-            usage = bool((req.stream_options or {}).get("include_usage"))
-            return StreamingResponse(_sse(run, request, kind, head, prompt_param, usage, req.n),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _complete(run, request, kind, head, prompt_param, req.n)
-
-    app = FastAPI(title="dsbd-chat OpenAI-compatible API", docs_url="/v1/docs", openapi_url="/v1/openapi.json",
-                  redoc_url=None)
-    app.add_exception_handler(ApiError, lambda _, e: e.response())
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.include_router(router)
-    app.state.gate = gate  # tests and monitoring: gate.waiting
-    return app
+async def _serve(engine, gate: _Gate, request: Request, req: _Sampling, kind: str, prompt_param: str,
+                 open_streams, extra: dict | None = None) -> Response:
+    """Admit one completion request, open its streams off the event loop, and answer it (streamed or whole)."""
+    try:
+        params = engine.check_params(decode_params(req))
+        leave = gate.admit()
+    except Exception as e:
+        return as_api_error(e, prompt_param).response()
+    cancel = threading.Event()
+    try:  # encoding the prompt is real work: keep it off the event loop
+        streams = await run_in_threadpool(open_streams, params, cancel)
+    except Exception as e:
+        leave()
+        return as_api_error(e, prompt_param).response()
+    run = _Run(streams, cancel, leave)
+    head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}",
+            "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": model_id(engine)} | (extra or {})
+    if req.stream:
+        usage = bool((req.stream_options or {}).get("include_usage"))
+        return StreamingResponse(_sse(run, request, kind, head, prompt_param, usage, req.n),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await _complete(run, request, kind, head, prompt_param, req.n)
 
 
 def _unloaded(engine) -> bool:

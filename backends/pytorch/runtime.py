@@ -124,17 +124,36 @@ class PyTorchContext(Closing):
     def evaluate(self, forest: Forest) -> Logits:
         """Score every row's new suffix tokens and every new node in ONE forward pass."""
         kv = self._live()
+        base = len(self._nodes)
+        suffix, nodes, free = self._place(forest)
+        new_per_row = [f - u for f, u in zip(free, self._used)]
+        if not any(new_per_row):
+            empty = np.zeros((0, self._model.args.vocab_size), dtype=self._logits_dtype)
+            return Logits(root_rows=(), roots=empty, nodes=empty.copy())
+        block, root_rows, select = self._query_block(suffix, nodes[base:], nodes, free, new_per_row)
+        out = self._forward(kv, block, select)
+        # the new tokens join the pending forest.
+        for r in range(self.rows):
+            self._suffix[r].extend(suffix[r])
+        self._used, self._nodes = free, nodes
+        n_roots = len(root_rows)
+        return Logits(root_rows=tuple(root_rows), roots=out[:n_roots], nodes=out[n_roots:])
+
+    def _place(self, forest: Forest) -> tuple[list[list[int]], list[_Node], list[int]]:
+        """Validate and place every new token before touching state: a rejected forest changes nothing.
+
+        Returns the suffix per row, the pending + new nodes (id = index) and the next free slot per row.
+        """
         n_rows = self.rows
         if len(forest.suffix) > n_rows:
             raise ValueError(f"forest has suffixes for {len(forest.suffix)} rows but the context has {n_rows}")
         suffix = [[int(t) for t in s] for s in forest.suffix] + [[] for _ in range(n_rows - len(forest.suffix))]
-        # 1. validate and place every new token before touching state: a rejected forest changes nothing.
         for r, s in enumerate(suffix):
             if s and any(n.row == r for n in self._nodes):
                 raise ValueError(f"row {r}: suffix tokens after its tree was started (commit first)")
         base = len(self._nodes)
-        nodes = list(self._nodes)  # pending + new, id = index
-        free = [u + len(s) for u, s in zip(self._used, suffix)]  # next free slot per row
+        nodes = list(self._nodes)
+        free = [u + len(s) for u, s in zip(self._used, suffix)]
         for i, (tok, parent, row) in enumerate(zip(forest.tokens, forest.parents, forest.rows)):
             if not 0 <= row < n_rows:
                 raise ValueError(f"node {base + i}: row {row} out of range (rows={n_rows})")
@@ -152,12 +171,14 @@ class PyTorchContext(Closing):
                     f"{self._used[r] - len(self._tokens[r])}, new {f - self._used[r]}) but the context holds "
                     f"{self.max_tokens}"
                 )
-        new_per_row = [f - u for f, u in zip(free, self._used)]
-        if not any(new_per_row):
-            empty = np.zeros((0, self._model.args.vocab_size), dtype=self._logits_dtype)
-            return Logits(root_rows=(), roots=empty, nodes=empty.copy())
+        return suffix, nodes, free
 
-        # 2. the padded query block: row r's query j is the token written to slot used[r] + j.
+    def _query_block(self, suffix, new_nodes, nodes, free, new_per_row):
+        """The padded query block: row r's query j is the token written to slot used[r] + j.
+
+        Returns (tok, pos, slot, mask) arrays, the rows with a suffix, and the (row, query) of every
+        entry that needs logits: suffix ends in row order, then the new nodes.
+        """
         r_fwd = 1 + max(r for r, n in enumerate(new_per_row) if n)  # trailing idle rows are left out
         used = self._used[:r_fwd]
         q, s_att = max(new_per_row), max(free[:r_fwd])  # attention covers slots 0..s_att-1
@@ -176,7 +197,7 @@ class PyTorchContext(Closing):
                 root_rows.append(r)
                 root_q.append(len(suffix[r]) - 1)
         node_q = []
-        for n in nodes[base:]:
+        for n in new_nodes:
             r, j = n.row, n.slot - used[n.row]
             prefix = len(self._tokens[r]) + len(self._suffix[r]) + len(suffix[r])  # tokens before the tree
             tok[r, j], pos[r, j], slot[r, j] = n.token, prefix + n.depth - 1, n.slot
@@ -189,11 +210,14 @@ class PyTorchContext(Closing):
                     break
                 a = nodes[a.parent]
             node_q.append((r, j))
+        select = (root_rows + [r for r, _ in node_q], root_q + [j for _, j in node_q])
+        return (tok, pos, slot, mask), root_rows, select
 
-        # 3. one forward; logits only where a caller needs them.
+    def _forward(self, kv: KVCache, block, select) -> np.ndarray:
+        """One forward; logits only where a caller needs them ([roots + nodes, vocab])."""
         dev = self._device
-        sel_r = torch.tensor(root_rows + [r for r, _ in node_q], dtype=torch.long, device=dev)
-        sel_q = torch.tensor(root_q + [j for _, j in node_q], dtype=torch.long, device=dev)
+        tok, pos, slot, mask = block
+        sel_r, sel_q = (torch.tensor(x, dtype=torch.long, device=dev) for x in select)
         logits = self._model(
             torch.from_numpy(tok).to(dev),
             positions=torch.from_numpy(pos).to(dev),
@@ -201,16 +225,9 @@ class PyTorchContext(Closing):
             mask=torch.from_numpy(mask).to(dev),
             kv=kv,
             select=(sel_r, sel_q),
-        )  # [roots + nodes, vocab]
+        )
         wide = torch.float64 if self._logits_dtype == np.float64 else torch.float32  # numpy has no bf16
-        out = logits.to(wide).cpu().numpy()
-
-        # 4. the new tokens join the pending forest.
-        for r in range(n_rows):
-            self._suffix[r].extend(suffix[r])
-        self._used, self._nodes = free, nodes
-        n_roots = len(root_rows)
-        return Logits(root_rows=tuple(root_rows), roots=out[:n_roots], nodes=out[n_roots:])
+        return logits.to(wide).cpu().numpy()
 
     @torch.inference_mode()
     @_typed_oom

@@ -208,3 +208,11 @@ def test_an_unknown_backend_is_a_clear_error_and_auto_runs():
     with pytest.raises(ValueError, match="unknown row-math backend 'gpu'"):
         rowmath.make("gpu")
     assert rowmath.make("auto").name in ("torch-cpu", "numpy")
+
+
+def test_rows_whose_parents_hold_no_draft_mass_get_an_empty_law():
+    """q mapped onto rows whose parents carry none of q's pairs (a warp cut their support) is an empty law of
+    float masses, not an error."""
+    q = rowmath.NumpyLaw(Joint(np.array([5, 7], np.int64), np.array([0.25, 0.75]), 10))  # parent 0 only
+    out = rowmath.NumpyRows().on_rows(q, [[1], [1]], [1, 1])
+    assert len(out.joint.keys) == 0 and out.joint.probs.dtype == np.float64

@@ -143,7 +143,8 @@ class NumpyRows:
         if not keys:
             return NumpyLaw(Joint(np.zeros(0, np.int64), np.zeros(0), V))
         uk, inv = np.unique(np.concatenate(keys), return_inverse=True)  # slots of one content add up
-        return NumpyLaw(Joint(uk.astype(np.int64), np.bincount(inv, weights=np.concatenate(vals)), V))
+        sums = np.bincount(inv, weights=np.concatenate(vals), minlength=len(uk)).astype(np.float64)  # int64 if empty
+        return NumpyLaw(Joint(uk.astype(np.int64), sums, V))
 
     def chain(self, p: NumpyLaw, q: NumpyLaw, n: int):
         S, R, alpha = residual_chain(p.joint, q.joint, n)

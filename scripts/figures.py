@@ -155,6 +155,20 @@ def draft_cost() -> dict:
             "before": d["overlap"]["none"], "after": d["overlap"]["q4_0-head"]}
 
 
+def edits() -> dict:
+    """Balanced vs sampling on the edit suite with files, the target alone and with the draft
+    (edit-files-qwen-target.json, edit-files-qwen-pair.json)."""
+    files = {"target": "edit-files-qwen-target.json", "pair": "edit-files-qwen-pair.json"}
+    data = {k: load(f) for k, f in files.items()}
+    assert len({on(f) for f in files.values()}) == 1
+    out = {"on": on(files["target"]), "tasks": data["target"]["summary"]["sample"]["runs"]}
+    for k, d in data.items():
+        s = d["summary"]["preset:Balanced"]
+        out[k] = speed(d, "preset:Balanced", "sample", "overall_speed_vs")
+        out[f"{k}_steps"] = f"{s['steps_per_target_pass']:.1f}"
+    return out
+
+
 def attachments() -> dict:
     return {"on": on("attachments.json")} | load("attachments.json")
 
@@ -166,12 +180,14 @@ def first_start() -> dict:
 # ---- the texts ----
 
 def expect() -> str:
-    a, p = same_law(), projected()
+    a, p, e = same_law(), projected(), edits()
     return f"""- **CPU** ({a['on']}, qwen-coder): Best quality has beam sampling's exact law; it
   drafted in {a['drafted']} of iterations and returned beam sampling's answer token for token on {a['same']}
   prompts, {a['claim']} (the decoder is {a['share_best']} of its time, {a['share_plain']} for beam sampling).
-  Balanced carries one beam between iterations (a different law); its CPU speed on the current decoder is not
-  measured yet.
+- **Edits of attached files** ({e['on']}, qwen-coder, {e['tasks']} tasks): Balanced (one beam carried between
+  iterations, a different law from sampling's) copies the file through model-free lookup chains, {e['target_steps']}
+  beam steps per target pass: {e['target']} without the draft model, {e['pair']} with it
+  ({link('attachments.md')}).
 - **GPU** ({p['on']}): on the 7B-class curve
   Best quality {p['best']}, Balanced {p['balanced']}: the decoder's row math still runs on the CPU
   in these projections and is {p['share']} of the projected time, so the policy builds no draft-model forests
@@ -181,8 +197,8 @@ def expect() -> str:
 
 
 def table() -> str:
-    a, r, p, b, u, c, dc, fs, f = (same_law(), row_math(), projected(), busy(), unique_paths(), pass_cost(),
-                                   draft_cost(), first_start(), attachments())
+    a, r, p, b, u, c, dc, fs, f, e = (same_law(), row_math(), projected(), busy(), unique_paths(), pass_cost(),
+                                      draft_cost(), first_start(), attachments(), edits())
     base = u["base"]
     rows = [
         ("Best quality vs beam sampling at the same law, qwen-coder, 4 code + 4 chat prompts", a["on"],
@@ -195,6 +211,9 @@ def table() -> str:
         ("Presets on the 7B-class curve, qwen-coder, code suite", p["on"],
          f"Best quality {p['best']}, Balanced {p['balanced']}; the CPU-side decoder is {p['share']} of the "
          "projected time", "rowmath.md"),
+        ("Balanced vs sampling on edits of attached files, qwen-coder, the target alone / with the draft",
+         e["on"], f"{e['target']} / {e['pair']}; {e['target_steps']} / {e['pair_steps']} beam steps per target pass",
+         "attachments.md"),
         ("One-token passes beside a busy core vs idle, qwen-coder target", b["on"],
          f"{b['auto']} the idle speed with auto threads, {b['pinned']} with {b['threads']} pinned", "rowmath.md"),
         (f"Unique paths: tokens a forest pass computes (fixed DSBD, W {base['beams']}, gamma {base['gamma']})",

@@ -97,6 +97,32 @@ def test_builder_with_costs_adds_nodes_only_where_they_pay():
                                                                          lambda p, t: False) == []
 
 
+def test_priced_chains_grow_while_they_pass_whole_and_start_over_after_a_failure():
+    """A priced builder's model-free depth starts at CHAIN_START, doubles after a chain that passed at that
+    depth (never past gamma) and goes back after one that failed; an unpriced (fixed) forest uses gamma."""
+    from app.decoding.lookups import CHAIN_START
+    prompt = list(range(5, 45)) + [5, 6]
+    flat = CostCurve.of({1: 0.076, 64: 0.078})
+    b = _builder(prompt, target_cost=flat)
+    assert b.depth(16) == CHAIN_START == 8 and b.depth(3) == 3
+    b.settle_chain(built=8, passed=8)
+    assert b.depth(16) == 16 and b.depth(32) == 16
+    b.settle_chain(built=16, passed=16)
+    assert b.depth(16) == 16 and b.depth(64) == 32
+    b.settle_chain(built=5, passed=5)  # a chain shorter than the reach (its match ended) passed: no change
+    assert b.depth(64) == 32
+    b.settle_chain(built=32, passed=11)  # the answer left the copied text
+    assert b.depth(64) == CHAIN_START
+    b.settle_chain(built=0, passed=0)  # no model-free nodes: nothing learnt
+    assert b.depth(64) == CHAIN_START
+    fixed = _builder(prompt)
+    fixed.settle_chain(built=8, passed=2)
+    assert fixed.depth(16) == 16  # the fixed forest's shape is the user's
+    shape = LookupBudget(max_depth=b.depth(16), width=1, replacement=True, per_layer=[1] * 8, base_tokens=1.0,
+                         base_seconds=0.076)
+    assert len(b.build([(0, (), 1.0)], shape, lambda p, t: False)) == 8  # the builder fills the depth it is given
+
+
 def test_lookup_only_layers_that_keep_failing_stop_being_built():
     """Per-token chances can be right while a layer of W outputs still rarely passes (they must all hit at once):
     the builder weighs its layer predictions by what lookup-only layers did, and stops where they do not pay."""

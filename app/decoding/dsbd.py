@@ -254,7 +254,7 @@ class _Run:
     @_timed("draft")
     def draft(self, draft: Context | None, it: Iteration, suffix) -> None:
         """The forest into `it.layers`: draft beam sampling (spec §4) for up to gamma layers of W_S pairs with
-        the draft model's lookup nodes, then the model-free nodes (up to gamma layers)."""
+        the draft model's lookup nodes, then the model-free nodes (up to the builder's depth, <= gamma)."""
         it.layers = self._drafted(draft, it, suffix) if it.gamma > 0 else []
         if self.builder is not None:
             self._model_free(it)
@@ -323,10 +323,10 @@ class _Run:
         return out.roots if roots else out.nodes
 
     def _model_free(self, it: Iteration) -> None:
-        """Model-free lookup nodes (spec §16.7) hung off the roots and off each other, up to gamma layers,
+        """Model-free lookup nodes (spec §16.7) hung off the roots and off each other, up to the builder's depth,
         where the builder's estimate says they pay (or, for a fixed forest, the likeliest up to the cap)."""
         layers, live, roots, contents = it.layers, it.live, it.roots, it.contents
-        depth = min(self.params.gamma, self.params.max_new_tokens - len(live[0].tokens) - 1)
+        depth = min(self.builder.depth(self.params.gamma), self.params.max_new_tokens - len(live[0].tokens) - 1)
         cap = self.params.lookup_nodes
         if depth <= 0 or cap <= 0:
             return
@@ -548,6 +548,8 @@ class _Run:
             self.policy.settle(m.steps[-1])
         if self.builder is not None:
             self.builder.learn(it.verified_rows, [n.candidate for L in it.layers for n in L.lookups if n.candidate])
+            built = max((l for l, L in enumerate(it.layers, start=1) if any(n.candidate for n in L.lookups)), default=0)
+            self.builder.settle_chain(built, sum(1 for o in it.outcomes[:built] if o.passed))
             self.builder.extend([h.beam.tokens for h in output], len(it.live[0].tokens))
 
     def _layer_lessons(self, l: int, o: LayerOutcome) -> None:

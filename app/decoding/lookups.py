@@ -41,6 +41,8 @@ MIN_MASS = 1e-3  # candidates below this estimated mass are never considered
 MIN_FIXED = 0.05  # without a cost curve: the smallest estimated chance worth a node
 MAX_CANDIDATES = 256  # pops per forest: bounds the builder's time however rich the sources are
 LAYER_STRENGTH = 1.0  # expected passes behind the prior that a lookup-only layer passes as predicted
+CHAIN_START = 8  # a priced forest's model-free depth at first and after a failed chain; doubles (up to gamma)
+# after a chain that passed at that depth: copying stretches grow long, and a pass scores a chain's tokens cheaply
 # Priors of P(token | parent) per source and evidence, scaled by the token's share of its key's continuations:
 # a match of n tokens (n-gram lookups in code and edits: short matches rarely continue, long ones usually do);
 # recycled successors of a 2-token / 1-token key.
@@ -345,6 +347,23 @@ class Builder:
         self.predicted: list[float] = []  # per depth: P(the chosen nodes cover every output | layer reached),
         # from the per-token chances alone (what settle_layer weighs against the layers' outcomes)
         self.shape: LookupBudget | None = None
+        self.reach = CHAIN_START  # the model-free depth a priced forest may use now (see `depth`)
+
+    def depth(self, gamma: int) -> int:
+        """How deep this iteration's model-free nodes may go: gamma without a cost curve (the fixed forest's
+        shape), else the current reach, which grows while chains pass whole (`settle_chain`)."""
+        return gamma if self.target_cost is None else min(gamma, self.reach)
+
+    def settle_chain(self, built: int, passed: int) -> None:
+        """An iteration's model-free part was `built` layers deep and its first `passed` layers passed: a chain
+        that passed at the full reach doubles it, a failed one sets it back to CHAIN_START (past information
+        only: the next forest's shape, never this one's law, spec §16.4)."""
+        if built <= 0:
+            return
+        if passed >= built >= self.reach:
+            self.reach *= 2
+        elif passed < built:
+            self.reach = CHAIN_START
 
     def use_corpus(self, corpus: CorpusIndex | None, exclude: object = None) -> None:
         """Let the match source also continue text found in earlier chats (None: the prompt and beams only)."""

@@ -33,6 +33,8 @@ class CountingContext:
 
     def __init__(self, ctx: Context) -> None:
         self.inner = ctx
+        if hasattr(ctx, "output_views"):  # a reused llama.cpp context: its rows reach the caller, as copies
+            ctx.output_views = False
         self.evaluations = 0
         self.query_tokens = self.distinct_tokens = 0  # totals over every evaluate
         self.last_query = self.last_distinct = 0  # the latest evaluate
@@ -114,6 +116,8 @@ class UniquePaths(CountingContext):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         self._keys = ContentKeys()
+        if hasattr(ctx, "output_views"):  # llama.cpp: read its output rows in place; _detach copies what is kept
+            ctx.output_views = True
         read = getattr(ctx, "tokens", None)  # rows of unknown content get keys of their own until a prefill
         rows = [list(read(r)) if read else None for r in range(ctx.rows)]
         self._set_rows([r or [] for r in rows], None if read else [self._keys.fresh() for _ in rows])
@@ -137,6 +141,7 @@ class UniquePaths(CountingContext):
         self._inode: list[tuple[int, int]] = []  # inner node id -> (inner row, inner parent)
         self._at: dict[int, tuple[int, int, int, int]] = {}  # pending key -> (row, node, array, index)
         self._arrays: list[np.ndarray] = []  # the inner logits of every evaluate since the commit
+        self._owned = 0  # _arrays[:_owned] are copies; the rest may be views of the inner's output buffer
         self._nodes: list[tuple[int, int, int, int]] = []  # caller node id -> (key, row, parent, token)
 
     def _committed_at(self, key: int, row: int, ifed: list[bool]) -> tuple[int, int] | None:
@@ -204,6 +209,14 @@ class UniquePaths(CountingContext):
             self._arrays += [out.roots, out.nodes]
             for key, (row, node, kind, i) in plan.fresh.items():
                 self._at[key] = (row, node, a + (kind == "nodes"), i)
+
+    def _detach(self) -> None:
+        """Before the inner context decodes again: copy the rows kept from its earlier evaluates (a view of
+        its output buffer would change under them). The target's one pass per commit is never copied whole;
+        the caller gets only its rows, copied once by _gather."""
+        for a in range(self._owned, len(self._arrays)):
+            self._arrays[a] = np.array(self._arrays[a])
+        self._owned = len(self._arrays)
 
     def _gather(self, keys: list[int]) -> np.ndarray:
         """The logits of `keys`, one row each, copied out of the inner results ([len(keys), vocab])."""
@@ -320,6 +333,7 @@ class _Plan:
     def feed(self) -> Logits | None:
         """The inner evaluate of what was planned; None when every entry was scored since the commit."""
         if any(self.isuffix) or self.itok or not self.asked:
+            self.up._detach()
             return self.up._inner_evaluate(Forest(suffix=tuple(self.isuffix) if any(self.isuffix) else (),
                                                   tokens=tuple(self.itok), parents=tuple(self.ipar),
                                                   rows=tuple(self.irow)))

@@ -259,8 +259,13 @@ def forest_case(ctx: UniquePaths, prompt: list[int], logits_of, tol: float) -> N
             worst = max(worst, float(np.abs(g.astype(np.float64) - logits_of(seq)).max()))
         assert worst <= tol, worst
 
+    handed: list[tuple[np.ndarray, np.ndarray]] = []  # every row handed out, with a copy taken then
+
     def step(forest):
-        check(ctx.evaluate(forest), forest)
+        out = ctx.evaluate(forest)
+        check(out, forest)
+        handed.extend((g, g.copy()) for g in list(out.roots) + list(out.nodes))
+        assert all(np.array_equal(g, c) for g, c in handed)  # later passes never change rows handed out
 
     def commit(paths):
         nonlocal rows, suffix, nodes
@@ -276,6 +281,8 @@ def forest_case(ctx: UniquePaths, prompt: list[int], logits_of, tol: float) -> N
     step(Forest(suffix=((prompt[-1],),), tokens=(11, 11, 12), parents=(ROOT, ROOT, ROOT), rows=(0, 0, 0)))
     step(Forest(tokens=(13, 13, 14), parents=(0, 1, 2), rows=(0, 0, 0)))
     assert ctx.last_distinct == 2
+    step(Forest(tokens=(11, 15), parents=(ROOT, ROOT), rows=(0, 0)))  # 11 again: the first pass's row, kept
+    assert ctx.last_distinct == 1
     # new rows 0 and 1 are equal
     commit([AcceptedPath(0, (1, 4)), AcceptedPath(0, (0, 3)), AcceptedPath(0, (2, 5)), AcceptedPath(0, (1,))])
     step(Forest(suffix=((7,), (7,), (8,), (7,)), tokens=(20, 20, 21, 20), parents=(ROOT,) * 4, rows=(0, 1, 0, 2)))

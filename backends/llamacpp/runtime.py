@@ -161,6 +161,9 @@ class LlamaContext(Closing):
         self._vocab = model.info.vocab_size
         self._layout = LayoutU(n_seq=n_seq, max_rows=rows, n_vocab=self._vocab)
         self._bytes_per_cell = model.info.kv_bytes_per_token * KV_TYPE_BYTES[kv_type] // KV_TYPE_BYTES[model.kv_type]
+        # True: evaluate returns views of llama.cpp's output buffer, valid until this context's next decode
+        # (set by a wrapper that copies what it keeps, backends.unique.UniquePaths); False: copies
+        self.output_views = False
 
     # -- protocol --------------------------------------------------------------------------------------
     @property
@@ -261,8 +264,8 @@ class LlamaContext(Closing):
             cls = OutOfMemory if _reports_oom(log) else BackendError
             raise cls(f"llama_decode failed ({rc}: {why}) on {len(tokens)} tokens: {log}")
         n_out = sum(logits)
-        ptr = ll.llama_get_logits(self._ctx)
-        return np.ctypeslib.as_array(ptr, shape=(n_out, self._vocab)).copy()  # [n_out, vocab]
+        rows = np.ctypeslib.as_array(ll.llama_get_logits(self._ctx), shape=(n_out, self._vocab))  # [n_out, vocab]
+        return rows if self.output_views else rows.copy()
 
 
 def _reports_oom(log: str) -> bool:

@@ -96,6 +96,7 @@ def same_law() -> dict:
     claims = {speed(d, "preset:Best quality", "beam-sample") for d in data}
     assert len({on(f) for f in files}) == 1 and len(claims) == 1
     return {"on": on(files[0]), "claim": claims.pop(), "same": f"{sum(k for k, _ in same)}/{sum(n for _, n in same)}",
+            "code": best[0]["runs"], "chat": best[1]["runs"],
             "drafted": pct([b["drafted_iterations"] for b in best]),
             "share_best": pct([b["decoder_share"] for b in best]),
             "share_plain": pct([d["summary"]["beam-sample"]["decoder_share"] for d in data])}
@@ -201,7 +202,8 @@ def table() -> str:
                                       draft_cost(), first_start(), attachments(), edits())
     base = u["base"]
     rows = [
-        ("Best quality vs beam sampling at the same law, qwen-coder, 4 code + 4 chat prompts", a["on"],
+        (f"Best quality vs beam sampling at the same law, qwen-coder, {a['code']} code + {a['chat']} chat prompts",
+         a["on"],
          f"the same answer token for token on {a['same']} prompts; drafted in {a['drafted']} of iterations, so "
          f"{a['claim']}; the decoder {a['share_best']} of the time ({a['share_plain']} for beam sampling)",
          "rowmath.md"),

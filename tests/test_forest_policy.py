@@ -512,3 +512,27 @@ def test_engine_adaptive_forest_on_tiny(tiny_gguf_path):
         assert any(k != "g0" for k in flat["forest_sizes"]) and flat["steps_per_target_pass"] > 2
     finally:
         e.close()
+
+
+def test_a_deep_forest_with_many_lookup_nodes_is_priced_in_bounded_work(monkeypatch):
+    """c_l(L) shrinks toward depth l - 1 for every lookup count up to L: computed once per (depth, W_S, L), not
+    once per path through the depths (which grew as (lookup counts)^depth: seconds per choice at gamma 16)."""
+    import app.decoding.forest_policy as fp
+
+    calls = [0]
+    mean = fp._mean
+
+    def counted(*a):
+        calls[0] += 1
+        return mean(*a)
+
+    monkeypatch.setattr(fp, "_mean", counted)
+    params = DecodeParams(mode="dsbd-mem", beams=4, draft_beams=16, gamma=16, lookup_nodes=16,
+                          lookup_sources=("draft", "match"), forest="adaptive").validated()
+    p = ForestPolicy.for_params(params, *GPU)
+    assert p.lookups == (0, 1, 2, 4, 8, 16) and max(p.gammas) == 16
+    p.choose(max_gamma=16, roots=1, draft_roots=1, q_rows=None, with_lookups=True)
+    assert calls[0] < 20_000
+    fresh = ForestPolicy.for_params(params, *GPU)  # the memo gives the recursion's value
+    assert p.cache_pass(16, 16, 16) == pytest.approx(fresh.cache_pass(16, 16, 16))
+    assert p.cache_pass(3, 5, 4) >= p.cache_pass(3, 5, 2) >= p.cache_pass(3, 5, 0)

@@ -254,6 +254,8 @@ class ForestPolicy:
     def __post_init__(self) -> None:
         self._profile: dict[int, float] = {}  # W_S -> E[distinct] on the latest q_rows
         self._rates: dict[tuple[int, int, int], float] = {}  # pass_rate memo, cleared by observe
+        # acceptance_pass and cache_pass memo (cache_pass's recursion branches), cleared with _rates
+        self._cache_rates: dict[tuple[int, int, int], float] = {}
         self._choice: dict[tuple, tuple] = {}  # choose memo (same counts, profile and context)
         self._exploring: tuple[float, float] | None = None  # (forest seconds, plain seconds) while exploring
         self._plain_step = 0.0  # the latest plain step's predicted seconds
@@ -268,12 +270,18 @@ class ForestPolicy:
 
     def acceptance_pass(self, depth: int, ws: int) -> float:
         """b_l: P(the layer passes by acceptance)."""
-        model = layer_pass(*self.draft_rates(depth), ws, self.threshold, self.min_beams, self.beams)
-        return _mean(self.known.layer_runs.get((depth, ws), (0, 0)), model, self.strength)
+        key = (depth, ws, -1)  # beside cache_pass's keys (lookups >= 0) in one memo
+        if key not in self._cache_rates:
+            model = layer_pass(*self.draft_rates(depth), ws, self.threshold, self.min_beams, self.beams)
+            self._cache_rates[key] = _mean(self.known.layer_runs.get((depth, ws), (0, 0)), model, self.strength)
+        return self._cache_rates[key]
 
     def cache_pass(self, depth: int, ws: int, lookups: int = 0) -> float:
         """c_l(L): P(the layer passes by the cache rule | not by acceptance), shrunk toward depth l - 1's
         (depth 1: the prior); never lower for more lookups."""
+        key = (depth, ws, lookups)
+        if key in self._cache_rates:
+            return self._cache_rates[key]
         best = 0.0
         for n in sorted(set(self.lookups) | {0, lookups}):
             if n > lookups:
@@ -284,6 +292,7 @@ class ForestPolicy:
             else:
                 model = self.cache_pass(depth - 1, ws, n)
             best = max(best, _mean(self.known.cache_runs.get((depth, ws, n), (0, 0)), model, self.strength))
+        self._cache_rates[key] = best
         return best
 
     def pass_rate(self, depth: int, ws: int, lookups: int = 0) -> float:
@@ -389,11 +398,28 @@ class ForestPolicy:
         grid = self._choice.get(key)
         if grid is None:
             widths, looks = sorted(self.widths), sorted(set(self.lookups) or {0})
+            deep = {(ws, n): self._depths(ws, n, roots, gammas[-1]) for ws in widths for n in looks}
+            plain = (self.expected_steps(0, 0), self.seconds(0, 0, roots=roots, draft_roots=0))
             grid = self._choice[key] = [
-                ((g, ws, n), self.expected_steps(g, ws, n),
-                 self.seconds(g, ws, roots=roots, draft_roots=0, lookups=n) - (self.draft_cost(0) if g else 0.0))
+                ((g, ws, n), *(deep[ws, n][g - 1] if g else plain))
                 for g in gammas for ws in (widths if g > 0 else widths[:1]) for n in (looks if g > 0 else looks[:1])]
         return grid
+
+    def _depths(self, ws: int, n: int, roots: int, top: int) -> list[tuple[float, float]]:
+        """(expected_steps, seconds with draft_roots 0 less the catch-up pass) for gamma = 1..top at this W_S
+        and lookups, in one sweep over the depths (the same sums, in the same order, as those methods)."""
+        out, steps, run, verified, distinct, drafted = [], 1.0, 1.0, 0.0, 0.0, 0.0
+        for depth in range(1, top + 1):
+            d = self.distinct_drafts(depth, ws)
+            verified += run
+            run *= self.pass_rate(depth, ws, n)
+            steps += run
+            distinct += d
+            target = self.target_cost(roots + distinct + n * depth)
+            seconds = target + (self.draft_cost(0) + drafted) + self.step_cost + self.verify_seconds(ws) * verified
+            out.append((steps, seconds - self.draft_cost(0)))
+            drafted += self.draft_cost(d)
+        return out
 
     def _trial(self, max_gamma: int, roots: int, catch_up: float, plain: float):
         """The forest to explore now, with (its seconds, the plain step's), or None: the cheapest drafted
@@ -431,6 +457,7 @@ class ForestPolicy:
         """One verified layer: the accept (True) / reject outcome of each draft it consumed, in draw order
         (invalid-parent drafts are rejections), and whether the layer passed (by either rule)."""
         self._rates.clear()
+        self._cache_rates.clear()
         self._choice.clear()
         k = self.known
         d = k.depth_draws.setdefault(depth, [0, 0, 0, 0])

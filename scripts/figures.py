@@ -60,13 +60,19 @@ def law(settings: dict) -> str | None:
     return None
 
 
+SAME_SPEED = 0.98  # a ratio at least this close reads "at its speed" (two runs of the same passes differ ~1-2%)
+
+
 def speed(data: dict, mode: str, ref: str, key: str = "speed_vs") -> str:
     """The speed claim of `mode` against the plain mode `ref`, by the claim rule."""
     s, name = data["summary"][mode], NAMES[ref]
     ratio = f"{s[f'{key}_{ref}']:.2f}x {name}'s speed"
     if law(data["config"]["settings"][mode]) != ref:
         return f"{ratio} (a different law)"
-    return ratio if s.get("drafted_iterations", 0) > 0 else f"at {name}'s speed"
+    if s.get("drafted_iterations", 0) > 0:
+        return ratio
+    # A mode that drafted nothing sped nothing up; where it is slower, that is its figure.
+    return f"at {name}'s speed" if s[f"{key}_{ref}"] >= SAME_SPEED else f"{ratio} (it drafted nothing)"
 
 
 def pct(xs) -> str:

@@ -37,6 +37,9 @@ def test_claim_rule(figures):
             "summary": {"bq": {"speed_vs_beam-sample": 1.5, "drafted_iterations": 0.0},
                         "bal": {"speed_vs_beam-sample": 1.5, "drafted_iterations": 0.5}}}
     assert figures.speed(data, "bq", "beam-sample") == "at beam sampling's speed"
+    data["summary"]["bq"]["speed_vs_beam-sample"] = 0.81  # slower without drafting: the figure, not "at"
+    assert figures.speed(data, "bq", "beam-sample") == "0.81x beam sampling's speed (it drafted nothing)"
+    data["summary"]["bq"]["speed_vs_beam-sample"] = 1.5
     data["summary"]["bq"]["drafted_iterations"] = 0.2
     assert figures.speed(data, "bq", "beam-sample") == "1.50x beam sampling's speed"
     assert figures.speed(data, "bal", "beam-sample").endswith("(a different law)")

@@ -423,7 +423,8 @@ class Builder:
                 push(row, 1, text, weight)
         chosen: list[Candidate] = []
         used = [0] * shape.max_depth
-        best_rate, best_n = (self._rate(shape, chosen) if self.target_cost else 0.0), 0
+        cover = _Coverage(shape, self.calibration.layer_factor(shape.width, shape.replacement))
+        best_rate, best_n = (self._rate(shape, chosen, cover.values) if self.target_cost else 0.0), 0
         pops = 0
         while heap and pops < MAX_CANDIDATES:
             _, _, c = heapq.heappop(heap)
@@ -435,7 +436,8 @@ class Builder:
             chosen.append(c)
             used[c.depth - 1] += 1
             if self.target_cost is not None:
-                rate = self._rate(shape, chosen)
+                cover.add(c)
+                rate = self._rate(shape, chosen, cover.values)
                 if rate > best_rate * (1 + 1e-9):
                     best_rate, best_n = rate, len(chosen)
             if not self.finished(c.text):
@@ -446,15 +448,16 @@ class Builder:
         keep = set(map(id, chosen))  # a prefix of the pop order is closed under parents
         return [c for c in sorted(chosen, key=lambda c: c.depth) if id(c) in keep]
 
-    def _rate(self, shape: LookupBudget, chosen: Sequence[Candidate]) -> float:
+    def _rate(self, shape: LookupBudget, chosen: Sequence[Candidate], covered: Sequence[float] | None = None) -> float:
         """Expected beam steps per second of the iteration with these model-free nodes (spec §16.4, §16.7).
 
         Layer l passes by the drafted part with chance base_pass[l] and by the model-free nodes when every
         output lands on one: (covered share of p_beam)^width with replacement. Each further passed layer
         costs one more verified layer (or the extra layer's warp)."""
         steps, extra_layers, run_b, run_h = 1.0, 0.0, 1.0, 1.0
-        factor = self.calibration.layer_factor(shape.width, shape.replacement)
-        for l, h in enumerate(self._covered(shape, chosen, factor)):
+        if covered is None:
+            covered = self._covered(shape, chosen, self.calibration.layer_factor(shape.width, shape.replacement))
+        for l, h in enumerate(covered):
             run_b *= shape.base_pass[l] if l < len(shape.base_pass) else 0.0
             run_h *= h
             reach = 1.0 - (1.0 - run_b) * (1.0 - run_h)
@@ -511,6 +514,35 @@ class Builder:
         for text in set(texts):
             full = self.prompt[-MAX_NGRAM:] + text
             self.index.add(full, start=len(full) - (len(text) - old))
+
+
+class _Coverage:
+    """Builder._covered kept current while nodes are added one at a time, parents first: a node changes its own
+    depth's value and the next depth's (whose shares are taken of this depth's mass); the same sums in the same
+    order, so the same values."""
+
+    def __init__(self, shape: LookupBudget, factor: float) -> None:
+        self.shape, self.factor = shape, factor
+        self.masses: list[list[float]] = [[] for _ in range(shape.max_depth)]
+        self.values = [self._value(d) for d in range(shape.max_depth)]
+
+    def add(self, c: Candidate) -> None:
+        d = c.depth - 1
+        self.masses[d].append(c.mass)
+        for k in (d, d + 1):
+            if k < len(self.values):
+                self.values[k] = self._value(k)
+
+    def _value(self, d: int) -> float:
+        prev_mass = 1.0  # the last non-empty depth's total before d (1 at the roots)
+        for k in range(d - 1, -1, -1):
+            total = sum(self.masses[k])
+            if total > 0:
+                prev_mass = total
+                break
+        masses, shape = self.masses[d], self.shape
+        shares = sorted((m / prev_mass for m in masses), reverse=True) if prev_mass > 0 else []
+        return min(1.0, self.factor * _all_covered(min(1.0, sum(shares)), shares, shape.width, shape.replacement))
 
 
 def _layer_bucket(width: int, replacement: bool) -> str:

@@ -123,6 +123,29 @@ def test_priced_chains_grow_while_they_pass_whole_and_start_over_after_a_failure
     assert len(b.build([(0, (), 1.0)], shape, lambda p, t: False)) == 8  # the builder fills the depth it is given
 
 
+def test_an_answer_that_copies_its_prompt_gets_longer_chains_as_they_pass():
+    """The decoder end to end (no draft model): a target that continues a cycle its prompt holds; the first
+    priced chains are at most CHAIN_START deep, later ones reach gamma, and the answer is the copy."""
+    from app.decoding.lookups import CHAIN_START
+    from refmodel import TableModel
+
+    sv = 12
+    model = TableModel(lambda seq: np.where(np.arange(sv) == (seq[-1] % (sv - 1)) + 1, 40.0, 0.0), sv)
+    prompt = [1 + i % (sv - 1) for i in range(66)]  # 1 2 ... 11 1 2 ...
+    p = DecodeParams(mode="dsbd-mem", beams=4, min_beams=1, gamma=16, lookup_nodes=2, lookup_sources=("match",),
+                     forest="adaptive", max_new_tokens=60, seed=3).validated()
+    flat = CostCurve.of({1: 0.02, 64: 0.021})
+    metrics = Metrics(mode=p.mode)
+    stopper = Stopper(eos_ids=frozenset({0}))
+    builder = D.model_free_builder(p, prompt, stopper, sv, target_cost=flat)
+    steps = list(D.dsbd(target=model.context(rows=4, max_tokens=256), draft=None, prompt=prompt, params=p,
+                        stopper=stopper, metrics=metrics, vocab=sv, nodes=builder))
+    assert list(steps[-1].output.tokens) == [1 + (prompt[-1] + i) % (sv - 1) for i in range(60)]
+    depths = [g for g, _ in metrics.forests if g]
+    assert depths[0] <= CHAIN_START and max(depths) == 16
+    assert metrics.target_passes < 60 / 8  # more than 8 steps a pass on average
+
+
 def test_lookup_only_layers_that_keep_failing_stop_being_built():
     """Per-token chances can be right while a layer of W outputs still rarely passes (they must all hit at once):
     the builder weighs its layer predictions by what lookup-only layers did, and stops where they do not pay."""

@@ -95,7 +95,8 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"machine": _common.machine(), "preset": a.preset, "threads": a.threads,
-                       "max_tokens": a.max_tokens, "supervised": a.supervised, "prompt": PROMPT, "runs": rows, "summary": summary}, f, indent=1)
+                       "max_tokens": a.max_tokens, "supervised": a.supervised, "prompt": PROMPT, "runs": rows,
+                       "summary": summary}, f, indent=1)
 
 
 if __name__ == "__main__":

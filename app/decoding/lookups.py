@@ -448,15 +448,14 @@ class Builder:
         keep = set(map(id, chosen))  # a prefix of the pop order is closed under parents
         return [c for c in sorted(chosen, key=lambda c: c.depth) if id(c) in keep]
 
-    def _rate(self, shape: LookupBudget, chosen: Sequence[Candidate], covered: Sequence[float] | None = None) -> float:
-        """Expected beam steps per second of the iteration with these model-free nodes (spec §16.4, §16.7).
+    def _rate(self, shape: LookupBudget, chosen: Sequence[Candidate], covered: Sequence[float]) -> float:
+        """Expected beam steps per second of the iteration with these model-free nodes (spec §16.4, §16.7);
+        `covered`: their coverage per depth (_Coverage.values, with the layer factor).
 
         Layer l passes by the drafted part with chance base_pass[l] and by the model-free nodes when every
         output lands on one: (covered share of p_beam)^width with replacement. Each further passed layer
         costs one more verified layer (or the extra layer's warp)."""
         steps, extra_layers, run_b, run_h = 1.0, 0.0, 1.0, 1.0
-        if covered is None:
-            covered = self._covered(shape, chosen, self.calibration.layer_factor(shape.width, shape.replacement))
         for l, h in enumerate(covered):
             run_b *= shape.base_pass[l] if l < len(shape.base_pass) else 0.0
             run_h *= h
@@ -472,17 +471,10 @@ class Builder:
     def _covered(self, shape: LookupBudget, chosen: Sequence[Candidate], factor: float) -> list[float]:
         """Per depth: P(every output of the layer lands on a chosen node | the layer is reached) from the
         per-token chances, times `factor` (what lookup-only layers at this width and law did so far)."""
-        by_depth: list[list[float]] = [[] for _ in range(shape.max_depth)]
+        cover = _Coverage(shape, factor)
         for c in chosen:
-            by_depth[c.depth - 1].append(c.mass)
-        out, prev_mass = [], 1.0
-        for masses in by_depth:
-            total = sum(masses)
-            shares = sorted((m / prev_mass for m in masses), reverse=True) if prev_mass > 0 else []
-            out.append(min(1.0, factor * _all_covered(min(1.0, sum(shares)), shares, shape.width,
-                                                       shape.replacement)))
-            prev_mass = total if total > 0 else prev_mass
-        return out
+            cover.add(c)
+        return cover.values
 
     # -- learning --------------------------------------------------------------------------------------
     def settle_layer(self, depth: int, passed: bool) -> None:
@@ -517,9 +509,9 @@ class Builder:
 
 
 class _Coverage:
-    """Builder._covered kept current while nodes are added one at a time, parents first: a node changes its own
-    depth's value and the next depth's (whose shares are taken of this depth's mass); the same sums in the same
-    order, so the same values."""
+    """The coverage per depth (Builder._covered), kept current while nodes are added one at a time, parents
+    first: a node changes its own depth's value and the next depth's, whose shares are taken of this depth's
+    mass (the mass of the last non-empty depth before it; 1 at the roots)."""
 
     def __init__(self, shape: LookupBudget, factor: float) -> None:
         self.shape, self.factor = shape, factor

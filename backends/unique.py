@@ -40,6 +40,8 @@ class CountingContext:
         self.last_query = self.last_distinct = 0  # the latest evaluate
         self.passes: dict[int, int] = {}  # distinct tokens fed -> evaluate calls that fed that many
         self.pass_s = 0.0  # seconds inside the inner context's evaluate (the passes themselves)
+        self.pass_times: dict[int, list[float]] = {}  # distinct tokens fed -> each such pass's seconds
+        self._timed: float | None = None  # the latest inner pass's seconds, until it is counted
 
     def _count(self, query: int, distinct: int) -> None:
         self.evaluations += 1
@@ -47,13 +49,17 @@ class CountingContext:
         self.distinct_tokens += distinct
         self.last_query, self.last_distinct = query, distinct
         self.passes[distinct] = self.passes.get(distinct, 0) + 1
+        if self._timed is not None and distinct > 0:
+            self.pass_times.setdefault(distinct, []).append(self._timed)
+        self._timed = None
 
     def _inner_evaluate(self, forest: Forest) -> Logits:
         t0 = time.perf_counter()
         try:
             return self.inner.evaluate(forest)
         finally:
-            self.pass_s += time.perf_counter() - t0
+            self._timed = time.perf_counter() - t0
+            self.pass_s += self._timed
 
     def counters(self) -> dict[str, float | int]:
         """Per-evaluate means and totals, for the engine's stats."""
@@ -61,7 +67,8 @@ class CountingContext:
         return {"evaluations": self.evaluations, "query_tokens": self.query_tokens,
                 "distinct_tokens": self.distinct_tokens, "query_tokens_per_pass": self.query_tokens / n,
                 "distinct_tokens_per_pass": self.distinct_tokens / n,
-                "passes_by_tokens": dict(sorted(self.passes.items())), "pass_s": self.pass_s}
+                "passes_by_tokens": dict(sorted(self.passes.items())), "pass_s": self.pass_s,
+                "pass_s_by_tokens": {n: float(np.median(t)) for n, t in sorted(self.pass_times.items())}}
 
     @property
     def rows(self) -> int:

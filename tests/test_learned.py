@@ -229,3 +229,34 @@ def test_answers_do_not_wait_for_the_pass_timing_of_a_fresh_load(tiny_gguf_path,
     finally:
         release.set()
         e.close()
+
+
+def test_pass_costs_learnt_from_answers_price_the_next_answer_and_the_next_start(tiny_gguf_path, tmp_path,
+                                                                                 monkeypatch):
+    """A real answer's passes correct the timed curve the engine prices forests and auto with, and a new engine
+    on the same file starts from that correction rather than from the bare timing."""
+    from app.engine.engine import Engine
+    from app.engine.timing import PassCosts
+
+    monkeypatch.setenv("DSBD_CHAT_CACHE", str(tmp_path / "cache"))
+    params = DecodeParams(mode="sample", max_new_tokens=12, seed=2, temperature=1.0)
+    first = Engine.load(ModelSpec(source="tiny", n_ctx=512))
+    try:
+        timed_curve, _ = first.costs()
+        learner = first.policy.passes[0]
+        assert isinstance(learner, PassCosts) and not learner.ratios and timed_curve == CostCurve.of(learner.timed)
+        *_, last = first.generate(first.tokenizer.encode("The river"), params)
+        seen = last.stats["pass_s_by_tokens"]
+        assert set(seen) == {1} and last.stats["passes_by_tokens"][1] == learner.ratios[1][1]
+        learnt, _ = first.costs()
+        assert learnt(1) != timed_curve(1) and learnt == learner.curve()
+        ratio = learner.ratios[1][0] / learner.ratios[1][1]
+        assert ratio == pytest.approx(seen[1] / timed_curve(1))
+    finally:
+        first.close()
+    second = Engine.load(ModelSpec(source="tiny", n_ctx=512))
+    try:
+        again, _ = second.costs()
+        assert second.policy.passes[0].ratios == pytest.approx(learner.ratios) and again(1) == pytest.approx(learnt(1))
+    finally:
+        second.close()

@@ -157,3 +157,44 @@ def test_retime_keeps_the_lower_figure_per_point(tmp_path, cache, timed, monkeyp
     assert len(timed) == 2 and again[2] == 1e-9 and again[1] < 9.0 and again[4] < 9.0
     assert {int(n): s for n, s in json.loads(cache.read_text())[key]["seconds"].items()} == again
     assert set(first) == set(again)
+
+
+# ---------------------------------------------------------------------------------------- learnt from answers
+
+def test_the_answers_passes_correct_the_timed_curve_point_by_point():
+    """Nothing learnt: the timed curve. Passes at n count at the point nearest n; the points they did not
+    reach move with the level they saw; the latest answers outweigh old ones; the curve never falls with n."""
+    timed = {1: 0.1, 4: 0.2, 16: 0.4}
+    costs = timing.PassCosts(timed)
+    assert costs.curve() == CostCurve.of(timed) and not costs.observe({}, {})
+    assert costs.observe({"6": 40}, {"6": 1.5 * CostCurve.of(timed)(6)})  # JSON keys; 6 is nearest 4 in log scale
+    level = (40 * 1.5 + timing.LEARN_STRENGTH) / (40 + timing.LEARN_STRENGTH)
+    own = (40 * 1.5 + timing.LEARN_STRENGTH * level) / (40 + timing.LEARN_STRENGTH)
+    curve = costs.curve()
+    assert set(costs.ratios) == {4}
+    assert curve(4) == pytest.approx(0.2 * own) and curve(1) == pytest.approx(0.1 * level)
+    assert curve(16) == pytest.approx(0.4 * level) and curve(1) <= curve(4) <= curve(16)
+    for _ in range(20):  # the machine got quicker: the passes now cost what was timed
+        costs.observe({4: 50, 16: 50}, {4: 0.2, 16: 0.4})
+    assert costs.ratios[4][1] == timing.LEARN_CAP
+    assert costs.curve()(4) == pytest.approx(0.2, rel=0.01) and costs.curve()(16) == pytest.approx(0.4, rel=0.01)
+    assert not costs.observe({4: 3}, {4: 0.0}) and not costs.observe({4: 0}, {4: 0.3})  # no pass, no time: nothing
+
+
+def test_a_counting_context_times_each_pass_by_the_tokens_it_fed():
+    from backends.base import ROOT, Forest
+    from backends.unique import CountingContext, UniquePaths
+    from refmodel import bigram
+
+    m = bigram(7, 1)
+    for wrap in (CountingContext, UniquePaths):
+        ctx = wrap(m.context(rows=1, max_tokens=32))
+        ctx.prefill([1, 2])
+        ctx.evaluate(Forest(suffix=((3,),), tokens=(4, 4), parents=(ROOT, ROOT), rows=(0, 0)))  # unique: 2 fed
+        ctx.truncate(2)
+        ctx.evaluate(Forest(suffix=((5,),)))
+        c = ctx.counters()
+        assert set(c["pass_s_by_tokens"]) == set(c["passes_by_tokens"]) - {0}
+        assert all(s >= 0 for s in c["pass_s_by_tokens"].values())
+        assert sum(len(t) for t in ctx.pass_times.values()) == c["evaluations"] == 2
+        assert set(c["pass_s_by_tokens"]) == ({1, 2} if wrap is UniquePaths else {1, 3})

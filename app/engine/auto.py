@@ -59,6 +59,9 @@ class AutoPolicy:
     draft_cost: CostCurve | None
     rates: dict[tuple, list[float]] = field(default_factory=dict)  # _key -> EMA of pass rate per depth
     efficiency: dict[str, float] = field(default_factory=dict)  # mode -> EMA of projected / measured s per pass
+    # (target, draft) app.engine.timing.PassCosts that learn the curves from the answers' passes (timed costs
+    # only: a named cost profile prices another machine)
+    passes: tuple = ()
 
     @classmethod
     def from_costs(cls, target_costs: Mapping[int, float], draft_costs: Mapping[int, float] | None = None):
@@ -96,11 +99,26 @@ class AutoPolicy:
     def projected_tps(self, p: DecodeParams) -> float:
         return self.efficiency.get(p.mode, 1.0) * self.tokens_per_pass(p) / self.iteration_s(p)
 
+    def learn_passes(self, stats: Mapping) -> list:
+        """Fold one answer's timed passes into the curves; the PassCosts that moved."""
+        moved = []
+        for i, prefix in enumerate(("", "draft_")):
+            costs = self.passes[i] if i < len(self.passes) else None
+            if costs is not None and costs.observe(stats.get(f"{prefix}passes_by_tokens"),
+                                                   stats.get(f"{prefix}pass_s_by_tokens")):
+                moved.append(costs)
+                if i == 0:
+                    self.target_cost = costs.curve()
+                else:
+                    self.draft_cost = costs.curve()
+        return moved
+
     def observe(self, params: DecodeParams, stats: Mapping) -> None:
         """Fold one finished generation's stats into the estimates (params as run: a concrete mode)."""
         params = params.validated()
         if params.mode == "auto":
             raise ValueError("observe() takes the setting auto picked, not 'auto'")
+        self.learn_passes(stats)
         if params.uses_draft and self.draft_cost is None:
             return  # DSBD without a draft model (model-free lookup nodes): not a setting auto picks from
         if params.uses_draft:

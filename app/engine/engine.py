@@ -28,7 +28,7 @@ from app.decoding.lookups import CorpusIndex
 from app.decoding.metrics import Metrics
 from app.engine.interface import Event, ModelEngine, NoModelLoaded, PromptTooLong
 from app.engine.learned import Learned, entry_key, model_key
-from app.engine.timing import CAL_POINTS, TIMED, cached_costs, cost_profile
+from app.engine.timing import CAL_POINTS, TIMED, PassCosts, cached_costs, cost_profile
 from app.prompt import ChatError, encode_chat
 from backends.modelfiles.progress import LoadTracker, tracking
 
@@ -296,12 +296,24 @@ class Engine(ModelEngine):
                     self._warming.clear()
                 with self.lock:
                     if (self.target, self.draft) == models:
-                        self._adopt(AutoPolicy.from_costs(*timed))
+                        self._adopt(self._answered(models, timed))
             if self.policy is None:
                 return {}
         took = round(time.perf_counter() - t0, 2)
         log.info("pass costs ready in %.1f s (auto mode, adaptive forests; timed, or read from the timing cache)", took)
         return {"calibration_s": took}
+
+    def _answered(self, models, timed):
+        """Auto's policy on the timed pass costs, corrected by what earlier answers' passes taught (here and
+        in earlier processes) and learning from every answer from now on (app.engine.timing.PassCosts)."""
+        from app.engine.auto import AutoPolicy
+
+        learners = []
+        for m, t in zip(models, timed):
+            key = self._learn_key("passes", (m,)) if t else None
+            learners.append(PassCosts(t, self.learned.passes(key), setting=key) if t else None)
+        target, draft = learners
+        return AutoPolicy(target.curve(), draft.curve() if draft else None, passes=(target, draft))
 
     def _adopt(self, policy) -> None:
         """Under the lock: auto mode and adaptive forests price with `policy` from now on."""
@@ -369,6 +381,9 @@ class Engine(ModelEngine):
         self._finished.append((params, stats))
         if self.policy is not None:
             self.policy.observe(params, stats)
+            for costs in self.policy.passes:  # the curves learnt from this answer's passes: kept for later starts
+                if costs is not None and costs.ratios and costs.setting not in self._unsaved:
+                    self.learned.store(costs.setting, passes=costs.ratios)
 
     def encode(self, messages: list[dict]) -> list[int]:
         self._require()
@@ -592,6 +607,7 @@ class Engine(ModelEngine):
                 stats[f"{prefix}distinct_tokens_per_pass"] = c["distinct_tokens_per_pass"]
                 stats[f"{prefix}passes_by_tokens"] = c["passes_by_tokens"]  # for projections (app/compare)
                 stats[f"{prefix}pass_s"] = c["pass_s"]
+                stats[f"{prefix}pass_s_by_tokens"] = c["pass_s_by_tokens"]  # what the curves learn (PassCosts)
         if isinstance(target, CountingContext):
             stats["unique_paths"] = isinstance(target, UniquePaths)
         return stats

@@ -8,6 +8,8 @@ Two kinds of entries, each under a hashed key:
                  the exploration budget's ledger, so a new process neither explores again nor pays twice
     calibration  the model-free node builder's calibration (app.decoding.lookups.Calibration) per target
                  model: how often each source's proposals are the target's next token
+    passes       per model: how its answers' passes compared with its timed pass costs (the corrections of
+                 app.engine.timing.PassCosts)
 
 Model identities come from backends.host.timing_identity (file path, size and mtime; runtime build; CPU;
 threads; placement): another file, build or machine starts afresh. Counts are capped when stored (recent
@@ -73,8 +75,16 @@ class Learned:
         except (TypeError, ValueError, IndexError):
             return None
 
+    def passes(self, key: str | None) -> dict[int, list[float]]:
+        """A PassCosts' ratios ({} when none were stored or the entry is malformed)."""
+        data = self._get(key, "passes")
+        try:
+            return {int(k): [float(v[0]), float(v[1])] for k, v in data.items()} if isinstance(data, dict) else {}
+        except (TypeError, ValueError, IndexError):
+            return {}
+
     def store(self, key: str | None, *, acceptance: Acceptance | None = None,
-              calibration: Calibration | None = None) -> None:
+              calibration: Calibration | None = None, passes: dict | None = None) -> None:
         if key is None:
             return
         entry: dict = {"when": time.time()}
@@ -82,6 +92,8 @@ class Learned:
             entry["acceptance"] = acceptance_to_json(acceptance.carried(CARRY))
         if calibration is not None:
             entry["calibration"] = calibration.carried().table
+        if passes is not None:
+            entry["passes"] = {str(k): list(v) for k, v in passes.items()}
         data = read_store(self.path, WHAT, quiet=True)
         data[key] = entry
         if len(data) > MAX_ENTRIES:

@@ -4,6 +4,8 @@ and thread count, and cached on disk so a load or a `generate` call does not tim
     CostCurve        piecewise linear through the measured points (offload.cost: the one speed model)
     measure_costs    time a flat n-node forest after a fixed context, through the backend protocol
     cached_costs     measure_costs behind the cache: $DSBD_CHAT_CACHE (else ~/.cache/dsbd-chat)/pass-costs.json
+    PassCosts        the timed points corrected by the passes answers ran (learnt in the background, kept by
+                     app.engine.learned): the curve forests and auto mode price with
 
 The cache key is backends.host.timing_identity(model) (file path, size and mtime; llama-cpp-python version
 and library files or the torch version; CPU model and flags; threads; weight placement) plus the timing method
@@ -18,10 +20,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
 
 from app.storage import atomic_write
 from offload.cost import CURVE_POINTS, DATASHEETS, CostCurve, CostProfile  # noqa: F401  (CostCurve: re-exported)
@@ -152,6 +156,63 @@ def write_store(path: Path, data: dict, what: str) -> None:
         atomic_write(path, json.dumps(data, indent=1))
     except OSError as e:  # a read-only cache only costs what it would have saved
         log.warning("cannot write the %s %s (%s)", what, path, e)
+
+
+# ------------------------------------------------------------------------------------ learnt from answers
+
+LEARN_STRENGTH = 4.0  # pseudo-passes behind a point's correction: a handful of passes outweigh the timing
+LEARN_CAP = 64.0  # most passes a point's correction keeps: the latest answers outweigh a long session
+
+
+@dataclass
+class PassCosts:
+    """A model's timed pass costs, corrected by the passes its answers ran.
+
+    The warm-up times each curve point once, after a short fixed context; answers run at their own context
+    lengths, on a machine that may be busier or quieter than it was then. Every answer's passes (the median
+    seconds of its passes that scored n tokens) give ratios to the timed curve at n, counted at the curve point
+    nearest n (log scale). The curve is each point's timed seconds times its mean ratio, shrunk toward the mean
+    ratio of every point (itself shrunk toward 1): a point no answer reached moves with the level answers saw,
+    keeping the shape the warm-up timed. Counts are capped (LEARN_CAP), so the curve follows the machine as it
+    changes. What is learnt only sizes forests and picks auto's setting; it never moves an output law."""
+
+    timed: Mapping[int, float]
+    ratios: dict[int, list[float]] = field(default_factory=dict)  # point -> [sum of ratios, passes]
+    setting: str | None = None  # the engine's key for what this learns (app.engine.learned)
+
+    def __post_init__(self) -> None:
+        self.timed = {int(n): float(s) for n, s in self.timed.items()}
+        self._base = CostCurve.of(self.timed)
+
+    def observe(self, passes: Mapping | None, seconds: Mapping | None) -> bool:
+        """One answer's `passes_by_tokens` (n -> passes) and `pass_s_by_tokens` (n -> median seconds), as the
+        engine's stats carry them (keys may be strings, from JSON); True when the curve moved."""
+        moved = False
+        for n, s in (seconds or {}).items():
+            count = (passes or {}).get(n, 0)
+            n, s = int(n), float(s)
+            if n < 1 or not s > 0 or not count:
+                continue
+            row = self.ratios.setdefault(self._point(n), [0.0, 0.0])
+            row[0] += count * s / self._base(n)
+            row[1] += count
+            if row[1] > LEARN_CAP:
+                row[0], row[1] = row[0] * LEARN_CAP / row[1], LEARN_CAP
+            moved = True
+        return moved
+
+    def factor(self, point: int) -> float:
+        """The correction of one curve point (1 with nothing learnt)."""
+        total = sum(r[0] for r in self.ratios.values()), sum(r[1] for r in self.ratios.values())
+        level = (total[0] + LEARN_STRENGTH) / (total[1] + LEARN_STRENGTH)
+        own = self.ratios.get(point, (0.0, 0.0))
+        return (own[0] + LEARN_STRENGTH * level) / (own[1] + LEARN_STRENGTH)
+
+    def curve(self) -> CostCurve:
+        return CostCurve.of({n: s * self.factor(n) for n, s in self.timed.items()})
+
+    def _point(self, n: int) -> int:
+        return min(self.timed, key=lambda p: (abs(math.log2(n) - math.log2(p)), p))
 
 
 # ---------------------------------------------------------------------------------------------- cost profiles

@@ -177,6 +177,12 @@ def edits() -> dict:
     return out
 
 
+def learnt_costs() -> dict:
+    d = load("learnt-costs.json")
+    return {"on": on("learnt-costs.json"), "timed": f"{d['mean_error_timed']:.1%}",
+            "learnt": f"{d['mean_error_learnt']:.1%}", "answers": len(d["answers"]) - 1}
+
+
 def attachments() -> dict:
     return {"on": on("attachments.json")} | load("attachments.json")
 
@@ -207,6 +213,7 @@ def expect() -> str:
 def table() -> str:
     a, r, p, b, u, c, dc, fs, f, e = (same_law(), row_math(), projected(), busy(), unique_paths(), pass_cost(),
                                       draft_cost(), first_start(), attachments(), edits())
+    lc = learnt_costs()
     base = u["base"]
     rows = [
         (f"Best quality vs beam sampling at the same law, qwen-coder, {a['code']} code + {a['chat']} chat prompts",
@@ -233,6 +240,8 @@ def table() -> str:
          f"{u['repl']['query_tokens_per_pass']:.1f} (code)", "forest-cache.md"),
         ("One pass scoring 19 tokens vs 1, qwen target, llama.cpp, 2 threads", c["on"],
          f"{c['ratio']:.1f}x the time ({c['ms19']:.0f} vs {c['ms1']:.0f} ms)", "pass-cost.md"),
+        ("Predicting an answer's passes, qwen target, Balanced: the curve learnt from earlier answers vs the timed "
+         "one", lc["on"], f"{lc['learnt']} vs {lc['timed']} mean error over {lc['answers']} answers", "pass-cost.md"),
         ("Requantized draft (`--draft-quant q4_0-head`, qwen-coder)", dc["on"],
          f"{dc['ratio']} the draft pass cost at 4-5 tokens, acceptance proxy {dc['before']:.3f} -> "
          f"{dc['after']:.3f}", "draft-cost.md"),

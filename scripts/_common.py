@@ -36,3 +36,13 @@ def machine(cost_profile: str | None = None) -> dict:
     from backends.host import machine_facts
 
     return machine_facts(cost_profile)
+
+
+def emit(out: dict, path: str | None) -> None:
+    """Print a measurement's JSON, and write it to `path` when one is given."""
+    import json
+
+    text = json.dumps(out, indent=1)
+    print(text)
+    if path:
+        Path(path).write_text(text + "\n")

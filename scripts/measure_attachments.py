@@ -8,14 +8,13 @@ prints it.
 
 from __future__ import annotations
 
-import json
 import platform
 import random
 import statistics
 import subprocess
 import time
 
-from _common import ROOT_DIR, machine, pair_arguments
+from _common import ROOT_DIR, emit, machine, pair_arguments
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:
@@ -91,11 +90,7 @@ def main() -> None:
     out["diff_s"], d = timed(lambda: att.diffs(f"{fence}\n{rewritten}\n{fence}", [f]), a.runs)
     out["diff_changed_lines"] = d[0].added if d else 0
     model.close()
-    text_out = json.dumps(out | {"machine": machine()}, indent=1)
-    print(text_out)
-    if a.json:
-        with open(a.json, "w") as fh:
-            fh.write(text_out + "\n")
+    emit(out | {"machine": machine()}, a.json)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import json
 import os
 import tempfile
 
-from _common import machine
+from _common import emit, machine
 from measure_attachments import cpu_name
 
 
@@ -66,11 +66,7 @@ def main() -> None:
                "mean_error_learnt": sum(r["error_learnt"] for r in rows[1:]) / max(1, len(rows) - 1)}
     finally:
         engine.close()
-    text = json.dumps(out, indent=1)
-    print(text)
-    if a.json:
-        with open(a.json, "w") as f:
-            f.write(text + "\n")
+    emit(out, a.json)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,22 @@ def test_compatible_same_model(gguf_tok, tiny_gguf_path):
         other.encode("x")
 
 
+def test_pieces_read_from_two_threads_at_once_are_the_pieces(gguf_tok):
+    """A load's vocabulary check reads every piece while an answer decodes with the same tokenizer."""
+    import threading
+
+    ids = range(0, gguf_tok.n_vocab, 3)
+    want = [gguf_tok.piece(i) for i in ids]
+    wrong = []
+    readers = [threading.Thread(target=lambda: wrong.extend(i for i, w in zip(ids, want) if gguf_tok.piece(i) != w))
+               for _ in range(2)]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join(60)
+    assert wrong == []
+
+
 @pytest.mark.parametrize(
     "change, words",
     [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import threading
 from pathlib import Path
 from typing import Iterable
 
@@ -36,6 +37,7 @@ class GGUFTokenizer(Tokenizer):
         tpl = ll.llama_model_chat_template(handle.ptr, None)
         self.chat_template = tpl.decode("utf-8", "replace") if tpl else None
         self._buf = ctypes.create_string_buffer(256)
+        self._buf_lock = threading.Lock()  # one tokenizer serves an answer and a load's vocabulary check at once
 
     @classmethod
     def from_file(cls, path: Path) -> "GGUFTokenizer":
@@ -55,11 +57,12 @@ class GGUFTokenizer(Tokenizer):
         return [self.bos_id] + ids if add_bos and self.bos_id is not None else ids
 
     def _piece(self, token: int, special: bool) -> bytes:
-        n = ll.llama_token_to_piece(self._h.vocab, token, self._buf, len(self._buf), 0, special)
-        if n < 0:
-            self._buf = ctypes.create_string_buffer(-n)
+        with self._buf_lock:
             n = ll.llama_token_to_piece(self._h.vocab, token, self._buf, len(self._buf), 0, special)
-        return self._buf.raw[:n]
+            if n < 0:
+                self._buf = ctypes.create_string_buffer(-n)
+                n = ll.llama_token_to_piece(self._h.vocab, token, self._buf, len(self._buf), 0, special)
+            return self._buf.raw[:n]
 
     def piece(self, token: int) -> bytes:
         return self._piece(token, True)

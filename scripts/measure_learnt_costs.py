@@ -18,7 +18,6 @@ import os
 import tempfile
 
 from _common import emit, machine
-from measure_attachments import cpu_name
 
 
 def error(curve, passes: dict, seconds: dict) -> float:
@@ -59,7 +58,7 @@ def main() -> None:
                          "median_pass_s": seconds, "error_timed": error(timed, passes, seconds),
                          "error_learnt": error(before, passes, seconds)})
             print(json.dumps(rows[-1]), flush=True)
-        out = {"machine": machine(), "cpu": cpu_name(), "target": a.target, "mode": a.mode, "threads": a.threads,
+        out = {"machine": machine(), "target": a.target, "mode": a.mode, "threads": a.threads,
                "timed": dict(timed.points), "learnt": dict(engine.policy.target_cost.points),
                "factors": {n: learner.factor(n) for n in learner.timed}, "answers": rows,
                "mean_error_timed": sum(r["error_timed"] for r in rows[1:]) / max(1, len(rows) - 1),

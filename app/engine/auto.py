@@ -99,19 +99,16 @@ class AutoPolicy:
     def projected_tps(self, p: DecodeParams) -> float:
         return self.efficiency.get(p.mode, 1.0) * self.tokens_per_pass(p) / self.iteration_s(p)
 
-    def learn_passes(self, stats: Mapping) -> list:
-        """Fold one answer's timed passes into the curves; the PassCosts that moved."""
-        moved = []
+    def learn_passes(self, stats: Mapping) -> None:
+        """Fold one answer's timed passes into the curves (timed costs only: `passes` is empty otherwise)."""
         for i, prefix in enumerate(("", "draft_")):
             costs = self.passes[i] if i < len(self.passes) else None
             if costs is not None and costs.observe(stats.get(f"{prefix}passes_by_tokens"),
                                                    stats.get(f"{prefix}pass_s_by_tokens")):
-                moved.append(costs)
                 if i == 0:
                     self.target_cost = costs.curve()
                 else:
                     self.draft_cost = costs.curve()
-        return moved
 
     def observe(self, params: DecodeParams, stats: Mapping) -> None:
         """Fold one finished generation's stats into the estimates (params as run: a concrete mode)."""

@@ -311,7 +311,7 @@ class Engine(ModelEngine):
         learners = []
         for m, t in zip(models, timed):
             key = self._learn_key("passes", (m,)) if t else None
-            learners.append(PassCosts(t, self.learned.passes(key), setting=key) if t else None)
+            learners.append(PassCosts(t, self.learned.passes(key), setting=key) if key else None)
         target, draft = learners
         return AutoPolicy(target.curve(), draft.curve() if draft else None, passes=(target, draft))
 

@@ -11,9 +11,12 @@
 
 `NumpyRows` is the reference: the float64 functions of `sampling.py`, unchanged. `TorchRows` runs where the
 logits are (CPU threads, or CUDA) and does only the work an answer reads (spec §16.9):
-- one normaliser per row (max, exp, a cascaded sum), a row's log-probs only where a beam reads them;
-- a dense law is `exp(x / T + c_row)`: one exp pass, float32 cells, float64 block sums for the inverse CDF;
-- draws read the block sums and one 4,096-cell block per uniform; draws without replacement are the same
+- one normaliser per row (max, exp, the sums of each row's 4,096-cell blocks), a row's log-probs only where a
+  beam reads them;
+- a dense law is `exp((x - m_row) / T) * scale_row`: the exponentials of the normaliser (at T = 1) or one exp pass,
+  float32 cells; its block sums are the rows' block sums times the row's float64 scale, with no pass over the
+  cells, and the [rows, V] product is formed only where a verifier reads cells as a tensor;
+- draws read the block sums and one block per uniform; draws without replacement are the same
   sequential rule with the drawn cells' masses taken out of their blocks (one uniform per draw, as `Rand` has);
 - the residual chain in closed form: after rejections r = max(p - s q, 0) / M(s) with a scalar s (all drafts of a
   layer share q), each M one fused pass; without replacement the same form plus per-cell thresholds for the few
@@ -211,7 +214,8 @@ class TorchLogProbs:
         self.tm, self.x = tm, x  # [n, V] tensor on tm.device
         self.vocab = int(x.shape[1])
         self._norm: dict[int, tuple[float, float]] = norms or {}  # row -> (max, log-sum-exp)
-        self.e = None
+        self.e = None  # exp(x - max) of every row, once all rows are normalised together
+        self.eb: np.ndarray | None = None  # its float64 block sums [n, blocks per row]
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
@@ -219,11 +223,15 @@ class TorchLogProbs:
     def _fill(self) -> None:
         n = len(self)
         todo = [i for i in range(n) if i not in self._norm]
-        if todo:
-            whole = len(todo) == n
-            m, lse, e = self.tm._lse(self.x if whole else self.x[todo], keep=whole)
+        if len(todo) == n:  # every row in one pass: a law at T = 1 scales e instead of exponentiating again
+            m = self.tm._row_max(self.x)
+            self.e, self.eb = self.tm._exp_blocks(self.x, m, 1.0)
+            with np.errstate(divide="ignore"):
+                lse = m + np.log(self.eb.sum(axis=1))
             self._norm.update(zip(todo, zip(m.tolist(), lse.tolist())))
-            self.e = e  # exp(x - max) of every row: a law at T = 1 scales it instead of exponentiating again
+        elif todo:
+            m, lse = self.tm._lse(self.x[todo])
+            self._norm.update(zip(todo, zip(m.tolist(), lse.tolist())))
 
     def lse_all(self) -> np.ndarray:
         """[n] float64 normalisers (every row not yet done, in one vectorised pass)."""
@@ -237,7 +245,7 @@ class TorchLogProbs:
     def lse(self, i: int) -> float:
         v = self._norm.get(i)
         if v is None:
-            m, lse, _ = self.tm._lse(self.x[i:i + 1])
+            m, lse = self.tm._lse(self.x[i:i + 1])
             v = self._norm[i] = (float(m[0]), float(lse[0]))
         return v[1]
 
@@ -252,23 +260,27 @@ class TorchLogProbs:
 
 
 class TorchLaw:
-    """A dense warped joint over n rows x V: p(r, t) = exp((x[r, t] - m_r) / T) * scale_r, 0 where x is -inf or
-    the row is not a valid parent. Cells are float32 on the device; masses and block sums are float64."""
+    """A dense warped joint over n rows x V: p(r, t) = e[r, t] * scale_r with e = exp((x - m_r) / T) float32 on the
+    device and scale_r float64 on the host (0 where the row is not a valid parent). Draws, masses and lookups read
+    e's per-row block sums and single blocks; the [n, V] product p is formed only where a verifier reads it."""
 
-    def __init__(self, tm: "TorchRows", x, m: np.ndarray, scale: np.ndarray, inv_t: float) -> None:
+    def __init__(self, tm: "TorchRows", x, m: np.ndarray, scale: np.ndarray, inv_t: float, e, eb: np.ndarray) -> None:
         self.tm, self.x, self.inv_t = tm, x, inv_t
         self.n, self.vocab = int(x.shape[0]), int(x.shape[1])
         self.size_cells = self.n * self.vocab
         self._m, self._scale = m, scale
+        self._e, self._eb = e, eb
+        self._ef = e.view(-1)
+        self._per_row = int(eb.shape[1])  # blocks per row: CDF_BLOCK cells each, a row's last one short
         self._p = None
         self._blocks: np.ndarray | None = None
         self._len: int | None = None
 
     @property
     def p(self):
-        """[n, V] float32 probabilities (computed once)."""
+        """[n, V] float32 probabilities (computed once, where a verifier reads cells as a tensor)."""
         if self._p is None:
-            self._p = self.tm._probs(self.x, self._m, self._scale, self.inv_t)
+            self._p = self._e * self.tm._tensor(self._scale)[:, None]
         return self._p
 
     @property
@@ -276,14 +288,35 @@ class TorchLaw:
         return self.p.view(-1)
 
     def blocks(self) -> np.ndarray:
+        """Float64 block sums of p, row by row (no pass over the cells)."""
         if self._blocks is None:
-            self._blocks = self.tm._block_sums(self.flat)
+            self._blocks = (self._eb * self._scale[:, None]).reshape(-1)
         return self._blocks
+
+    def block_of(self, k: int) -> int:
+        r, t = divmod(k, self.vocab)
+        return r * self._per_row + t // CDF_BLOCK
+
+    def segment(self, b: int) -> tuple[int, np.ndarray]:
+        """(first cell, float64 cells) of block b."""
+        r, j = divmod(b, self._per_row)
+        lo = r * self.vocab + j * CDF_BLOCK
+        hi = r * self.vocab + min((j + 1) * CDF_BLOCK, self.vocab)
+        return lo, self.tm._host(self._ef[lo:hi]).astype(np.float64) * self._scale[r]
+
+    def cell(self, k: int) -> float:
+        return float(self._ef[k]) * float(self._scale[k // self.vocab])
 
     def __len__(self) -> int:
         if self._len is None:
-            self._len = int(self.tm.torch.count_nonzero(self.p))
+            rows = np.flatnonzero(self._scale > 0)
+            e = self._e if rows.size == self.n else self._e[self.tm.torch.as_tensor(rows, device=self._e.device)]
+            self._len = int(self.tm.torch.count_nonzero(e))
         return self._len
+
+    def at_most(self, n: int) -> int:
+        """min(n, support size): blocks with mass each hold a pair, so the count is read only when they are few."""
+        return n if int(np.count_nonzero(self.blocks() > 0)) >= n else min(n, len(self))
 
     @property
     def keys(self) -> np.ndarray:
@@ -300,8 +333,9 @@ class TorchLaw:
         ok = (keys >= 0) & (keys < self.size_cells)
         out = np.zeros(keys.shape)
         if ok.any():
-            idx = self.tm.torch.as_tensor(keys[ok], device=self.p.device)
-            out[ok] = self.tm._host(self.flat[idx]).astype(np.float64) / self.total()
+            idx = self.tm.torch.as_tensor(keys[ok], device=self._e.device)
+            cells = self.tm._host(self._ef[idx]).astype(np.float64)
+            out[ok] = cells * self._scale[keys[ok] // self.vocab] / self.total()
         return out
 
     def total(self) -> float:
@@ -313,11 +347,11 @@ class TorchLaw:
             return np.array([rand.categorical(keys, probs) for _ in range(n)], dtype=np.int64)
         u = rand.rng.random(n)
         b = self.blocks()
-        return np.array([_icdf(self.tm, self.flat, b, {}, t) for t in u * b.sum()], dtype=np.int64)
+        return np.array([_icdf(self, b, {}, t) for t in u * b.sum()], dtype=np.int64)
 
     def distinct(self, n: int, rand: Rand) -> tuple[np.ndarray, np.ndarray]:
         """Up to n keys drawn sequentially without replacement, and the mass not yet drawn before each."""
-        n = min(n, len(self))
+        n = self.at_most(n)
         if not _is_seeded(rand):
             keys, probs = self.keys, self.probs
             left, out, rest = probs.copy(), [], []
@@ -336,10 +370,10 @@ class TorchLaw:
         for j in range(n):
             left = total - drawn_mass
             rest.append(left / total)
-            k = _icdf(self.tm, self.flat, blocks, zero, u[j] * float(blocks.sum()))
-            v = float(self.flat[k])
+            k = _icdf(self, blocks, zero, u[j] * float(blocks.sum()))
+            v = self.cell(k)
             zero[k] = 0.0
-            blocks[k // CDF_BLOCK] -= v
+            blocks[self.block_of(k)] -= v
             drawn_mass += v
             out.append(k)
         return np.array(out, dtype=np.int64), np.array(rest)
@@ -386,28 +420,35 @@ class TorchRows:
     def _host(self, x) -> np.ndarray:
         return x.detach().cpu().numpy()
 
-    def _lse(self, x, keep: bool = False):
-        """Row maxima (0 for an all -inf row), normalisers (the cascaded float32 sum of exp(x - max): relative
-        error ~1e-7) and, with keep, exp(x - max) itself."""
-        t = self.torch
-        m = x.amax(dim=1, keepdim=True)
-        m = t.where(t.isfinite(m), m, t.zeros_like(m))
-        e = (x - m).exp_()
-        s = e.sum(dim=1)
-        mh = self._host(m[:, 0]).astype(np.float64)
+    def _lse(self, x):
+        """Row maxima (0 for an all -inf row) and normalisers (the cascaded float32 sum of exp(x - max): relative
+        error ~1e-7), float64 on the host."""
+        m = self._row_max(x)
+        e = self.torch.sub(x, self.torch.as_tensor(m, dtype=self.dtype, device=x.device)[:, None]).exp_()
         with np.errstate(divide="ignore"):
-            return mh, mh + np.log(self._host(s).astype(np.float64)), (e if keep else None)
+            return m, m + np.log(self._host(e.sum(dim=1)).astype(np.float64))
 
-    def _probs(self, x, m: np.ndarray, scale: np.ndarray, inv_t: float):
+    def _row_max(self, x) -> np.ndarray:
+        """[n] float64 row maxima, 0 for an all -inf row."""
+        m = self._host(x.amax(dim=1)).astype(np.float64)
+        return np.where(np.isfinite(m), m, 0.0)
+
+    def _exp_blocks(self, x, m: np.ndarray, inv_t: float):
+        """e = exp((x - m) / T) [n, V] and its float64 sums over each row's CDF_BLOCK-cell blocks [n, blocks]."""
         t = self.torch
-        mt = t.as_tensor(m, dtype=self.dtype, device=x.device)[:, None]
-        st = t.as_tensor(scale, dtype=self.dtype, device=x.device)[:, None]
-        y = x - mt
+        e = t.sub(x, t.as_tensor(m, dtype=self.dtype, device=x.device)[:, None])
         if inv_t != 1.0:
-            y.mul_(inv_t)
-        y.exp_()
-        y.mul_(st)
-        return y
+            e.mul_(inv_t)
+        e.exp_()
+        n, V = int(e.shape[0]), int(e.shape[1])
+        full = V // CDF_BLOCK
+        parts = []
+        if full:
+            parts.append(e.as_strided((n, full, CDF_BLOCK), (V, CDF_BLOCK, 1)).sum(dim=2))
+        if V > full * CDF_BLOCK:
+            parts.append(e[:, full * CDF_BLOCK:].sum(dim=1, keepdim=True))
+        sums = t.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+        return e, self._host(sums).astype(np.float64)
 
     def _block_sums(self, flat) -> np.ndarray:
         """Float64 sums of consecutive CDF_BLOCK-cell blocks of a flat tensor (the last block may be short)."""
@@ -435,6 +476,7 @@ class TorchRows:
         out = TorchLogProbs(self, x, {j: r.src._norm[r.i] for j, r in enumerate(refs)})
         if all(r.src.e is not None for r in refs):
             out.e = self.torch.stack([r.src.e[r.i] for r in refs])
+            out.eb = np.stack([r.src.eb[r.i] for r in refs])
         return out
 
     def law(self, rows: TorchLogProbs, scores, warp: Warp):
@@ -447,12 +489,12 @@ class TorchRows:
         inv_t = 1.0 / warp.temperature
         x = rows.x
         m = rows.max_all()
-        if inv_t == 1.0:
-            row_lse = lse  # log sum_t exp(x_t / T)
+        if inv_t == 1.0 and rows.e is not None:
+            e, eb = rows.e, rows.eb
         else:
-            t = self.torch
-            mt = t.as_tensor(m, dtype=self.dtype, device=x.device)[:, None]
-            row_lse = m * inv_t + np.log(self._host(((x - mt) * inv_t).exp_().sum(dim=1)).astype(np.float64))
+            e, eb = self._exp_blocks(x, m, inv_t)  # exp((x - m) / T), once: the row sums and the law's cells
+        with np.errstate(divide="ignore"):
+            row_lse = m * inv_t + np.log(eb.sum(axis=1))  # log sum_t exp(x_t / T)
         if warp.truncating:
             law = self._truncated(x, s, lse, valid, warp, row_lse)
             if law is not None:
@@ -460,12 +502,9 @@ class TorchRows:
         w = np.where(valid, (s - lse) * inv_t + row_lse, -np.inf)  # log mass of each row
         w_max = w[valid].max()
         log_z = w_max + math.log(float(np.exp(w[valid] - w_max).sum()))
-        c = (s - lse) * inv_t - log_z  # p = exp(x / T + c)
+        c = (s - lse) * inv_t - log_z  # p = exp(x / T + c) = e * exp(c + m / T)
         scale = np.where(valid, np.exp(np.where(valid, c + m * inv_t, 0.0)), 0.0)
-        law = TorchLaw(self, x, m, scale, inv_t)
-        if inv_t == 1.0 and rows.e is not None:  # p = exp(x - m) * scale: one pass over the kept exponentials
-            law._p = rows.e * self._tensor(scale)[:, None]
-        return law
+        return TorchLaw(self, x, m, scale, inv_t, e, eb)
 
     def _truncated(self, x, s, lse, valid, warp: Warp, row_lse: np.ndarray):
         """top-k / top-p: each valid row's largest cells on the device (a row's order does not depend on its
@@ -573,17 +612,31 @@ class _QRows:
         return out
 
 
-def _icdf(tm: TorchRows, flat, blocks: np.ndarray, override: dict[int, float], t: float) -> int:
-    """The cell i with F(i-1) <= t < F(i), F the running sum of the cells with the cells in `override` replaced by
-    their values (`blocks`: the block sums, already net of the overrides); zero cells are never chosen."""
+class _FlatCells:
+    """A flat tensor's cells in consecutive CDF_BLOCK-cell blocks, read one block at a time."""
+
+    def __init__(self, tm: TorchRows, flat) -> None:
+        self.tm, self.flat = tm, flat
+
+    def block_of(self, k: int) -> int:
+        return k // CDF_BLOCK
+
+    def segment(self, b: int) -> tuple[int, np.ndarray]:
+        lo = b * CDF_BLOCK
+        return lo, self.tm._host(self.flat[lo: lo + CDF_BLOCK]).astype(np.float64)
+
+
+def _icdf(cells, blocks: np.ndarray, override: dict[int, float], t: float) -> int:
+    """The cell i with F(i-1) <= t < F(i), F the running sum of the cells (`cells.segment(b)`: a block's first cell
+    and float64 cells, in key order) with the cells in `override` replaced by their values (`blocks`: the block
+    sums, already net of the overrides); zero cells are never chosen."""
     blocks = blocks.copy()
     while True:
         cb = np.cumsum(blocks)
         b = min(int(cb.searchsorted(t, side="right")), blocks.size - 1)
         while b > 0 and blocks[b] <= 0:  # rounding past the end: the last block with mass
             b -= 1
-        lo = b * CDF_BLOCK
-        seg = tm._host(flat[lo: lo + CDF_BLOCK]).astype(np.float64)
+        lo, seg = cells.segment(b)
         for k, v in override.items():
             if lo <= k < lo + seg.size:
                 seg[k - lo] = v
@@ -651,7 +704,7 @@ class _Chain:
         if c not in self._blocks:
             self._blocks[c] = self.tm._block_sums(cells)
         b = self._blocks[c]
-        return _icdf(self.tm, cells, b, {}, rand.rng.random() * float(b.sum()))
+        return _icdf(_FlatCells(self.tm, cells), b, {}, rand.rng.random() * float(b.sum()))
 
 
 def _without(tm: TorchRows, p: TorchLaw, q: _QRows, drafts: Sequence[DraftWOR], width: int,
@@ -780,7 +833,7 @@ def _draw_u(tm: TorchRows, pn, qf, tau: float, frozen: dict[int, float], output_
     for k, v in override.items():
         blocks[k // CDF_BLOCK] += v - float(cells[k])
     blocks = np.maximum(blocks, 0.0)
-    return _icdf(tm, cells, blocks, override, rand.rng.random() * float(blocks.sum()))
+    return _icdf(_FlatCells(tm, cells), blocks, override, rand.rng.random() * float(blocks.sum()))
 
 
 # ------------------------------------------------------------------------------------------------ selection

@@ -118,6 +118,14 @@ def row_math() -> dict:
             "plain_ms": span([r["torch_ms"] for r in plain]), "layer_ms": span([r["torch_ms"] for r in layer])}
 
 
+def plain() -> dict:
+    """`sample` against llama.cpp's own loop, on its default context and on the engine's (plain-vs-llamacpp.json)."""
+    f = "plain-vs-llamacpp.json"
+    s = load(f)["summary"]
+    return {"on": on(f), "default": f"{s['overall']:.3f}x", "same": f"{s['on_our_context_overall']:.3f}x",
+            "context": f"{s['context_cost']:.3f}x"}
+
+
 def projected() -> dict:
     """The presets on the rtx4090-7b cost profile (rowmath-projected-rtx4090-7b-code.json)."""
     f = "rowmath-projected-rtx4090-7b-code.json"
@@ -213,7 +221,7 @@ def expect() -> str:
 def table() -> str:
     a, r, p, b, u, c, dc, fs, f, e = (same_law(), row_math(), projected(), busy(), unique_paths(), pass_cost(),
                                       draft_cost(), first_start(), attachments(), edits())
-    lc = learnt_costs()
+    lc, pl = learnt_costs(), plain()
     base = u["base"]
     rows = [
         (f"Best quality vs beam sampling at the same law, qwen-coder, {a['code']} code + {a['chat']} chat prompts",
@@ -224,6 +232,10 @@ def table() -> str:
         ("Row math per iteration outside the passes, 4 x 151,936 rows, torch vs the numpy reference", r["on"],
          f"plain steps {r['plain']}, a verified layer {r['layer']} cheaper ({r['plain_ms']} ms and "
          f"{r['layer_ms']} ms)", "rowmath.md"),
+        ("`sample` vs llama.cpp's own generation loop, the same file and threads, qwen-coder target", pl["on"],
+         f"{pl['default']} its speed on llama.cpp's default context, {pl['same']} on the context dsbd-chat makes "
+         f"(which runs llama.cpp's loop at {pl['context']} its default-context speed: the f32 cache and plain "
+         "attention that exact forests need)", "rowmath.md"),
         ("Presets on the 7B-class curve, qwen-coder, code suite", p["on"],
          f"Best quality {p['best']}, Balanced {p['balanced']}; the CPU-side decoder is {p['share']} of the "
          "projected time", "rowmath.md"),

@@ -86,3 +86,13 @@ def test_split_modes_keeps_several_settings_with_their_mode():
         "sample", "dsbd:beams=2,gamma=4,forest=adaptive", "beam-sample", "dsbd-mem:gamma=1"]
     label, p = bench.parse_mode(bench.split_modes("dsbd:beams=2,gamma=4")[0], DecodeParams())
     assert (p.beams, p.gamma, p.draft_beams) == (2, 4, 3)
+
+
+def test_the_decoders_own_time_is_reported_as_a_share_and_per_iteration():
+    """Everything outside the model passes is the decoder's: its share of decode time and its ms per iteration."""
+    runs = [{"stats": {"new_tokens": 10, "decode_s": 2.0, "pass_s": 1.5, "draft_pass_s": 0.3, "iterations": 8}},
+            {"stats": {"new_tokens": 6, "decode_s": 1.0, "pass_s": 0.9, "iterations": 2}}]
+    out = bench._outcomes(runs)
+    assert out["decoder_share"] == pytest.approx((0.2 + 0.1) / 3.0)
+    assert out["decoder_ms_per_iteration"] == pytest.approx(1e3 * 0.3 / 10)
+    assert out["tokens_per_s_overall"] == pytest.approx(16 / 3.0)

@@ -314,6 +314,9 @@ def _outcomes(mine: list[dict]) -> dict:
     if all("pass_s" in s for s in stats):  # the decoder's own time: everything outside the model passes
         own = sum(max(0.0, s["decode_s"] - s["pass_s"] - s.get("draft_pass_s", 0.0)) for s in stats)
         out["decoder_share"] = own / max(1e-9, seconds)
+        iterations = sum(s.get("iterations", 0) for s in stats)
+        if iterations:
+            out["decoder_ms_per_iteration"] = 1e3 * own / iterations
     graded = [r["passed"] for r in mine if "passed" in r]
     if graded:
         out["pass_rate"] = sum(graded) / len(graded)

@@ -109,11 +109,12 @@ def same_law() -> dict:
 
 
 def row_math() -> dict:
-    """Torch vs the numpy reference per iteration outside the passes (rowmath.json, run 1)."""
-    rows = [r for r in load("rowmath.json")["runs"][0]["results"] if r["rows"] == 4]
+    """Torch vs the numpy reference per iteration outside the passes (rowmath-xeon.json, run 4)."""
+    f = "rowmath-xeon.json"
+    rows = [r for r in load(f)["results"] if r["rows"] == 4]
     plain = [r for r in rows if r["op"].startswith("plain step")]
     layer = [r for r in rows if r["op"].startswith("verified layer")]
-    return {"on": on("rowmath.json"), "plain": span([r["numpy/torch"] for r in plain]) + "x",
+    return {"on": on(f), "plain": span([r["numpy/torch"] for r in plain]) + "x",
             "layer": span([r["numpy/torch"] for r in layer]) + "x",
             "plain_ms": span([r["torch_ms"] for r in plain]), "layer_ms": span([r["torch_ms"] for r in layer])}
 

@@ -46,7 +46,7 @@ def fake(tmp_path, monkeypatch, files):
                         last_modified="2023-01-01T00:00:00.000Z")
         for k, v in server.env().items():
             monkeypatch.setenv(k, v)
-        monkeypatch.setattr(hub, "_last_ok", [0.0])
+        monkeypatch.setattr(hub, "_last_ok", {})
         yield server
 
 

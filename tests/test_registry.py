@@ -169,3 +169,32 @@ def test_llamacpp_refuses_safetensors_with_a_hint(tmp_path):
     d = st_folder(tmp_path / "ckpt")
     with pytest.raises(RegistryError, match="llama.cpp reads only GGUF: use --draft-backend pytorch"):
         reg.load_model(ModelSpec(str(d), backend="llamacpp"), role="draft")
+
+
+def test_an_unreachable_hub_reads_the_local_cache_at_once(hub, monkeypatch, tmp_path):
+    """An endpoint that does not answer: resolution asks huggingface_hub for the cached file only, instead of
+    letting it retry a dead connection for half a minute; a file that is not cached fails with the offline
+    message, and a cached one loads."""
+    import socket
+
+    from backends.modelfiles import hub as site
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setattr(site, "_last_ok", {})
+    real, seen = hub.hf_hub_download, []
+
+    def spy(repo_id, filename, **kw):
+        seen.append(kw)
+        return real(repo_id, filename, **kw)
+
+    monkeypatch.setattr(hub, "hf_hub_download", spy)
+    with pytest.raises(RegistryError, match="cannot reach the Hugging.* and org/m:f.gguf is not in the local"):
+        resolve("org/m:f.gguf")
+    assert seen == [{"local_files_only": True}]
+    cached = gguf_file(tmp_path / "cached.gguf")
+    monkeypatch.setattr(hub, "hf_hub_download", lambda repo_id, filename, **kw: seen.append(kw) or str(cached))
+    assert resolve("org/m:f.gguf").path == cached and seen[-1] == {"local_files_only": True}

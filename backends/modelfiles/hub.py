@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import math
 import os
 import re
 import shutil
@@ -271,26 +272,36 @@ def _hub_error(e: BaseException, what: str, *, repo: str, filename: str | None =
     return e
 
 
-_last_ok = [0.0]
+_last_ok: dict[str, float] = {}  # endpoint -> when it last answered (monotonic seconds)
 
 
 def _reach(what: str) -> None:
-    """Fail fast, with a clear message, when offline or the endpoint is unreachable (checked once a minute):
-    huggingface_hub's own calls would retry a dead connection for half a minute first."""
+    """Fail fast, with a clear message, when offline or the endpoint is unreachable (checked once a minute per
+    endpoint): huggingface_hub's own calls would retry a dead connection for half a minute first."""
     if offline():
         raise _offline_error(what)
-    if time.monotonic() - _last_ok[0] < 60:
+    url = endpoint()
+    if time.monotonic() - _last_ok.get(url, -math.inf) < 60:
         return
     from huggingface_hub.utils import get_session
 
     try:
-        get_session().head(endpoint(), timeout=10, follow_redirects=False)
+        get_session().head(url, timeout=10, follow_redirects=False)
     except Exception as e:  # noqa: BLE001 (classified below)
         err = _hub_error(e, what, repo="")
         if isinstance(err, HubError):
             raise err from e
         raise
-    _last_ok[0] = time.monotonic()
+    _last_ok[url] = time.monotonic()
+
+
+def reachable() -> bool:
+    """Whether the Hub endpoint answers (False offline); the same once-a-minute check as every Hub call."""
+    try:
+        _reach("reaching the Hugging Face Hub")
+    except HubError:
+        return False
+    return True
 
 
 def _api():

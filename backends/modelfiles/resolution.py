@@ -101,13 +101,18 @@ def _resolve_hub(source: str) -> ResolvedModel:
         raise RegistryError(f"{source}: only .gguf files can be picked with ':'; use {repo} for safetensors")
     if filename and ".." not in Path(filename).parts and (local := downloaded_file(repo, filename)).is_file():
         return ResolvedModel(Path(filename).stem, local, "gguf")  # `dsbd-chat models download` put it there
+    from backends.modelfiles.hub import reachable
+
+    # An endpoint that does not answer: the HF cache alone, at once (huggingface_hub would retry for ~23 s first).
+    cached_only = {} if reachable() else {"local_files_only": True}
     try:
         if filename:
             # hf_hub_download shows a tqdm bar, resumes partial downloads and reads the cache offline.
-            return ResolvedModel(Path(filename).stem, Path(hub.hf_hub_download(repo, filename)), "gguf")
+            return ResolvedModel(Path(filename).stem, Path(hub.hf_hub_download(repo, filename, **cached_only)),
+                                 "gguf")
         # Skip the duplicate original/consolidated weights some repos carry next to the HF layout.
         folder = hub.snapshot_download(
-            repo, allow_patterns=_SNAPSHOT, ignore_patterns=["original/*", "consolidated*"]
+            repo, allow_patterns=_SNAPSHOT, ignore_patterns=["original/*", "consolidated*"], **cached_only
         )
     except errors.LocalEntryNotFoundError as e:  # offline (or unreachable) and not cached
         raise RegistryError(_offline_message(source)) from e

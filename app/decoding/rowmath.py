@@ -223,15 +223,12 @@ class TorchLogProbs:
     def _fill(self) -> None:
         n = len(self)
         todo = [i for i in range(n) if i not in self._norm]
-        if len(todo) == n:  # every row in one pass: a law at T = 1 scales e instead of exponentiating again
-            m = self.tm._row_max(self.x)
-            self.e, self.eb = self.tm._exp_blocks(self.x, m, 1.0)
-            with np.errstate(divide="ignore"):
-                lse = m + np.log(self.eb.sum(axis=1))
+        if todo:
+            whole = len(todo) == n
+            m, lse, e, eb = self.tm._norms(self.x if whole else self.x[todo])
             self._norm.update(zip(todo, zip(m.tolist(), lse.tolist())))
-        elif todo:
-            m, lse = self.tm._lse(self.x[todo])
-            self._norm.update(zip(todo, zip(m.tolist(), lse.tolist())))
+            if whole:  # every row in one pass: a law at T = 1 scales e instead of exponentiating again
+                self.e, self.eb = e, eb
 
     def lse_all(self) -> np.ndarray:
         """[n] float64 normalisers (every row not yet done, in one vectorised pass)."""
@@ -245,7 +242,7 @@ class TorchLogProbs:
     def lse(self, i: int) -> float:
         v = self._norm.get(i)
         if v is None:
-            m, lse = self.tm._lse(self.x[i:i + 1])
+            m, lse, _, _ = self.tm._norms(self.x[i:i + 1])
             v = self._norm[i] = (float(m[0]), float(lse[0]))
         return v[1]
 
@@ -264,11 +261,11 @@ class TorchLaw:
     device and scale_r float64 on the host (0 where the row is not a valid parent). Draws, masses and lookups read
     e's per-row block sums and single blocks; the [n, V] product p is formed only where a verifier reads it."""
 
-    def __init__(self, tm: "TorchRows", x, m: np.ndarray, scale: np.ndarray, inv_t: float, e, eb: np.ndarray) -> None:
-        self.tm, self.x, self.inv_t = tm, x, inv_t
-        self.n, self.vocab = int(x.shape[0]), int(x.shape[1])
+    def __init__(self, tm: "TorchRows", scale: np.ndarray, e, eb: np.ndarray) -> None:
+        self.tm = tm
+        self.n, self.vocab = int(e.shape[0]), int(e.shape[1])
         self.size_cells = self.n * self.vocab
-        self._m, self._scale = m, scale
+        self._scale = scale
         self._e, self._eb = e, eb
         self._ef = e.view(-1)
         self._per_row = int(eb.shape[1])  # blocks per row: CDF_BLOCK cells each, a row's last one short
@@ -420,13 +417,13 @@ class TorchRows:
     def _host(self, x) -> np.ndarray:
         return x.detach().cpu().numpy()
 
-    def _lse(self, x):
-        """Row maxima (0 for an all -inf row) and normalisers (the cascaded float32 sum of exp(x - max): relative
-        error ~1e-7), float64 on the host."""
+    def _norms(self, x):
+        """Row maxima (0 for an all -inf row) and normalisers (float64 sums of float32 block sums of exp(x - max):
+        relative error ~1e-7), on the host, with e = exp(x - max) and its block sums (`_exp_blocks`)."""
         m = self._row_max(x)
-        e = self.torch.sub(x, self.torch.as_tensor(m, dtype=self.dtype, device=x.device)[:, None]).exp_()
+        e, eb = self._exp_blocks(x, m, 1.0)
         with np.errstate(divide="ignore"):
-            return m, m + np.log(self._host(e.sum(dim=1)).astype(np.float64))
+            return m, m + np.log(eb.sum(axis=1)), e, eb
 
     def _row_max(self, x) -> np.ndarray:
         """[n] float64 row maxima, 0 for an all -inf row."""
@@ -440,27 +437,24 @@ class TorchRows:
         if inv_t != 1.0:
             e.mul_(inv_t)
         e.exp_()
-        n, V = int(e.shape[0]), int(e.shape[1])
-        full = V // CDF_BLOCK
-        parts = []
-        if full:
-            parts.append(e.as_strided((n, full, CDF_BLOCK), (V, CDF_BLOCK, 1)).sum(dim=2))
-        if V > full * CDF_BLOCK:
-            parts.append(e[:, full * CDF_BLOCK:].sum(dim=1, keepdim=True))
-        sums = t.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-        return e, self._host(sums).astype(np.float64)
+        return e, self._block_sums(e)
 
-    def _block_sums(self, flat) -> np.ndarray:
-        """Float64 sums of consecutive CDF_BLOCK-cell blocks of a flat tensor (the last block may be short)."""
+    def _block_sums(self, x) -> np.ndarray:
+        """Float64 sums of consecutive CDF_BLOCK-cell blocks along the last axis (a row's last block may be short):
+        [rows, blocks] for an [rows, N] tensor, [blocks] for a flat one."""
         t = self.torch
-        n = int(flat.shape[0])
-        full = n // CDF_BLOCK
+        rows = x if x.dim() == 2 else x.reshape(1, -1)
+        n, size = int(rows.shape[0]), int(rows.shape[1])
+        full = size // CDF_BLOCK
         parts = []
         if full:
-            parts.append(flat[: full * CDF_BLOCK].view(full, CDF_BLOCK).sum(dim=1))
-        if n > full * CDF_BLOCK:
-            parts.append(flat[full * CDF_BLOCK:].sum().reshape(1))
-        return (self._host(t.cat(parts)) if len(parts) > 1 else self._host(parts[0])).astype(np.float64)
+            step = rows.stride(1)
+            parts.append(rows.as_strided((n, full, CDF_BLOCK), (rows.stride(0), CDF_BLOCK * step, step),
+                                         rows.storage_offset()).sum(dim=2))
+        if size > full * CDF_BLOCK:
+            parts.append(rows[:, full * CDF_BLOCK:].sum(dim=1, keepdim=True))
+        sums = self._host(t.cat(parts, dim=1) if len(parts) > 1 else parts[0]).astype(np.float64)
+        return sums if x.dim() == 2 else sums.reshape(-1)
 
     # -- the interface --------------------------------------------------------------------------------
     def rows(self, logits) -> TorchLogProbs:
@@ -504,7 +498,7 @@ class TorchRows:
         log_z = w_max + math.log(float(np.exp(w[valid] - w_max).sum()))
         c = (s - lse) * inv_t - log_z  # p = exp(x / T + c) = e * exp(c + m / T)
         scale = np.where(valid, np.exp(np.where(valid, c + m * inv_t, 0.0)), 0.0)
-        return TorchLaw(self, x, m, scale, inv_t, e, eb)
+        return TorchLaw(self, scale, e, eb)
 
     def _truncated(self, x, s, lse, valid, warp: Warp, row_lse: np.ndarray):
         """top-k / top-p: each valid row's largest cells on the device (a row's order does not depend on its

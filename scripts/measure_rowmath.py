@@ -22,7 +22,7 @@ import numpy as np
 import _common  # noqa: F401  (the repository on sys.path)
 from app.decoding import rowmath
 from app.decoding.sampling import Draft, DraftWOR, SeededRand, Warp
-from app.decoding.width import choose_width
+from app.decoding.width import layer_width
 from app.engine.timing import cost_profile
 
 V = 151_936
@@ -73,7 +73,7 @@ def operations(rm, x, y, scores, n_drafts: int):
                 keys = q.sample(k, seeded(1))
                 drafts = [Draft(int(a), float(b), True) for a, b in zip(keys, q_on.lookup(keys))]
             chain = rm.chain(p, q_on, k)
-            width = choose_width(chain.alpha, 0.9, min(4, n), min(4, n))
+            width = layer_width(chain.alphas, k, 0.9, min(4, n), min(4, n))  # as DSBD reads it
             if without:
                 rm.verify_without(p, q_on, drafts, min(width, len(p)), seeded(2))
             else:

@@ -111,6 +111,7 @@ def test_negative_control_a_chain_without_its_scalar_moves_the_law(monkeypatch):
     pt, qt = torch_law(tm, p, len(valid)), torch_q(tm, q, len(valid))
     chain = tm.chain(pt, qt, 3)
     want = laws(p, q, valid, 3, 2, reference_with(p, q, 3, 2))
+    chain.alphas(3)  # the chain grown to its end, then its thresholds replaced
     chain.s = [c / 2 for c in range(len(chain.s))]
     chain.Z = [1.0] + [rowmath._mass(tm, chain.pn, qt.flat, s) for s in chain.s[1:]]
     got = laws(p, q, valid, 3, 2, lambda drafts, rand: tm.verify(chain, drafts, 2, rand))
@@ -181,6 +182,8 @@ def test_float32_torch_verifies_as_the_reference_on_qwen_sized_rows(qwen_pair, w
     qor, qot = ref.on_rows(qr, one, [1] * 4), tm.on_rows(qt, one, [1] * 4)
     for n in (8, 32):
         assert np.abs(ref.chain(pr, qor, n).alpha - tm.chain(pt, qot, n).alpha).max() < 1e-6
+        lazy = tm.chain(pt, qot, n)
+        assert np.array_equal(lazy.alphas(3), tm.chain(pt, qot, n).alpha[:3]) and len(lazy.s) == 4  # grown to 3
         keys, rest = qr.distinct(n, SeededRand(np.random.default_rng(n)))
         if without:
             drafts = [DraftWOR(int(k), float(qor.lookup([k])[0]), float(r), True) for k, r in zip(keys, rest)]

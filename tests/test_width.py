@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from app.decoding.sampling import Draft, Joint, SeededRand, residual_chain, sample_iid, verify_layer
-from app.decoding.width import acceptance_count_law, acceptance_count_table, choose_width, tail_probabilities
+from app.decoding.width import (acceptance_count_law, acceptance_count_table, choose_width, layer_width,
+                                tail_probabilities)
 from dsbd_helpers import (ALPHA_TEST, NEG_CONTROL_P, chisquare_pvalue, enumerate_paths, layer_cases, make_drafts,
                           rngs)
 
@@ -174,3 +175,27 @@ def test_pass_probability_at_least_t() -> None:
         w = choose_width(alpha, t, 1, len(alpha))
         tail = tail_probabilities(alpha)
         assert tail[w] >= t - 1e-12 or w == 1
+
+
+def test_the_lazy_width_is_the_rule_and_reads_only_what_decides_it() -> None:
+    """`layer_width` returns `choose_width` on all m alphas for every threshold and clamp, reading a prefix only:
+    none at a fixed width, W_max of them when those already pass the threshold."""
+    rng = rngs("lazy_width")[0]
+    for _ in range(3000):
+        m = int(rng.integers(0, 12))
+        alpha = rng.random(m) ** float(rng.choice([0.2, 1.0, 3.0]))
+        t = float(rng.choice([0.0, 0.5, 0.9, 1.0, rng.random()]))
+        w_min = int(rng.integers(0, 5))
+        w_max = int(rng.integers(w_min, 6))
+        read: list[int] = []
+        lazy = layer_width(lambda j: read.append(j) or alpha[:j], m, t, w_min, w_max)
+        assert lazy == choose_width(alpha, t, w_min, w_max), (alpha, t, w_min, w_max)
+        assert all(j <= m for j in read)
+        if w_min == w_max:
+            assert read == []
+    assert layer_width(lambda j: np.ones(j), 32, 0.9, 1, 4) == 4
+    read = []
+    layer_width(lambda j: read.append(j) or np.ones(j), 32, 0.9, 1, 4)
+    assert read == [4]
+    with pytest.raises(ValueError):
+        layer_width(np.zeros, 3, 0.5, 3, 2)

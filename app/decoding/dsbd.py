@@ -38,7 +38,7 @@ from .lookups import Builder, LookupBudget
 from . import rowmath
 from .metrics import Metrics
 from .sampling import Draft, DraftWOR, Joint, Rand, SeededRand
-from .width import choose_width
+from .width import layer_width
 
 
 # ------------------------------------------------------------------------------------------------ the forest
@@ -430,8 +430,8 @@ class _Run:
         p = self._p_beam(rows)
         q, drafts = self._drafts_on_rows(layer, rows)
         chain = self.rm.chain(p, q, len(drafts)) if drafts else None  # without replacement: alpha for the width
-        width = choose_width(chain.alpha if chain is not None else np.zeros(0), self.params.threshold,
-                             self.params.min_beams, self.w)
+        width = layer_width(chain.alphas if chain is not None else np.zeros, len(drafts), self.params.threshold,
+                            self.params.min_beams, self.w)
         if not drafts:  # lookup nodes only: the plain step on cached logits (spec §16.3)
             width = min(width, len(p)) if self.without else width
             keys = self.rm.distinct_keys(p, width, self.rand) if self.without else p.sample(width, self.rand)

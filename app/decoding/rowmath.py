@@ -172,6 +172,9 @@ class _RefChain:
     def __init__(self, S, R, alpha) -> None:
         self.S, self.R, self.alpha = S, R, alpha
 
+    def alphas(self, j: int) -> np.ndarray:
+        return self.alpha[:j]
+
 
 class LogProbRow:
     """One row of a `rows(...)` result: what a beam reads of the target's log-probs after it."""
@@ -653,37 +656,51 @@ def _mass(tm: "TorchRows", p, q, s: float) -> float:
 
 
 class _Chain:
-    """The with-replacement residual chain in closed form: R[c] = max(p - s_c q, 0) / Z_c (spec §16.9)."""
+    """The with-replacement residual chain in closed form: R[c] = max(p - s_c q, 0) / Z_c (spec §16.9), grown only
+    as far as the verifier and the width rule read it (each step is one pass over the rows)."""
 
     def __init__(self, tm: TorchRows, p: TorchLaw, q: _QRows, n: int) -> None:
-        self.tm, self.p, self.q = tm, p, q
+        self.tm, self.p, self.q, self.n = tm, p, q, n
         total = p.total()
         self.pn = p.flat if total == 1.0 else p.flat / total  # normalised cells (float32)
         self.s, self.Z = [0.0], [1.0]
-        alpha = np.empty(n)
-        for j in range(n):
+        self._alpha: list[float] = []
+        self._blocks: dict[int, np.ndarray] = {}
+
+    def _grow(self, c: int) -> None:
+        """s_c and Z_c (and alpha up to c - 1): alpha_j = 1 - M(s_j + Z_j) / Z_j, M(s) = sum max(p - s q, 0)."""
+        while len(self.s) <= c:
             s = self.s[-1] + self.Z[-1]
-            mass_u = _mass(tm, self.pn, q.flat, s)
+            mass_u = _mass(self.tm, self.pn, self.q.flat, s)
             mass = mass_u / self.Z[-1]
-            alpha[j] = min(1.0, max(0.0, 1.0 - mass))
+            self._alpha.append(min(1.0, max(0.0, 1.0 - mass)))
             if mass < RESIDUAL_EPS:
                 self.s.append(0.0)
                 self.Z.append(1.0)
             else:
                 self.s.append(s)
                 self.Z.append(mass_u)
-        self.alpha = alpha
-        self._blocks: dict[int, np.ndarray] = {}
+
+    def alphas(self, j: int) -> np.ndarray:
+        """The first j acceptance chances (the width rule's input)."""
+        self._grow(j)
+        return np.array(self._alpha[:j])
+
+    @property
+    def alpha(self) -> np.ndarray:
+        return self.alphas(self.n)
 
     def value(self, c: int, key: int) -> float:
         if not 0 <= key < self.pn.shape[0]:
             return 0.0
+        self._grow(c)
         pv = float(self.pn[key])
         if self.s[c] == 0.0:
             return pv / self.Z[c]
         return max(pv - self.s[c] * float(self.q.flat[key]), 0.0) / self.Z[c]
 
     def _cells(self, c: int):
+        self._grow(c)
         if self.s[c] == 0.0:
             return self.pn
         return self.tm.torch.sub(self.pn, self.q.flat, alpha=self.s[c]).clamp_min_(0.0)

@@ -7,7 +7,7 @@ it face alpha_1, alpha_2, ... afresh; that renewal structure makes the DP below 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -53,10 +53,30 @@ def tail_probabilities(alpha: Sequence[float]) -> np.ndarray:
     return 1.0 - np.concatenate(([0.0], np.cumsum(law[:-1])))  # sum from k = 0 (the paper once wrote k = 1)
 
 
+def _rule_k(alpha: Sequence[float], t: float) -> int:
+    """max{K : P(at least K of the drafts accepted) >= t}; 0 for no drafts."""
+    tail = tail_probabilities(alpha)  # [m+1], tail[0] = 1 so K >= 0 always exists
+    return int(np.flatnonzero(tail >= t - TAIL_TOL).max())
+
+
 def choose_width(alpha: Sequence[float], t: float, w_min: int, w_max: int) -> int:
     """W_L = clamp(max{K : P(at least K accepted) >= t}, w_min, w_max) (spec §6)."""
     if w_min > w_max:
         raise ValueError(f"w_min ({w_min}) must not exceed w_max ({w_max})")
-    tail = tail_probabilities(alpha)  # [m+1], tail[0] = 1 so K >= 0 always exists
-    K = int(np.flatnonzero(tail >= t - TAIL_TOL).max())
-    return min(w_max, max(w_min, K))
+    return min(w_max, max(w_min, _rule_k(alpha, t)))
+
+
+def layer_width(alphas: Callable[[int], Sequence[float]], m: int, t: float, w_min: int, w_max: int) -> int:
+    """`choose_width(alphas(m), t, w_min, w_max)`, reading only as many leading alphas as decide it (on the device
+    backends each alpha costs a pass over the layer's rows). With K_j the rule's K on the first j drafts, the K of
+    all m lies in [K_j, K_j + m - j]: the count among m drafts is at least the count among the first j and at most
+    m - j more, path by path. So a fixed width (w_min = w_max) reads none, and a likely layer stops at W_max."""
+    if w_min > w_max:
+        raise ValueError(f"w_min ({w_min}) must not exceed w_max ({w_max})")
+    j = 0
+    while True:
+        k = _rule_k(alphas(j), t) if j else 0
+        lo, hi = min(w_max, max(w_min, k)), min(w_max, max(w_min, k + m - j))
+        if lo == hi:
+            return lo
+        j = min(m, max(w_max, j + max(1, j // 2)))

@@ -113,15 +113,68 @@ class CountingContext:
         self.close()
 
 
+class Rows:
+    """One evaluate's logits read in place, [n, vocab]: row i is a view of the inner results, nothing is copied
+    until read. Valid until the wrapper's next call (evaluate, commit, prefill, truncate): a read through it
+    after that raises, since the next pass may overwrite or free the cells its views show. `np.asarray(rows)`
+    and `take` copy; `rows[i]` is a view, for immediate use."""
+
+    ndim = 2
+
+    def __init__(self, up: "UniquePaths", where: list[tuple[int, int]], vocab: int, dtype) -> None:
+        self._up, self._arrays, self._where, self._epoch = up, up._arrays, where, up._epoch
+        self.shape, self.dtype = (len(where), vocab), np.dtype(dtype)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def _live(self) -> None:
+        if self._up._epoch != self._epoch:
+            raise RuntimeError("these logits were read after the context's next call; copy the rows you keep")
+
+    def row(self, i: int) -> np.ndarray:
+        self._live()
+        a, k = self._where[i]
+        return self._arrays[a][k]
+
+    def take(self, idx) -> np.ndarray:
+        """Rows idx, copied: [len(idx), vocab]."""
+        idx = list(idx)
+        out = np.empty((len(idx), self.shape[1]), dtype=self.dtype)
+        for j, i in enumerate(idx):
+            out[j] = self.row(int(i))
+        return out
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            sub = Rows(self._up, self._where[i], self.shape[1], self.dtype)
+            sub._arrays, sub._epoch = self._arrays, self._epoch
+            return sub
+        if isinstance(i, tuple):
+            r, t = i
+            return self.row(int(r))[t]
+        if np.ndim(i):
+            return self.take(np.asarray(i).reshape(-1))
+        return self.row(int(i))
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = self.take(range(len(self)))
+        return out if dtype is None else out.astype(dtype)
+
+
 class UniquePaths(CountingContext):
     """Feeds `ctx` each distinct content key of the pending forest once (roots and nodes, across calls).
 
     Expects `ctx` to have no pending forest when wrapped (a fresh context, or one whose next call is
-    prefill / truncate / commit); committed rows are read with `ctx.tokens(row)`.
+    prefill / truncate / commit); committed rows are read with `ctx.tokens(row)`. `views`: evaluate returns
+    `Rows` (logits read in place, valid until the next call) instead of copies, for a caller that reads each
+    evaluate's rows before its next call, as the decoders read the target's.
     """
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, *, views: bool = False) -> None:
         super().__init__(ctx)
+        self.views = views
+        self._epoch = 0  # bumped by every call: a `Rows` of an earlier one no longer reads
         self._keys = ContentKeys()
         if hasattr(ctx, "output_views"):  # llama.cpp: read its output rows in place; _detach copies what is kept
             ctx.output_views = True
@@ -139,6 +192,7 @@ class UniquePaths(CountingContext):
                     seen[tuple(t)] = self._keys.fresh()
                 keys.append(seen[tuple(t)])
         self._tokens, self._ckey = tokens, keys
+        self._epoch += 1
         n = len(tokens)
         self._suffix: list[list[int]] = [[] for _ in range(n)]  # the caller's pending suffix per row
         self._rkey = list(keys)  # key of committed tokens + the caller's suffix
@@ -173,6 +227,7 @@ class UniquePaths(CountingContext):
 
     def evaluate(self, forest: Forest) -> Logits:
         self._check(forest)
+        self._epoch += 1
         plan = _Plan(self)  # works on copies: nothing changes unless the inner evaluate succeeds
         plan.add_suffixes(forest.suffix)
         plan.add_nodes(forest)
@@ -225,14 +280,12 @@ class UniquePaths(CountingContext):
             self._arrays[a] = np.array(self._arrays[a])
         self._owned = len(self._arrays)
 
-    def _gather(self, keys: list[int]) -> np.ndarray:
-        """The logits of `keys`, one row each, copied out of the inner results ([len(keys), vocab])."""
+    def _gather(self, keys: list[int]):
+        """The logits of `keys`, one row each ([len(keys), vocab]): `Rows` in place with `views`, else copied out
+        of the inner results."""
         first = self._arrays[self._at[keys[0]][2]]
-        out = np.empty((len(keys), first.shape[1]), dtype=first.dtype)
-        for j, key in enumerate(keys):
-            _, _, a, i = self._at[key]
-            out[j] = self._arrays[a][i]
-        return out
+        rows = Rows(self, [self._at[key][2:] for key in keys], first.shape[1], first.dtype)
+        return rows if self.views else np.asarray(rows)
 
     def commit(self, paths: Sequence[AcceptedPath]) -> None:
         n_rows = len(self._tokens)

@@ -13,7 +13,7 @@ from app.decoding import start
 from app.decoding.beams import Stopper
 from app.decoding.metrics import Metrics
 from backends.base import ROOT, AcceptedPath, Forest
-from backends.unique import CountingContext, UniquePaths
+from backends.unique import CountingContext, Rows, UniquePaths
 from refmodel import RefContext, TableModel, bigram
 
 V = 6  # token 0 is EOS
@@ -70,14 +70,14 @@ def peaked(seed: int, sharp: float) -> RecordingModel:
 TARGET, DRAFT = peaked(3, 2.0), peaked(4, 1.5)  # peaked: beams and drafts repeat; answers still vary by seed
 
 
-def run(mode: str, seed: int, unique: bool):
+def run(mode: str, seed: int, unique: bool, views: bool = False):
     params = DecodeParams(mode=mode, seed=seed, max_new_tokens=12, beams=3, draft_beams=5, gamma=3,
                           min_beams=1).validated()
     t, d = TARGET.context(rows=3, max_tokens=256), DRAFT.context(rows=3, max_tokens=256)
     inner = (t, d)
     if unique:
         t.strict = d.strict = True
-        t, d = UniquePaths(t), UniquePaths(d)
+        t, d = UniquePaths(t, views=views), UniquePaths(d)  # the target's rows as the engine reads them
     stopper = Stopper(eos_ids=frozenset({0}), decode=TARGET.tokenizer.decode)
     steps = list(start(params, target=t, draft=d, prompt=[1, 2], stopper=stopper, metrics=Metrics(mode=mode),
                        vocab=V))
@@ -93,6 +93,7 @@ def test_on_and_off_give_identical_tokens_and_scores(mode):
         off, _, _ = run(mode, seed, unique=False)
         on, wrapped, inner = run(mode, seed, unique=True)
         assert on == off, seed
+        assert run(mode, seed, unique=True, views=True)[0] == off, seed
         answers.add(on[0])
         for w, ctx in zip(wrapped, inner):
             assert w.distinct_tokens == ctx.fed  # the counter is what the inner context received
@@ -260,12 +261,20 @@ def forest_case(ctx: UniquePaths, prompt: list[int], logits_of, tol: float) -> N
         assert worst <= tol, worst
 
     handed: list[tuple[np.ndarray, np.ndarray]] = []  # every row handed out, with a copy taken then
+    last: list = []  # with views: the previous evaluate's rows
 
     def step(forest):
         out = ctx.evaluate(forest)
+        if ctx.views:  # read in place: the earlier rows no longer read; these are the pass's own
+            for rows_ in last:
+                with pytest.raises(RuntimeError, match="read after the context's next call"):
+                    rows_[0]
+            assert isinstance(out.nodes, Rows) or len(out.nodes) == 0
+            last[:] = [r for r in (out.roots, out.nodes) if len(r)]
         check(out, forest)
-        handed.extend((g, g.copy()) for g in list(out.roots) + list(out.nodes))
-        assert all(np.array_equal(g, c) for g, c in handed)  # later passes never change rows handed out
+        if not ctx.views:
+            handed.extend((g, g.copy()) for g in list(out.roots) + list(out.nodes))
+            assert all(np.array_equal(g, c) for g, c in handed)  # later passes never change rows handed out
 
     def commit(paths):
         nonlocal rows, suffix, nodes
@@ -306,8 +315,10 @@ def test_llamacpp_forest_through_the_wrapper_equals_sequential(tmp_path):
     model = load(write_random_llama(tmp_path / "random.gguf"))
     oracle = make_oracle(model)
     try:
-        with UniquePaths(model.context(rows=4, max_tokens=512)) as ctx:
-            forest_case(ctx, [1, 5, 200, 17, 42, 99, 3, 150, 260, 9], lambda s: oracle(s).astype(np.float64), TOL)
+        for views in (False, True):  # copies, and views of llama.cpp's output buffer
+            with UniquePaths(model.context(rows=4, max_tokens=512), views=views) as ctx:
+                forest_case(ctx, [1, 5, 200, 17, 42, 99, 3, 150, 260, 9], lambda s: oracle(s).astype(np.float64),
+                            TOL)
     finally:
         oracle.close()
         model.close()
@@ -319,8 +330,9 @@ def test_pytorch_forest_through_the_wrapper_equals_sequential():
     from torch_helpers import F64_TOL, TINY_ARGS, scratch_logits, wrap
 
     model = wrap(init_random(TINY_ARGS, seed=0))
-    ctx = UniquePaths(model.context(rows=4, max_tokens=64, logits_dtype=np.float64))
-    forest_case(ctx, [5, 17, 3, 42, 8, 9, 60], lambda s: scratch_logits(model, s), F64_TOL)
+    for views in (False, True):
+        ctx = UniquePaths(model.context(rows=4, max_tokens=64, logits_dtype=np.float64), views=views)
+        forest_case(ctx, [5, 17, 3, 42, 8, 9, 60], lambda s: scratch_logits(model, s), F64_TOL)
 
 
 # -- the engine on the real tiny preset ------------------------------------------------------------------------

@@ -497,8 +497,10 @@ class Engine(ModelEngine):
             drafts = params.uses_draft and self.draft is not None
             draft = self._context("draft", rows, cells) if drafts else None
             # Unique paths (spec §16.1) score each distinct sequence once; either wrapper counts the tokens.
+            # The decoders read each target pass's rows before the next call, so those are read in place.
             wrap = UniquePaths if params.unique_paths else CountingContext
-            target, draft = wrap(target), (wrap(draft) if draft is not None else None)
+            target = UniquePaths(target, views=True) if params.unique_paths else CountingContext(target)
+            draft = wrap(draft) if draft is not None else None
             tok = self.tokenizer
             stopper = Stopper(eos_ids=tok.eos_ids, stop=params.stop, decode=tok.decode)
             metrics = Metrics(mode=params.mode, prompt_tokens=len(prompt))

@@ -169,6 +169,10 @@ def test_float32_torch_draws_the_references_keys_on_qwen_sized_rows(qwen_pair, w
         a = ref.distinct_keys(pr, 8, SeededRand(np.random.default_rng(seed)))
         b = tm.distinct_keys(pt, 8, SeededRand(np.random.default_rng(seed)))
         assert a == b
+    for k in (1, 10, 40):  # the lookup nodes' likeliest pairs
+        assert list(pr.top(k)) == list(pt.top(k))
+    dead = np.array([scores[0], -np.inf, scores[2], -np.inf])  # rows that are no valid parent hold no pair
+    assert list(ref.law(ref.rows(x), dead, warp).top(12)) == list(tm.law(tm.rows(x), dead, warp).top(12))
 
 
 @pytest.mark.parametrize("without", [False, True], ids=["with", "without"])

@@ -228,10 +228,16 @@ class TorchLogProbs:
         todo = [i for i in range(n) if i not in self._norm]
         if todo:
             whole = len(todo) == n
-            m, lse, e, eb = self.tm._norms(self.x if whole else self.x[todo])
+            m, lse, e, eb = self.tm._norms(self.whole() if whole else self.x[todo])
             self._norm.update(zip(todo, zip(m.tolist(), lse.tolist())))
             if whole:  # every row in one pass: a law at T = 1 scales e instead of exponentiating again
                 self.e, self.eb = e, eb
+
+    def whole(self):
+        """Every row as one [n, V] tensor (rows read in place are copied, once)."""
+        if isinstance(self.x, _InPlace):
+            self.x = self.x[:]
+        return self.x
 
     def lse_all(self) -> np.ndarray:
         """[n] float64 normalisers (every row not yet done, in one vectorised pass)."""
@@ -272,7 +278,7 @@ class TorchLaw:
         self._e, self._eb = e, eb
         self._ef = e.view(-1)
         self._per_row = int(eb.shape[1])  # blocks per row: CDF_BLOCK cells each, a row's last one short
-        self._p = None
+        self._p = self._pn = None
         self._blocks: np.ndarray | None = None
         self._len: int | None = None
 
@@ -286,6 +292,13 @@ class TorchLaw:
     @property
     def flat(self):
         return self.p.view(-1)
+
+    def normalised(self):
+        """p / total as flat float32 cells, in one pass over e (the verifiers' cells)."""
+        if self._pn is None:
+            total = self.total()
+            self._pn = (self._e * self.tm._tensor(self._scale / total)[:, None]).view(-1) if total > 0 else self.flat
+        return self._pn
 
     def blocks(self) -> np.ndarray:
         """Float64 block sums of p, row by row (no pass over the cells)."""
@@ -385,14 +398,16 @@ class TorchLaw:
         return big, float(1.0 - big.sum())
 
     def top(self, k: int) -> np.ndarray:
-        """Keys of the k likeliest pairs, descending, ties by lower key."""
+        """Keys of the k likeliest pairs, descending, ties by lower key: each row's likeliest cells of e (p's
+        order within a row), valued as `p` forms its cells, then the best of those."""
         torch = self.tm.torch
-        k = min(k, len(self))
-        extra = min(self.size_cells, k + 8)  # a few more, so ties at the cut go to the lower key
-        vals, idx = torch.topk(self.flat, extra)
-        vals, idx = self.tm._host(vals).astype(np.float64), self.tm._host(idx).astype(np.int64)
-        order = np.lexsort((idx, -vals))[:k]
-        return idx[order]
+        k = self.at_most(k)
+        extra = min(self.vocab, k + 8)  # a few more, so ties at the cut go to the lower key
+        ev, ei = torch.topk(self._e, extra, dim=1)
+        vals = self.tm._host(ev * self.tm._tensor(self._scale)[:, None]).reshape(-1).astype(np.float64)
+        keys = (self.tm._host(ei).astype(np.int64) + np.arange(self.n)[:, None] * self.vocab).reshape(-1)
+        order = np.lexsort((keys, -vals))[:k]
+        return keys[order]
 
 
 class TorchRows:
@@ -414,6 +429,8 @@ class TorchRows:
     # -- tensors --------------------------------------------------------------------------------------
     def _tensor(self, a):
         t = self.torch
+        if hasattr(a, "row") and not isinstance(a, (t.Tensor, np.ndarray)):  # rows read in place (backends.unique)
+            return _InPlace(self, a)
         x = a if isinstance(a, t.Tensor) else t.from_numpy(np.ascontiguousarray(a))
         return x.to(device=self.device, dtype=self.dtype)
 
@@ -484,8 +501,8 @@ class TorchRows:
             raise ValueError("no valid (parent, token) pair: every entry of z is -inf")
         lse = np.where(valid, rows.lse_all(), 0.0)
         inv_t = 1.0 / warp.temperature
-        x = rows.x
         m = rows.max_all()
+        x = rows.whole()
         if inv_t == 1.0 and rows.e is not None:
             e, eb = rows.e, rows.eb
         else:
@@ -542,10 +559,11 @@ class TorchRows:
             return _REF.on_rows(q, parents, counts)
         t = self.torch
         total = q.total()
-        out = t.zeros((len(parents), q.vocab), dtype=self.dtype, device=q.p.device)
+        out = t.zeros((len(parents), q.vocab), dtype=self.dtype, device=q._e.device)
         for i, (js, m) in enumerate(zip(parents, counts)):
             for j in js:
-                out[i].add_(q.p[j], alpha=1.0 / (m * total))
+                if q._scale[j] > 0:  # q's cells are e * scale: one pass per parent, no [n, V] product
+                    out[i].add_(q._e[j], alpha=float(q._scale[j]) / (m * total))
         return _QRows(self, out)
 
     def chain(self, p, q, n: int):
@@ -590,6 +608,26 @@ class TorchRows:
         if isinstance(p, NumpyLaw):
             return draw_without_replacement(p.joint, n, rand)
         return [int(k) for k in p.distinct(n, rand)[0]]
+
+
+class _InPlace:
+    """[n, V] logits read in place (`backends.unique.Rows`), as TorchLogProbs indexes them: a row is a tensor
+    view of it, several rows a copy; only the rows a decoder reads are ever touched."""
+
+    def __init__(self, tm: TorchRows, rows) -> None:
+        self.tm, self.rows, self.shape = tm, rows, tuple(rows.shape)
+
+    def _t(self, a):
+        return self.tm.torch.from_numpy(a).to(device=self.tm.device, dtype=self.tm.dtype)
+
+    def __getitem__(self, i):
+        if isinstance(i, tuple):
+            return float(self.rows.row(int(i[0]))[int(i[1])])
+        if isinstance(i, slice):
+            return self._t(self.rows.take(range(*i.indices(self.shape[0]))))
+        if isinstance(i, (list, np.ndarray)):
+            return self._t(self.rows.take(i))
+        return self._t(self.rows.row(int(i)))
 
 
 class _QRows:
@@ -661,11 +699,13 @@ class _Chain:
 
     def __init__(self, tm: TorchRows, p: TorchLaw, q: _QRows, n: int) -> None:
         self.tm, self.p, self.q, self.n = tm, p, q, n
-        total = p.total()
-        self.pn = p.flat if total == 1.0 else p.flat / total  # normalised cells (float32)
         self.s, self.Z = [0.0], [1.0]
         self._alpha: list[float] = []
         self._blocks: dict[int, np.ndarray] = {}
+
+    @property
+    def pn(self):
+        return self.p.normalised()  # normalised cells (float32), formed at the first read
 
     def _grow(self, c: int) -> None:
         """s_c and Z_c (and alpha up to c - 1): alpha_j = 1 - M(s_j + Z_j) / Z_j, M(s) = sum max(p - s q, 0)."""
@@ -747,8 +787,7 @@ class _Without:
 
     def __init__(self, tm: TorchRows, p: TorchLaw, q: _QRows) -> None:
         self.tm = tm
-        total = p.total()
-        self.pn = p.flat if total == 1.0 else p.flat / total
+        self.pn = p.normalised()
         self.qf = q.flat
         self.n_cells = int(self.pn.shape[0])
         self._cache: dict[int, tuple[float, float]] = {}

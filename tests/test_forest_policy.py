@@ -174,6 +174,17 @@ def test_flat_gpu_like_costs_pick_a_deep_wide_forest():
     assert policy(GPU).choose(max_gamma=6, roots=4, draft_roots=4) == (6, 8)
 
 
+def test_a_bound_on_drafts_keeps_every_choice_within_it():
+    """The runtime's sequence ids (the engine's max_drafts): on flat costs the deep wide forest does not fit, so
+    the best forest within gamma x W_S <= 20 is chosen, exploring too."""
+    capped = policy(GPU, max_drafts=20)
+    g, ws = capped.choose(max_gamma=6, roots=4, draft_roots=4)
+    assert 0 < g * ws <= 20
+    assert all(f[0] * f[1] <= 20 for f, _, _ in capped._grid(6, 4))
+    explorer = policy(CPU, max_drafts=4, explore=100)
+    assert all(g * ws <= 4 for g, ws in [explorer.choose(max_gamma=6, roots=4, draft_roots=4) for _ in range(3)])
+
+
 def test_steep_cpu_like_costs_pick_a_small_forest_or_none():
     g, ws = policy(CPU).choose(max_gamma=6, roots=4, draft_roots=4)
     assert g <= 1 and (g == 0 or ws == 4)
@@ -510,6 +521,24 @@ def test_engine_adaptive_forest_on_tiny(tiny_gguf_path):
         e.policy.target_cost, e.policy.draft_cost = GPU
         flat = list(e.chat(msgs, params))[-1].stats
         assert any(k != "g0" for k in flat["forest_sizes"]) and flat["steps_per_target_pass"] > 2
+        # A forest that may need more sequence ids than llama.cpp holds: fixed, a clear error before it runs;
+        # adaptive, the forests it may choose are bounded (4 rows + 16 x 8 lookup nodes leave 124 drafts).
+        big = DecodeParams(mode="dsbd", beams=4, draft_beams=32, gamma=8, lookup_nodes=16, max_new_tokens=8,
+                           forest="fixed")
+        with pytest.raises(ConfigError, match="may need 388 sequence ids in one pass; llama.cpp holds 256: lower "
+                                              "draft_beams, gamma or lookup_nodes, or use the adaptive forest"):
+            e.check_params(big)
+        with pytest.raises(ConfigError, match="sequence ids"):
+            list(e.chat(msgs, big))
+        adaptive = replace(big, forest="adaptive")
+        assert e.check_params(adaptive).forest == "adaptive" and e._forest_budget(adaptive.validated()) == 124
+        e.policy.target_cost, e.policy.draft_cost = GPU
+        stats = list(e.chat(msgs, adaptive))[-1].stats
+        assert stats["new_tokens"] > 0
+        assert all(int(g[1:].split("/")[0]) * int(k.split("ws")[1]) <= 124
+                   for k in stats["forest_sizes"] if k != "g0" for g in [k.split("/")[0]])
+        with pytest.raises(ConfigError, match="lookup_nodes"):  # lookup nodes alone overflow: adaptive too
+            e.check_params(replace(adaptive, lookup_nodes=32))
     finally:
         e.close()
 

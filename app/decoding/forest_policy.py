@@ -218,6 +218,7 @@ class ForestPolicy:
     verify_cost: float | Callable[[int], float] = 0.0  # seconds per verified layer of W_S drafts (prior)
     step_cost: float = 0.0  # seconds every iteration pays outside the passes (its output step's warp), gamma 0 too
     explore: int = 0  # draft the cheapest forest until this many layers were observed for the pair
+    max_drafts: int | None = None  # gamma x W_S at most (the runtime's sequence ids left after the lookup nodes)
     seen: int = 0  # layers observed for the pair before this policy
     known: Acceptance = field(default_factory=Acceptance)  # the counts (a carried copy, then this answer's too)
     chosen: list[tuple[int, int]] = field(default_factory=list)
@@ -400,9 +401,11 @@ class ForestPolicy:
             widths, looks = sorted(self.widths), sorted(set(self.lookups) or {0})
             deep = {(ws, n): self._depths(ws, n, roots, gammas[-1]) for ws in widths for n in looks}
             plain = (self.expected_steps(0, 0), self.seconds(0, 0, roots=roots, draft_roots=0))
+            fits = lambda g, ws: self.max_drafts is None or g * ws <= self.max_drafts  # noqa: E731
             grid = self._choice[key] = [
                 ((g, ws, n), *(deep[ws, n][g - 1] if g else plain))
-                for g in gammas for ws in (widths if g > 0 else widths[:1]) for n in (looks if g > 0 else looks[:1])]
+                for g in gammas for ws in (widths if g > 0 else widths[:1]) for n in (looks if g > 0 else looks[:1])
+                if fits(g, ws)]
         return grid
 
     def _depths(self, ws: int, n: int, roots: int, top: int) -> list[tuple[float, float]]:

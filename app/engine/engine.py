@@ -242,7 +242,33 @@ class Engine(ModelEngine):
                       f"{plan.max_beams} beams in full mode at a {plan.context}-token context): running {twin}, "
                       "which carries one beam between iterations")
             return replace(params, mode=twin), notice
+        self._forest_budget(params)
         return params, None
+
+    def _forest_budget(self, params: DecodeParams) -> int | None:
+        """gamma x W_S an adaptive forest may draft within the runtimes' sequence ids, None without a bound. A
+        context gives each row an id and may need one more per forest node (a branch), so a forest fits when
+        rows + nodes <= the bound; the lookup nodes (up to lookup_nodes a layer) are reserved first. A fixed
+        forest, or lookup nodes alone, that may not fit are a ConfigError before anything runs."""
+        facts = MODE_FACTS[params.mode]
+        bounds = [RUNTIMES[m.info.backend].max_seqs for m in (self.target, self.draft)
+                  if m is not None and m.info.backend in RUNTIMES]
+        bound = min((b for b in bounds if b), default=0)
+        if not bound or not facts.forest:
+            return None
+        rows, lookups = facts.rows(params.beams), params.lookup_nodes * params.gamma
+        ws = params.draft_beams if self.draft is not None and params.uses_draft else 0
+        need = rows + lookups + ws * params.gamma
+        if need <= bound:
+            return None
+        if params.adaptive and rows + lookups < bound:
+            return bound - rows - lookups
+        runtime = "llama.cpp" if bound == RUNTIMES["llamacpp"].max_seqs else "the runtime"
+        raise ConfigError(f"this forest ({params.gamma} layers of {ws} drafts and {params.lookup_nodes} lookup nodes "
+                          f"over {rows} rows) may need {need} sequence ids in one pass; {runtime} holds {bound}: "
+                          "lower draft_beams, gamma or lookup_nodes"
+                          + ("" if params.adaptive or rows + lookups >= bound else ", or use the adaptive forest"),
+                          field="draft_beams" if ws * params.gamma > lookups else "lookup_nodes")
 
     def pick(self, params: DecodeParams) -> tuple[DecodeParams, dict]:
         """Auto mode: the setting of params.quality with the best projected tok/s, and what it was based on.
@@ -553,6 +579,7 @@ class Engine(ModelEngine):
         key = self._learn_key("acceptance", (self.target, self.draft), self.cost_profile.name, setting_key(params))
         known = self._acceptance.get(key) or self.learned.acceptance(key) or Acceptance()
         policy = ForestPolicy.for_params(params, *costs, explore=EXPLORE_LAYERS, known=known.carried(),
+                                         max_drafts=self._forest_budget(params),
                                          **decoder_costs(params, self.target.info.vocab_size))
         policy.setting = key
         return policy

@@ -127,6 +127,9 @@ def plain() -> dict:
             "context": f"{s['context_cost']:.3f}x"}
 
 
+FIXED = "preset:Best quality,forest=fixed,draft_beams=8,gamma=3"  # a forest every iteration, at Best quality's law
+
+
 def projected() -> dict:
     """The presets on the rtx4090-7b cost profile (rowmath-projected-rtx4090-7b-code.json)."""
     f = "rowmath-projected-rtx4090-7b-code.json"
@@ -135,7 +138,21 @@ def projected() -> dict:
     return {"on": on(f), "profile": machine(f)["cost_profile"],
             "best": speed(d, "preset:Best quality", "beam-sample", "projected_speed_vs"),
             "balanced": speed(d, "preset:Balanced", "beam-sample", "projected_speed_vs"),
-            "share": pct([m["projected_decoder_share"] for m in s.values()])}
+            "share": pct([m["projected_decoder_share"] for k, m in s.items() if k != FIXED]),
+            "forest_ms": f"{s[FIXED]['decoder_ms_per_iteration']:.0f}"}
+
+
+def in_place() -> dict:
+    """A fixed forest's decoder before and after a pass's rows were read in place, one session
+    (inplace-before-rtx4090-7b-code.json, rowmath-projected-rtx4090-7b-code.json)."""
+    f, g = "inplace-before-rtx4090-7b-code.json", "rowmath-projected-rtx4090-7b-code.json"
+    b, a = load(f)["summary"][FIXED], load(g)["summary"][FIXED]
+    texts = [{(r["prompt"], r["mode"]): r["text"] for r in load(x)["runs"] if r["mode"] == FIXED} for x in (f, g)]
+    same = sum(texts[0][k] == texts[1].get(k) for k in texts[0])
+    return {"on": on(f).split("the decoder measured on a ")[-1], "before": f"{b['decoder_ms_per_iteration']:.1f}",
+            "after": f"{a['decoder_ms_per_iteration']:.1f}", "same": f"{same}/{len(texts[0])}",
+            "proj_before": f"{b['projected_speed_vs_beam-sample']:.2f}x",
+            "proj_after": f"{a['projected_speed_vs_beam-sample']:.2f}x", "steps": f"{a['steps_per_target_pass']:.2f}"}
 
 
 def busy() -> dict:
@@ -213,8 +230,9 @@ def expect() -> str:
   ({link('attachments.md')}).
 - **GPU** ({p['on']}): on the 7B-class curve
   Best quality {p['best']}, Balanced {p['balanced']}: the decoder's row math still runs on the CPU
-  in these projections and is {p['share']} of the projected time, so the policy builds no draft-model forests
-  there yet ({link('rowmath.md')}).
+  in these projections and is {p['share']} of the projected time (a forest of 8 drafts x 3 layers costs it
+  {p['forest_ms']} ms an iteration, about six passes), so the policy builds no draft-model forests there yet
+  ({link('rowmath.md')}).
 - **Default model**: SmolLM2-135M, a smoke test; `pip install -e '.[qwen-coder]'` (1.5B + 0.5B) for real answers.
 """
 
@@ -222,7 +240,7 @@ def expect() -> str:
 def table() -> str:
     a, r, p, b, u, c, dc, fs, f, e = (same_law(), row_math(), projected(), busy(), unique_paths(), pass_cost(),
                                       draft_cost(), first_start(), attachments(), edits())
-    lc, pl = learnt_costs(), plain()
+    lc, pl, ip = learnt_costs(), plain(), in_place()
     base = u["base"]
     rows = [
         (f"Best quality vs beam sampling at the same law, qwen-coder, {a['code']} code + {a['chat']} chat prompts",
@@ -240,6 +258,11 @@ def table() -> str:
         ("Presets on the 7B-class curve, qwen-coder, code suite", p["on"],
          f"Best quality {p['best']}, Balanced {p['balanced']}; the CPU-side decoder is {p['share']} of the "
          "projected time", "rowmath.md"),
+        ("A forest's decoder time, fixed W_S 8 x gamma 3 at Best quality's law, qwen-coder, code suite: before / "
+         "after its pass's rows were read in place", ip["on"],
+         f"{ip['before']} / {ip['after']} ms an iteration, the same answers ({ip['same']}); projected on the 7B-class "
+         f"curve {ip['proj_before']} / {ip['proj_after']} beam sampling's speed at {ip['steps']} beam steps a pass",
+         "rowmath.md"),
         ("Balanced vs sampling on edits of attached files, qwen-coder, the target alone / with the draft",
          e["on"], f"{e['target']} / {e['pair']} (a different law); {e['target_steps']} / {e['pair_steps']} beam steps "
          "per target pass",

@@ -109,8 +109,8 @@ def same_law() -> dict:
 
 
 def row_math() -> dict:
-    """Torch vs the numpy reference per iteration outside the passes (rowmath-xeon.json, run 4)."""
-    f = "rowmath-xeon.json"
+    """Torch vs the numpy reference per iteration outside the passes (rowmath-epyc-avx512.json, run 5)."""
+    f = "rowmath-epyc-avx512.json"
     rows = [r for r in load(f)["results"] if r["rows"] == 4]
     plain = [r for r in rows if r["op"].startswith("plain step")]
     layer = [r for r in rows if r["op"].startswith("verified layer")]

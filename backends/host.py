@@ -5,7 +5,26 @@ worker). The native sides load on use; the rest of the app reaches them only thr
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from pathlib import Path
+
+# glibc's malloc hands a freed block above its mmap threshold back to the kernel and trims the heap's free top,
+# so a decoder that allocates the same few-MB rows every step pays fresh page faults each time (a W_S 8 x gamma 3
+# forest's temporaries: about a fifth of its decoder time on a 2-core EPYC, docs/measurements/rowmath.md).
+MMAP_THRESHOLD = 32 << 20  # bytes: blocks this large still come from (and return to) the kernel
+TRIM_THRESHOLD = 256 << 20  # free heap kept for the next step's rows before any is returned
+
+
+def keep_freed_rows() -> bool:
+    """Let freed blocks below MMAP_THRESHOLD stay in the heap (glibc's mallopt; elsewhere nothing): whether set."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt if sys.platform.startswith("linux") else None
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return mallopt is not None and bool(mallopt(m_mmap_threshold, MMAP_THRESHOLD)) and \
+        bool(mallopt(m_trim_threshold, TRIM_THRESHOLD))
 
 
 def cpu_report() -> dict[str, str]:

@@ -13,7 +13,7 @@ from app.cli.models import add_models_parser, cmd_models
 from app.config import (ACCEPTANCE_PRIOR, FOREST_POLICIES, LOOKUP_SOURCES, MODES, QUALITY_LEVELS, REPLACEMENTS,
                         ConfigError, DecodeParams)
 from app.engine.timing import TIMED, cost_profile, profile_names
-from backends.host import rpc_endpoints
+from backends.host import keep_freed_rows, rpc_endpoints
 from backends.registry import BACKENDS, DTYPES, ModelSpec
 
 PRESET_DEFAULT = "tiny"
@@ -537,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["chat", *argv]  # the chat app is the default command
     a = build_parser().parse_args(argv)
+    keep_freed_rows()
     handlers = {"chat": cmd_chat, "generate": cmd_generate, "models": cmd_models, "bench": cmd_bench,
                 "plan": cmd_plan, "compare": cmd_compare, "rpc-worker": cmd_rpc_worker}
     from app.attachments import AttachmentError

@@ -14,6 +14,7 @@ import sys
 import threading
 
 from backends.base import BackendError
+from backends.host import keep_freed_rows
 
 from app.engine.messages import (Call, Cancel, Close, Drop, End, Failed, Go, LoadFailed, LoadProgress, Open, Opened,
                                  Ready, Result, Streamed, pack_exc)
@@ -37,6 +38,7 @@ def child_main(conn, target: ModelSpec, draft: ModelSpec | None, budget, on_star
     """Entry point of the model process: load, report, then serve requests until the pipe closes. `saved`: the
     chats the supervisor was told to remember (Engine.remember_chats)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the parent's: it closes this process
+    keep_freed_rows()
     try:  # a crash must not leave a core file of the size of the models behind
         import resource
 

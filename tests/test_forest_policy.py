@@ -535,8 +535,8 @@ def test_engine_adaptive_forest_on_tiny(tiny_gguf_path):
         e.policy.target_cost, e.policy.draft_cost = GPU
         stats = list(e.chat(msgs, adaptive))[-1].stats
         assert stats["new_tokens"] > 0
-        assert all(int(g[1:].split("/")[0]) * int(k.split("ws")[1]) <= 124
-                   for k in stats["forest_sizes"] if k != "g0" for g in [k.split("/")[0]])
+        shapes = [k[1:].split("/ws") for k in stats["forest_sizes"] if k != "g0"]  # "g3/ws8" -> gamma, W_S
+        assert all(int(g) * int(ws) <= 124 for g, ws in shapes)
         with pytest.raises(ConfigError, match="lookup_nodes"):  # lookup nodes alone overflow: adaptive too
             e.check_params(replace(adaptive, lookup_nodes=32))
     finally:

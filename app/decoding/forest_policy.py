@@ -401,11 +401,10 @@ class ForestPolicy:
             widths, looks = sorted(self.widths), sorted(set(self.lookups) or {0})
             deep = {(ws, n): self._depths(ws, n, roots, gammas[-1]) for ws in widths for n in looks}
             plain = (self.expected_steps(0, 0), self.seconds(0, 0, roots=roots, draft_roots=0))
-            fits = lambda g, ws: self.max_drafts is None or g * ws <= self.max_drafts  # noqa: E731
             grid = self._choice[key] = [
                 ((g, ws, n), *(deep[ws, n][g - 1] if g else plain))
                 for g in gammas for ws in (widths if g > 0 else widths[:1]) for n in (looks if g > 0 else looks[:1])
-                if fits(g, ws)]
+                if self.max_drafts is None or g * ws <= self.max_drafts]
         return grid
 
     def _depths(self, ws: int, n: int, roots: int, top: int) -> list[tuple[float, float]]:

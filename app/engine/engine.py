@@ -251,11 +251,12 @@ class Engine(ModelEngine):
         rows + nodes <= the bound; the lookup nodes (up to lookup_nodes a layer) are reserved first. A fixed
         forest, or lookup nodes alone, that may not fit are a ConfigError before anything runs."""
         facts = MODE_FACTS[params.mode]
-        bounds = [RUNTIMES[m.info.backend].max_seqs for m in (self.target, self.draft)
-                  if m is not None and m.info.backend in RUNTIMES]
-        bound = min((b for b in bounds if b), default=0)
-        if not bound or not facts.forest:
+        bounded = [RUNTIMES[m.info.backend] for m in (self.target, self.draft)
+                   if m is not None and m.info.backend in RUNTIMES and RUNTIMES[m.info.backend].max_seqs]
+        if not bounded or not facts.forest:
             return None
+        runtime = min(bounded, key=lambda rt: rt.max_seqs)
+        bound = runtime.max_seqs
         rows, lookups = facts.rows(params.beams), params.lookup_nodes * params.gamma
         ws = params.draft_beams if self.draft is not None and params.uses_draft else 0
         need = rows + lookups + ws * params.gamma
@@ -263,9 +264,8 @@ class Engine(ModelEngine):
             return None
         if params.adaptive and rows + lookups < bound:
             return bound - rows - lookups
-        runtime = "llama.cpp" if bound == RUNTIMES["llamacpp"].max_seqs else "the runtime"
         raise ConfigError(f"this forest ({params.gamma} layers of {ws} drafts and {params.lookup_nodes} lookup nodes "
-                          f"over {rows} rows) may need {need} sequence ids in one pass; {runtime} holds {bound}: "
+                          f"over {rows} rows) may need {need} sequence ids in one pass; {runtime.label} holds {bound}: "
                           "lower draft_beams, gamma or lookup_nodes"
                           + ("" if params.adaptive or rows + lookups >= bound else ", or use the adaptive forest"),
                           field="draft_beams" if ws * params.gamma > lookups else "lookup_nodes")

@@ -175,6 +175,60 @@ def test_float32_torch_draws_the_references_keys_on_qwen_sized_rows(qwen_pair, w
     assert list(ref.law(ref.rows(x), dead, warp).top(12)) == list(tm.law(tm.rows(x), dead, warp).top(12))
 
 
+def head_rows(rng, kind: str) -> np.ndarray:
+    """4 rows x 2,000 cells whose heads stress the cut: ties, a far tail, flat rows, masked cells."""
+    if kind == "ties":  # integer logits: many equal cells at every cut
+        return rng.integers(-12, 0, (4, 2000)).astype(np.float32)
+    if kind == "far":  # 3 likely cells a row, the rest 200 nats below every level
+        x = np.full((4, 2000), -200.0, np.float32)
+        x[:, :3] = 0.0
+        return x
+    if kind == "flat":
+        return np.zeros((4, 2000), np.float32)
+    x = rng.normal(0, 3, (4, 2000)).astype(np.float32)
+    x[:, rng.integers(0, 2000, 500)] = -np.inf  # masked ids
+    return x
+
+
+@pytest.mark.parametrize("kind", ["ties", "far", "flat", "masked"])
+def test_heads_cut_on_the_device_equal_the_whole_rows(monkeypatch, kind):
+    """A top-k warp and the lookup nodes' likeliest pairs read only the cells above a cut (`_head`): the same law,
+    bit for bit, and the same keys as reading every cell, with ties at the cut, rows that are no valid parent and
+    heads that need every level."""
+    rng = np.random.default_rng(7)
+    x, tm = head_rows(rng, kind), rowmath.make("torch")
+    cases = [(Warp(t, top_k=k), s) for t in (1.0, 0.7) for k in (1, 5, 20, 300)
+             for s in (np.array([-1.0, -1.0, -2.5, -0.5]), np.array([-1.0, -np.inf, -2.0, -np.inf]))]
+
+    def run():
+        out = []
+        for warp, scores in cases:
+            law = tm.law(tm.rows(x), scores, warp)
+            out.append((law.keys.tolist(), law.probs.tolist()))
+            dense = tm.law(tm.rows(x), scores, Warp(warp.temperature))
+            out.append([dense.top(k).tolist() for k in (1, 7, 40)])
+        return out
+
+    cut = run()
+    monkeypatch.setattr(rowmath, "_HEAD_GAPS", ())  # the last level alone: every cell
+    assert cut == run()
+
+
+def test_a_head_holds_every_cell_its_need_reaches():
+    """`_head` returns every cell worth at least the need-th best, for every need, on rows whose levels each add
+    a few cells (a head one cell short of its need must be lowered)."""
+    tm = rowmath.make("torch")
+    x = np.stack([-3.0 * np.arange(500), -3.0 * np.arange(500) - 1.0]).astype(np.float32)
+    off = np.array([0.0, -0.5])
+    worth = lambda r, cells: cells.astype(np.float64) + off[r]  # noqa: E731
+    whole = np.sort((x.astype(np.float64) + off[:, None]).ravel())[::-1]
+    for need in range(1, 60):
+        r, tok, cells = tm._head(tm._tensor(x), worth, lambda level: (level - off).astype(np.float32),
+                                 [-d for d in rowmath._HEAD_GAPS] + [-np.inf], need)
+        got = worth(r, cells)
+        assert np.count_nonzero(got >= whole[need - 1]) == np.count_nonzero(whole >= whole[need - 1]), need
+
+
 @pytest.mark.parametrize("without", [False, True], ids=["with", "without"])
 def test_float32_torch_verifies_as_the_reference_on_qwen_sized_rows(qwen_pair, without):
     """The same drafts and seeds give the same accepted drafts, corrections and fills; alpha within 1e-6."""

@@ -398,16 +398,25 @@ class TorchLaw:
         return big, float(1.0 - big.sum())
 
     def top(self, k: int) -> np.ndarray:
-        """Keys of the k likeliest pairs, descending, ties by lower key: each row's likeliest cells of e (p's
-        order within a row), valued as `p` forms its cells, then the best of those."""
-        torch = self.tm.torch
+        """Keys of the k likeliest pairs, descending, ties by lower key, valued as `p` forms its cells: the cells
+        of the valid rows above a cut on e, lowered until k of them outweigh every cell left out (`_head`)."""
         k = self.at_most(k)
-        extra = min(self.vocab, k + 8)  # a few more, so ties at the cut go to the lower key
-        ev, ei = torch.topk(self._e, extra, dim=1)
-        vals = self.tm._host(ev * self.tm._tensor(self._scale)[:, None]).reshape(-1).astype(np.float64)
-        keys = (self.tm._host(ei).astype(np.int64) + np.arange(self.n)[:, None] * self.vocab).reshape(-1)
-        order = np.lexsort((keys, -vals))[:k]
-        return keys[order]
+        rows = np.flatnonzero(self._scale > 0)
+        e = self._e if rows.size == self.n else self._e[self.tm.torch.as_tensor(rows, device=self._e.device)]
+        s = self._scale[rows].astype(np.float32)
+        top = float(s.max())
+
+        def worth(r, cells):
+            return (cells * s[r]).astype(np.float64)  # float32 products, as `p`
+
+        r, tok, cells = self.tm._head(e, worth, lambda level: np.minimum(level / s, 1.0).astype(np.float32),
+                                      [top * math.exp(-d) for d in _HEAD_GAPS] + [0.0], k)
+        keys = rows[r] * self.vocab + tok
+        return keys[np.lexsort((keys, -worth(r, cells)))[:k]]
+
+
+# How far below the best a head's cut goes, level by level, in nats (the last level takes every cell)
+_HEAD_GAPS = (8.0, 16.0, 32.0, 64.0)
 
 
 class TorchRows:
@@ -476,6 +485,28 @@ class TorchRows:
         sums = self._host(t.cat(parts, dim=1) if len(parts) > 1 else parts[0]).astype(np.float64)
         return sums if x.dim() == 2 else sums.reshape(-1)
 
+    def _head(self, x, worth, cut, levels: Sequence[float], need: int):
+        """The cells of the [r, V] tensor x at or above a per-row cut, lowered level by level until `need` of the
+        cells taken are worth more than any cell left out: `worth(rows, cells)` is float64 and monotone in the
+        cell, `cut(level)` the [r] float32 cuts, and the last level takes every cell. One compare pass a level,
+        no sort. Returns (rows, tokens, cells) on the host."""
+        every = np.arange(int(x.shape[0]))
+        for i, level in enumerate(levels):
+            c = cut(level)
+            rows, toks, cells = self._at_least(x, c)
+            if i == len(levels) - 1 or np.count_nonzero(worth(rows, cells) > worth(every, c).max()) >= need:
+                return rows, toks, cells
+
+    def _at_least(self, x, c: np.ndarray):
+        """(rows, tokens, cells) on the host of the cells of [r, V] x at or above their row's cut c."""
+        if x.device.type == "cpu":  # numpy's compare and flatnonzero on the same memory: ~3x torch's on a CPU
+            xn = x.numpy()
+            rows, toks = np.divmod(np.flatnonzero(xn >= c[:, None]), xn.shape[1])
+            return rows, toks, xn[rows, toks]
+        t = self.torch
+        idx = t.nonzero(x >= t.as_tensor(c, device=x.device)[:, None])
+        return self._host(idx[:, 0]), self._host(idx[:, 1]), self._host(x[idx[:, 0], idx[:, 1]])
+
     # -- the interface --------------------------------------------------------------------------------
     def rows(self, logits) -> TorchLogProbs:
         return TorchLogProbs(self, self._tensor(logits))
@@ -503,16 +534,16 @@ class TorchRows:
         inv_t = 1.0 / warp.temperature
         m = rows.max_all()
         x = rows.whole()
+        if 0 < warp.top_k < x.shape[1] * np.count_nonzero(valid):
+            return self._top_k(x, m, s - lse, valid, warp)
         if inv_t == 1.0 and rows.e is not None:
             e, eb = rows.e, rows.eb
         else:
             e, eb = self._exp_blocks(x, m, inv_t)  # exp((x - m) / T), once: the row sums and the law's cells
         with np.errstate(divide="ignore"):
             row_lse = m * inv_t + np.log(eb.sum(axis=1))  # log sum_t exp(x_t / T)
-        if warp.truncating:
-            law = self._truncated(x, s, lse, valid, warp, row_lse)
-            if law is not None:
-                return law
+        if warp.top_p < 1.0:
+            return self._top_p(x, s - lse, valid, warp, row_lse)
         w = np.where(valid, (s - lse) * inv_t + row_lse, -np.inf)  # log mass of each row
         w_max = w[valid].max()
         log_z = w_max + math.log(float(np.exp(w[valid] - w_max).sum()))
@@ -520,20 +551,33 @@ class TorchRows:
         scale = np.where(valid, np.exp(np.where(valid, c + m * inv_t, 0.0)), 0.0)
         return TorchLaw(self, scale, e, eb)
 
-    def _truncated(self, x, s, lse, valid, warp: Warp, row_lse: np.ndarray):
-        """top-k / top-p: each valid row's largest cells on the device (a row's order does not depend on its
-        score, so the joint's k largest pairs are among the rows' k largest), then the reference warp on those
-        candidates; top-p alone reads a head, grown until it holds top_p of the whole support's mass."""
+    def _top_k(self, x, m, off, valid, warp: Warp) -> NumpyLaw:
+        """top-k (then top-p within it): every cell of the valid rows above a cut in z = x + off that k cells clear
+        (`_head`, ties at the cut included), then the reference warp on those candidates."""
+        V, vrows = int(x.shape[1]), np.flatnonzero(valid)
+        off = off[vrows]
+        xv = x if vrows.size == int(x.shape[0]) else x[self.torch.as_tensor(vrows, device=x.device)]
+
+        def worth(r, cells):
+            return (cells.astype(np.float64) + off[r]) / warp.temperature  # the order warp_entries cuts by
+
+        top = float((m[vrows] + off).max())
+        r, tok, cells = self._head(xv, worth, lambda level: (level - off).astype(np.float32),
+                                   [top - d for d in _HEAD_GAPS] + [-np.inf], warp.top_k)
+        z = cells.astype(np.float64) + off[r]
+        ok = np.isfinite(z)
+        keys, z = (vrows[r] * V + tok)[ok].astype(np.int64), z[ok]
+        order = np.argsort(keys)
+        return NumpyLaw(warp_entries(keys[order], z[order], V, warp))
+
+    def _top_p(self, x, off, valid, warp: Warp, row_lse: np.ndarray) -> NumpyLaw:
+        """top-p alone: each valid row's largest cells (a row's order does not depend on its score), a head grown
+        until it holds top_p of the whole support's mass, then the reference warp on it."""
         t = self.torch
-        V = int(x.shape[1])
-        vrows = np.flatnonzero(valid)
-        off = (s - lse)[vrows]  # z = x + off: the joint raw log-scores
-        if not 0 < warp.top_k < V * len(vrows):
-            if warp.top_p >= 1.0:
-                return None  # top-k at least the support: no truncation
-            inv_t = 1.0 / warp.temperature
-            w = off * inv_t + row_lse[vrows]  # log of each row's sum of exp(z / T)
-        k = warp.top_k or TOP_P_HEAD
+        V, vrows = int(x.shape[1]), np.flatnonzero(valid)
+        off = off[vrows]
+        w = off * (1.0 / warp.temperature) + row_lse[vrows]  # log of each row's sum of exp(z / T)
+        k = TOP_P_HEAD
         while True:
             kk = min(V, k + 8)  # a few more: ties at the cut go to the lower key
             vals, idx = t.topk(x[t.as_tensor(vrows, device=x.device)], kk, dim=1)
@@ -543,8 +587,6 @@ class TorchRows:
             keys, z = keys[ok], z[ok]
             order = np.argsort(keys)
             keys, z = keys[order], z[order]
-            if warp.top_k:
-                return NumpyLaw(warp_entries(keys, z, V, warp))
             top = z.max() / warp.temperature
             head_total = float(np.exp(w - top).sum())
             law = warp_entries(keys, z, V, warp, head_total=head_total)

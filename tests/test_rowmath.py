@@ -210,7 +210,7 @@ def test_heads_cut_on_the_device_equal_the_whole_rows(monkeypatch, kind):
         return out
 
     cut = run()
-    monkeypatch.setattr(rowmath, "_HEAD_GAPS", ())  # the last level alone: every cell
+    monkeypatch.setattr(rowmath, "_levels", lambda sub, need, every: [every])  # the last level alone: every cell
     assert cut == run()
 
 
@@ -224,7 +224,7 @@ def test_a_head_holds_every_cell_its_need_reaches():
     whole = np.sort((x.astype(np.float64) + off[:, None]).ravel())[::-1]
     for need in range(1, 60):
         r, tok, cells = tm._head(tm._tensor(x), worth, lambda level: (level - off).astype(np.float32),
-                                 [-d for d in rowmath._HEAD_GAPS] + [-np.inf], need)
+                                 [-8.0, -16.0, -32.0, -64.0, -np.inf], need)
         got = worth(r, cells)
         assert np.count_nonzero(got >= whole[need - 1]) == np.count_nonzero(whole >= whole[need - 1]), need
 

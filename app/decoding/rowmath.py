@@ -404,19 +404,31 @@ class TorchLaw:
         rows = np.flatnonzero(self._scale > 0)
         e = self._e if rows.size == self.n else self._e[self.tm.torch.as_tensor(rows, device=self._e.device)]
         s = self._scale[rows].astype(np.float32)
-        top = float(s.max())
 
         def worth(r, cells):
             return (cells * s[r]).astype(np.float64)  # float32 products, as `p`
 
+        sub = self.tm._host(e[:, ::_SUB])
+        levels = _levels(worth(np.arange(rows.size)[:, None], sub), k, every=0.0)
         r, tok, cells = self.tm._head(e, worth, lambda level: np.minimum(level / s, 1.0).astype(np.float32),
-                                      [top * math.exp(-d) for d in _HEAD_GAPS] + [0.0], k)
+                                      levels, k)
         keys = rows[r] * self.vocab + tok
         return keys[np.lexsort((keys, -worth(r, cells)))[:k]]
 
 
-# How far below the best a head's cut goes, level by level, in nats (the last level takes every cell)
-_HEAD_GAPS = (8.0, 16.0, 32.0, 64.0)
+_SUB = 128  # one cell in _SUB of each row: where a head's cut lies
+
+
+def _levels(sub: np.ndarray, need: int, *, every: float) -> list[float]:
+    """Cuts for `_head`, from the worths of a subsample of one cell in _SUB: the values at the ranks that stand for
+    about need + 2 * _SUB cells of the rows, 4x and 16x that, and last `every` (a cut that takes every cell)."""
+    v = sub[np.isfinite(sub)].ravel()
+    r0 = -(-need // _SUB) + 2
+    if r0 >= v.size:
+        return [every]
+    last = min(16 * r0, v.size - 1)
+    head = -np.sort(np.partition(-v, last)[:last + 1])  # the last + 1 largest, descending
+    return [float(head[r]) for r in (r0, 4 * r0, 16 * r0) if r <= last] + [every]
 
 
 class TorchRows:
@@ -535,7 +547,7 @@ class TorchRows:
         m = rows.max_all()
         x = rows.whole()
         if 0 < warp.top_k < x.shape[1] * np.count_nonzero(valid):
-            return self._top_k(x, m, s - lse, valid, warp)
+            return self._top_k(x, s - lse, valid, warp)
         if inv_t == 1.0 and rows.e is not None:
             e, eb = rows.e, rows.eb
         else:
@@ -551,7 +563,7 @@ class TorchRows:
         scale = np.where(valid, np.exp(np.where(valid, c + m * inv_t, 0.0)), 0.0)
         return TorchLaw(self, scale, e, eb)
 
-    def _top_k(self, x, m, off, valid, warp: Warp) -> NumpyLaw:
+    def _top_k(self, x, off, valid, warp: Warp) -> NumpyLaw:
         """top-k (then top-p within it): every cell of the valid rows above a cut in z = x + off that k cells clear
         (`_head`, ties at the cut included), then the reference warp on those candidates."""
         V, vrows = int(x.shape[1]), np.flatnonzero(valid)
@@ -561,9 +573,9 @@ class TorchRows:
         def worth(r, cells):
             return (cells.astype(np.float64) + off[r]) / warp.temperature  # the order warp_entries cuts by
 
-        top = float((m[vrows] + off).max())
+        sub = self._host(xv[:, ::_SUB]).astype(np.float64) + off[:, None]  # z of one cell in _SUB
         r, tok, cells = self._head(xv, worth, lambda level: (level - off).astype(np.float32),
-                                   [top - d for d in _HEAD_GAPS] + [-np.inf], warp.top_k)
+                                   _levels(sub, warp.top_k, every=-np.inf), warp.top_k)
         z = cells.astype(np.float64) + off[r]
         ok = np.isfinite(z)
         keys, z = (vrows[r] * V + tok)[ok].astype(np.int64), z[ok]

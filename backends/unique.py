@@ -137,6 +137,15 @@ class Rows:
         a, k = self._where[i]
         return self._arrays[a][k]
 
+    def block(self) -> np.ndarray | None:
+        """Every row as one [n, vocab] view where they lie in order in one inner result (else None), for
+        immediate use: unlike `row` and `take`, a read through it after the next call is not caught."""
+        self._live()
+        a, k = self._where[0]
+        if all(w == (a, k + j) for j, w in enumerate(self._where)):
+            return self._arrays[a][k:k + len(self._where)]
+        return None
+
     def take(self, idx) -> np.ndarray:
         """Rows idx, copied: [len(idx), vocab]."""
         idx = list(idx)

@@ -29,6 +29,7 @@ def pad_vocab(logits: np.ndarray, vocab: int) -> np.ndarray:
     n = logits.shape[-1]
     if n == vocab:
         return logits
+    logits = np.asarray(logits)  # rows read in place are copied here
     if n > vocab:
         return logits[..., :vocab]
     pad = np.full(logits.shape[:-1] + (vocab - n,), -np.inf, dtype=logits.dtype)

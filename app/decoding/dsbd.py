@@ -305,12 +305,12 @@ class _Run:
                 continue  # lookup nodes only from here on
             for j, n in enumerate(drafts):  # layer l is fed: it parents layer l + 1
                 n.did = fed + j
+            dscore = np.array([dscore[n.parent] + lq.at(n.parent, n.token) for n in drafts])  # lq: until the pass
             logits = self._draft_pass(draft, Forest(
                 tokens=tuple(n.token for n in drafts),
                 parents=tuple(ROOT if n.up is None else n.up.did for n in drafts),
                 rows=tuple(n.root for n in drafts)))
             fed += len(drafts)
-            dscore = np.array([dscore[n.parent] + lq.at(n.parent, n.token) for n in drafts])
             paths = [paths[n.parent] + (n.token,) for n in drafts]
             ended = np.array([n.ended for n in drafts])
             q_parents, parent_content = drafts, [n.content for n in drafts]
@@ -433,11 +433,11 @@ class _Run:
         width = layer_width(chain.alphas if chain is not None else np.zeros, len(drafts), self.params.threshold,
                             self.params.min_beams, self.w)
         if not drafts:  # lookup nodes only: the plain step on cached logits (spec §16.3)
-            width = min(width, len(p)) if self.without else width
+            width = p.at_most(width) if self.without else width
             keys = self.rm.distinct_keys(p, width, self.rand) if self.without else p.sample(width, self.rand)
             return [(int(k), None) for k in keys], drafts, False, width
         if self.without:
-            width = min(width, len(p))
+            width = p.at_most(width)  # min(width, pairs in supp(p))
             by_drafts, outputs = self.rm.verify_without(p, q, drafts, width, self.rand)
         else:
             by_drafts, outputs = self.rm.verify(chain, drafts, width, self.rand)
@@ -605,7 +605,7 @@ class _Run:
 def _top_q_lookups(n: int, l: int, parent_content: list[int], prev, q,
                    drafts: list[Node]) -> list[tuple[int, int]]:
     """Lookup nodes: the layer's n most likely q_beam pairs whose content no draft holds."""
-    if n <= 0 or q is None or not len(q):
+    if n <= 0 or q is None or not q.at_most(1):
         return []
     drafted = {(parent_content[d.parent], d.token) for d in drafts}
     out, seen = [], set()

@@ -87,6 +87,10 @@ class NumpyLaw:
     def __len__(self) -> int:
         return len(self.joint)
 
+    def at_most(self, n: int) -> int:
+        """min(n, support size)."""
+        return min(n, len(self.joint))
+
     def lookup(self, keys) -> np.ndarray:
         return self.joint.lookup(keys)
 
@@ -234,8 +238,12 @@ class TorchLogProbs:
                 self.e, self.eb = e, eb
 
     def whole(self):
-        """Every row as one [n, V] tensor (rows read in place are copied, once)."""
+        """Every row as one [n, V] tensor, for immediate use: rows read in place stay in place where they lie in
+        one block of the runtime's buffer, and are copied once where they do not."""
         if isinstance(self.x, _InPlace):
+            block = self.x.block()
+            if block is not None:
+                return block
             self.x = self.x[:]
         return self.x
 
@@ -528,6 +536,12 @@ class TorchRows:
         if all(s is srcs[0] for s in srcs) and [r.i for r in refs] == list(range(len(srcs[0]))):
             return srcs[0]
         x = self.torch.stack([r.src.x[r.i] for r in refs])
+        if not any(r.i in r.src._norm for r in refs):  # none normalised yet: one pass for all, its e kept for the law
+            out = TorchLogProbs(self, x)
+            out._fill()
+            for j, r in enumerate(refs):
+                r.src._norm.setdefault(r.i, out._norm[j])
+            return out
         for r in refs:
             r.src.lse(r.i)
         out = TorchLogProbs(self, x, {j: r.src._norm[r.i] for j, r in enumerate(refs)})
@@ -674,6 +688,11 @@ class _InPlace:
     def _t(self, a):
         return self.tm.torch.from_numpy(a).to(device=self.tm.device, dtype=self.tm.dtype)
 
+    def block(self):
+        """Every row as one tensor on the runtime's buffer (no copy on a CPU), or None where they are scattered."""
+        b = self.rows.block()
+        return None if b is None else self._t(b)
+
     def __getitem__(self, i):
         if isinstance(i, tuple):
             return float(self.rows.row(int(i[0]))[int(i[1])])
@@ -819,9 +838,8 @@ def _without(tm: TorchRows, p: TorchLaw, q: _QRows, drafts: Sequence[DraftWOR], 
     (0 for cells already output): tau_i = tau, the run's threshold, for cells no draft has drawn; for a drawn cell the
     threshold it had when its draft was tested (q_j excludes it afterwards). A rejection of draft j adds Zu / rest_j
     to tau; an acceptance, or a residual below RESIDUAL_EPS, resets tau to 0 (r = p over the cells not output)."""
-    size = len(p)
-    if not 1 <= width <= size:
-        raise ValueError(f"width must be in 1..{size} (pairs in supp(p)), got {width}")
+    if not 1 <= width == p.at_most(width):
+        raise ValueError(f"width must be in 1..{len(p)} (pairs in supp(p)), got {width}")
     run = _Without(tm, p, q)
     for j, d in enumerate(drafts):
         if len(run.out) == width:

@@ -523,10 +523,14 @@ class Engine(ModelEngine):
             drafts = params.uses_draft and self.draft is not None
             draft = self._context("draft", rows, cells) if drafts else None
             # Unique paths (spec §16.1) score each distinct sequence once; either wrapper counts the tokens.
-            # The decoders read each target pass's rows before the next call, so those are read in place.
-            wrap = UniquePaths if params.unique_paths else CountingContext
-            target = UniquePaths(target, views=True) if params.unique_paths else CountingContext(target)
-            draft = wrap(draft) if draft is not None else None
+            # The decoders read each pass's rows before the next call, so those are read in place, except the
+            # draft's under sps, which keeps a chain's rows across its passes.
+            if params.unique_paths:
+                target = UniquePaths(target, views=True)
+                draft = UniquePaths(draft, views=MODE_FACTS[params.mode].forest) if draft is not None else None
+            else:
+                target = CountingContext(target)
+                draft = CountingContext(draft) if draft is not None else None
             tok = self.tokenizer
             stopper = Stopper(eos_ids=tok.eos_ids, stop=params.stop, decode=tok.decode)
             metrics = Metrics(mode=params.mode, prompt_tokens=len(prompt))

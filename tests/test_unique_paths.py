@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from app.config import ConfigError, DecodeParams
+from app.config import MODE_FACTS, ConfigError, DecodeParams
 from app.decoding import start
 from app.decoding.beams import Stopper
 from app.decoding.metrics import Metrics
@@ -77,7 +77,8 @@ def run(mode: str, seed: int, unique: bool, views: bool = False):
     inner = (t, d)
     if unique:
         t.strict = d.strict = True
-        t, d = UniquePaths(t, views=views), UniquePaths(d)  # the target's rows as the engine reads them
+        # the rows as the engine reads them: the target's in place, the draft's too where a forest reads them
+        t, d = UniquePaths(t, views=views), UniquePaths(d, views=views and MODE_FACTS[mode].forest)
     stopper = Stopper(eos_ids=frozenset({0}), decode=TARGET.tokenizer.decode)
     steps = list(start(params, target=t, draft=d, prompt=[1, 2], stopper=stopper, metrics=Metrics(mode=mode),
                        vocab=V))
@@ -262,6 +263,7 @@ def forest_case(ctx: UniquePaths, prompt: list[int], logits_of, tol: float) -> N
 
     handed: list[tuple[np.ndarray, np.ndarray]] = []  # every row handed out, with a copy taken then
     last: list = []  # with views: the previous evaluate's rows
+    blocks: list[bool] = []  # with views: whether each result's rows were one block
 
     def step(forest):
         out = ctx.evaluate(forest)
@@ -269,8 +271,14 @@ def forest_case(ctx: UniquePaths, prompt: list[int], logits_of, tol: float) -> N
             for rows_ in last:
                 with pytest.raises(RuntimeError, match="read after the context's next call"):
                     rows_[0]
+                with pytest.raises(RuntimeError, match="read after the context's next call"):
+                    rows_.block()
             assert isinstance(out.nodes, Rows) or len(out.nodes) == 0
             last[:] = [r for r in (out.roots, out.nodes) if len(r)]
+            for r in last:  # a block of rows in order is the inner result itself; scattered rows are no block
+                b = r.block()
+                blocks.append(b is not None)
+                assert b is None or (np.array_equal(b, np.asarray(r)) and not b.flags.owndata)
         check(out, forest)
         if not ctx.views:
             handed.extend((g, g.copy()) for g in list(out.roots) + list(out.nodes))
@@ -305,6 +313,7 @@ def forest_case(ctx: UniquePaths, prompt: list[int], logits_of, tol: float) -> N
     commit([AcceptedPath(1, (1,)), AcceptedPath(2), AcceptedPath(0)])
     step(Forest(suffix=((41,), (42,), (43,))))
     assert ctx.distinct_tokens < ctx.query_tokens
+    assert not ctx.views or (any(blocks) and not all(blocks))
 
 
 def test_llamacpp_forest_through_the_wrapper_equals_sequential(tmp_path):

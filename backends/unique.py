@@ -141,6 +141,8 @@ class Rows:
         """Every row as one [n, vocab] view where they lie in order in one inner result (else None), for
         immediate use: unlike `row` and `take`, a read through it after the next call is not caught."""
         self._live()
+        if not self._where:
+            return None
         a, k = self._where[0]
         if all(w == (a, k + j) for j, w in enumerate(self._where)):
             return self._arrays[a][k:k + len(self._where)]

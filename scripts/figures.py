@@ -131,15 +131,31 @@ FIXED = "preset:Best quality,forest=fixed,draft_beams=8,gamma=3"  # a forest eve
 
 
 def projected() -> dict:
-    """The presets on the rtx4090-7b cost profile (rowmath-projected-rtx4090-7b-code.json)."""
-    f = "rowmath-projected-rtx4090-7b-code.json"
+    """The presets on the rtx4090-7b cost profile (heads-after-rtx4090-7b-code.json)."""
+    f = "heads-after-rtx4090-7b-code.json"
     d = load(f)
     s = d["summary"]
+    plain = [r for r in d["runs"] if r["mode"] == "beam-sample"]
+    pass_ms = 1e3 * sum(r["projected"]["pass_s"] for r in plain) / sum(r["stats"]["iterations"] for r in plain)
     return {"on": on(f), "profile": machine(f)["cost_profile"],
             "best": speed(d, "preset:Best quality", "beam-sample", "projected_speed_vs"),
             "balanced": speed(d, "preset:Balanced", "beam-sample", "projected_speed_vs"),
             "share": pct([m["projected_decoder_share"] for k, m in s.items() if k != FIXED]),
-            "forest_ms": f"{s[FIXED]['decoder_ms_per_iteration']:.0f}"}
+            "forest_ms": f"{s[FIXED]['decoder_ms_per_iteration']:.0f}",
+            "passes": f"{s[FIXED]['decoder_ms_per_iteration'] / pass_ms:.0f}"}
+
+
+def heads() -> dict:
+    """A fixed forest's decoder before and after heads cut on the device and the draft's rows read in place, one
+    session (heads-before-rtx4090-7b-code.json, heads-after-rtx4090-7b-code.json)."""
+    f, g = "heads-before-rtx4090-7b-code.json", "heads-after-rtx4090-7b-code.json"
+    b, a = load(f)["summary"][FIXED], load(g)["summary"][FIXED]
+    texts = [{(r["prompt"], r["mode"]): r["text"] for r in load(x)["runs"]} for x in (f, g)]
+    same = sum(texts[0][k] == texts[1].get(k) for k in texts[0])
+    return {"on": on(f).split("the decoder measured on a ")[-1], "before": f"{b['decoder_ms_per_iteration']:.1f}",
+            "after": f"{a['decoder_ms_per_iteration']:.1f}", "same": f"{same}/{len(texts[0])}",
+            "proj_before": f"{b['projected_speed_vs_beam-sample']:.2f}x",
+            "proj_after": f"{a['projected_speed_vs_beam-sample']:.2f}x"}
 
 
 def in_place() -> dict:
@@ -231,7 +247,7 @@ def expect() -> str:
 - **GPU** ({p['on']}): on the 7B-class curve
   Best quality {p['best']}, Balanced {p['balanced']}: the decoder's row math still runs on the CPU
   in these projections and is {p['share']} of the projected time (a forest of 8 drafts x 3 layers costs it
-  {p['forest_ms']} ms an iteration, about six passes), so the policy builds no draft-model forests there yet
+  {p['forest_ms']} ms an iteration, about {p['passes']} passes), so the policy builds no draft-model forests there yet
   ({link('rowmath.md')}).
 - **Default model**: SmolLM2-135M, a smoke test; `pip install -e '.[qwen-coder]'` (1.5B + 0.5B) for real answers.
 """
@@ -240,7 +256,7 @@ def expect() -> str:
 def table() -> str:
     a, r, p, b, u, c, dc, fs, f, e = (same_law(), row_math(), projected(), busy(), unique_paths(), pass_cost(),
                                       draft_cost(), first_start(), attachments(), edits())
-    lc, pl, ip = learnt_costs(), plain(), in_place()
+    lc, pl, ip, hd = learnt_costs(), plain(), in_place(), heads()
     base = u["base"]
     rows = [
         (f"Best quality vs beam sampling at the same law, qwen-coder, {a['code']} code + {a['chat']} chat prompts",
@@ -262,6 +278,11 @@ def table() -> str:
          "after its pass's rows were read in place", ip["on"],
          f"{ip['before']} / {ip['after']} ms an iteration, the same answers ({ip['same']}); projected on the 7B-class "
          f"curve {ip['proj_before']} / {ip['proj_after']} beam sampling's speed at {ip['steps']} beam steps a pass",
+         "rowmath.md"),
+        ("The same forest's decoder time: before / after a head's cut on the device (top-k, the likeliest pairs) "
+         "and the draft's rows read in place", hd["on"],
+         f"{hd['before']} / {hd['after']} ms an iteration, the same answers ({hd['same']} texts of every mode); "
+         f"projected on the 7B-class curve {hd['proj_before']} / {hd['proj_after']} beam sampling's speed",
          "rowmath.md"),
         ("Balanced vs sampling on edits of attached files, qwen-coder, the target alone / with the draft",
          e["on"], f"{e['target']} / {e['pair']} (a different law); {e['target_steps']} / {e['pair_steps']} beam steps "

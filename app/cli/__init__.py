@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import threading
 
@@ -405,6 +406,9 @@ def cmd_rpc_worker(a) -> int:
     require_rpc()
     if not remote.is_loopback(a.host):
         print(f"dsbd-chat: warning: serving on {a.host}: {remote.SECURITY}", file=sys.stderr)
+    # Ctrl+C ends the process from the moment it is promised: a SIGINT that Python's handler took just before the
+    # native loop blocks would be lost there, and the worker would never stop
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     print(f"dsbd-chat: RPC worker on {endpoint}; on the chat machine run: dsbd-chat --rpc {endpoint} "
           f"(with this machine's address); Ctrl+C stops it", file=sys.stderr, flush=True)
     serve_rpc(a.host, a.port, threads=a.threads, cache=a.cache)

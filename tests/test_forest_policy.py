@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from app.engine.auto import PRIOR_ACCEPTANCE
@@ -183,6 +184,55 @@ def test_a_bound_on_drafts_keeps_every_choice_within_it():
     assert all(f[0] * f[1] <= 20 for f, _, _ in capped._grid(6, 4))
     explorer = policy(CPU, max_drafts=4, explore=100)
     assert all(g * ws <= 4 for g, ws in [explorer.choose(max_gamma=6, roots=4, draft_roots=4) for _ in range(3)])
+
+
+def _scanned(p, max_gamma, roots, catch_up):
+    """The choice as a scan over the grid: the first candidate that no later one beats by a relative 1e-12."""
+    best, best_rate = None, -1.0
+    for forest, steps, seconds in p._grid(max_gamma, roots):
+        r = steps / (seconds + (catch_up if forest[0] else 0.0))
+        if r > best_rate * (1 + 1e-12):
+            best, best_rate = forest, r
+    return best
+
+
+@pytest.mark.parametrize("costs", [CPU, GPU], ids=["cpu", "gpu"])
+def test_the_array_choice_is_the_scan(costs):
+    """The grid's rates in one array operation pick what the candidate-by-candidate scan picks, on learnt
+    counts, for cheap and dear catch-up passes; and where rates near the best lie within the scan's tolerance
+    (here made so), the scan decides."""
+    p = policy(costs, draft_beams=16, lookups=(0, 1, 2, 4))
+    for i in range(12):
+        p.observe(1 + i % 3, 4 + i % 5, outcomes=[i % 2 == 0, True], passed=i % 3 != 1, by_cache=i % 4 == 0,
+                  distinct=3, lookups=i % 3)
+    for catch_up in (0.0, 1e-4, 0.01, 0.3):
+        assert p._best(6, 4, catch_up) == _scanned(p, 6, 4, catch_up)
+    key = p._key(6, 4)
+    grid, (_, _, drafted) = p._choice[key]
+    assert len(grid) > 10 and drafted.sum() == len(grid) - 1
+    # rates 1, 1 + 2e-12, 1 + 2.5e-12 on three candidates: the scan keeps the second, the plain argmax the third
+    near = {3: 1.0, 4: 1 + 2e-12, 5: 1 + 2.5e-12}
+    made = [(f, near.get(i, 0.5), 1.0) for i, (f, _, _) in enumerate(grid)]
+    p._choice[key] = (made, (np.array([s for _, s, _ in made]), np.ones(len(made)), drafted))
+    assert p._best(6, 4, 0.0) == _scanned(p, 6, 4, 0.0) == grid[4][0] != grid[5][0]
+
+
+def test_a_capped_budget_reads_the_full_grid():
+    """Near an answer's end the budget caps gamma: the candidates taken from the full grid equal those of a
+    policy whose deepest forest is that cap, value for value, and so does the choice."""
+    def made(gamma):
+        params = DecodeParams(mode="dsbd", beams=4, draft_beams=16, gamma=gamma).validated()
+        p = ForestPolicy.for_params(params, *GPU, lookups=(0, 1, 2), cache_rule=True, verify_cost=2e-3)
+        for i in range(6):
+            p.observe(1 + i % 2, 4 + i % 3, outcomes=[i % 2 == 0], passed=i % 3 != 1, by_cache=True, lookups=i % 2)
+        return p
+
+    full = made(6)
+    full.choose(max_gamma=6, roots=4, draft_roots=4)
+    for cap in range(6):
+        capped = made(cap)
+        assert full._grid(cap, 4) == capped._grid(cap, 4)
+        assert full.choose(max_gamma=cap, roots=4, draft_roots=9) == capped.choose(max_gamma=cap, roots=4, draft_roots=9)
 
 
 def test_steep_cpu_like_costs_pick_a_small_forest_or_none():

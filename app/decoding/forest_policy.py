@@ -60,6 +60,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
+
 from app.config import ACCEPTANCE_PRIOR as PRIOR  # beta1 prior: sum(min(p, q)) of the qwen-coder pair
 from app.config import MODE_FACTS
 
@@ -104,7 +106,6 @@ def layer_pass(beta1: float, beta_retry: float, ws: int, t: float, w_min: int, w
 def expected_distinct(q, ws: int, *, replacement: bool = True) -> float:
     """E[distinct pairs among ws draws from the probabilities q] (spec §16.4): sum of 1 - (1 - q)^ws with
     replacement; without it, ws capped by the support."""
-    import numpy as np
 
     q = np.asarray(q, dtype=np.float64).ravel()
     q = q[q > 0]
@@ -316,8 +317,6 @@ class ForestPolicy:
         """Price distinct drafts on this q (the latest drafted layer's joint: probabilities of any shape, or a
         row-math law, which reads only its cells >= _TINY): once per W_S candidate, since q may hold W x |V|
         entries."""
-        import numpy as np
-
         if hasattr(q_rows, "profile"):
             size = len(q_rows)
             big, rest = q_rows.profile(_TINY) if size else (None, 0.0)
@@ -376,11 +375,7 @@ class ForestPolicy:
             self.set_profile(q_rows)
         catch_up = self.draft_cost(draft_roots)  # every drafted forest's first draft pass, the same for all
         plain = self._plain_step = self.seconds(0, 0, roots=roots, draft_roots=draft_roots)
-        best, best_rate = None, -1.0
-        for forest, steps, seconds in self._grid(max_gamma, roots):
-            r = steps / (seconds + (catch_up if forest[0] else 0.0))
-            if r > best_rate * (1 + 1e-12):
-                best, best_rate = forest, r
+        best = self._best(max_gamma, roots, catch_up)
         self._exploring = None
         if best[0] == 0 and self.explore and self.observed < self.explore:
             trial = self._trial(max_gamma, roots, catch_up, plain)
@@ -390,21 +385,53 @@ class ForestPolicy:
         self.lookups_chosen.append(best[2])
         return best if with_lookups else best[:2]
 
+    def _best(self, max_gamma: int, roots: int, catch_up: float) -> tuple:
+        """The first candidate of the grid that no later one beats by more than a relative 1e-12 (a drafted
+        one pays the catch-up pass too): the grid's rates in one array operation, and the candidate-by-candidate
+        scan only where two rates near the best lie within that tolerance, where the scan's order decides."""
+        grid = self._grid(max_gamma, roots)
+        steps, seconds, drafted = self._choice[self._key(max_gamma, roots)][1]
+        r = steps / (seconds + drafted * catch_up)
+        top = int(np.argmax(r))
+        below = r[r < r[top]]
+        if np.isfinite(r).all() and (below.size == 0 or below.max() * (1 + 1e-12) < r[top]):
+            return grid[top][0]
+        best, best_rate = None, -1.0
+        for forest, rate in zip(grid, r.tolist()):
+            if rate > best_rate * (1 + 1e-12):
+                best, best_rate = forest[0], rate
+        return best
+
+    def _key(self, max_gamma: int, roots: int) -> tuple:
+        return tuple(sorted({min(g, max_gamma) for g in self.gammas})), roots
+
     def _grid(self, max_gamma: int, roots: int) -> list[tuple[tuple, float, float]]:
         """Every candidate (gamma, W_S, lookups), smallest first, with its expected steps and its seconds
         less the draft's catch-up pass; memoised until the counts or the profile change (the catch-up is the
         only part that changes every iteration: the draft's unscored suffix grows while it is not run)."""
-        gammas = sorted({min(g, max_gamma) for g in self.gammas})
-        key = (tuple(gammas), roots)
-        grid = self._choice.get(key)
+        key = self._key(max_gamma, roots)
+        gammas = list(key[0])
+        memo = self._choice.get(key)
+        grid = memo[0] if memo is not None else None
+        full = self._key(max(self.gammas), roots)
+        if grid is None and key != full and set(gammas) <= set(full[0]):
+            # a budget that caps gamma (an answer's last tokens): the full grid's candidates up to the cap, the
+            # same values (each depth's sums do not read the deeper ones)
+            whole = self._grid(max(self.gammas), roots)
+            keep = [i for i, (f, _, _) in enumerate(whole) if f[0] in key[0]]
+            grid = [whole[i] for i in keep]
+            self._choice[key] = (grid, tuple(a[keep] for a in self._choice[full][1]))
         if grid is None:
             widths, looks = sorted(self.widths), sorted(set(self.lookups) or {0})
             deep = {(ws, n): self._depths(ws, n, roots, gammas[-1]) for ws in widths for n in looks}
             plain = (self.expected_steps(0, 0), self.seconds(0, 0, roots=roots, draft_roots=0))
-            grid = self._choice[key] = [
+            grid = [
                 ((g, ws, n), *(deep[ws, n][g - 1] if g else plain))
                 for g in gammas for ws in (widths if g > 0 else widths[:1]) for n in (looks if g > 0 else looks[:1])
                 if self.max_drafts is None or g * ws <= self.max_drafts]
+            arrays = (np.array([s for _, s, _ in grid]), np.array([t for _, _, t in grid]),
+                      np.array([float(f[0] > 0) for f, _, _ in grid]))
+            self._choice[key] = (grid, arrays)
         return grid
 
     def _depths(self, ws: int, n: int, roots: int, top: int) -> list[tuple[float, float]]:

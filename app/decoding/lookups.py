@@ -261,8 +261,9 @@ class Calibration:
         base = _MATCH_PRIOR if source == "match" else _RECYCLED_PRIOR
         return base[min(evidence, len(base) - 1)] * share
 
-    def estimate(self, source: str, evidence: int, rank: int, share: float) -> float:
-        s, n = self.table.get(_bucket(source, evidence, rank), (0.0, 0.0))
+    def estimate(self, source: str, evidence: int, rank: int, share: float, bucket: str | None = None) -> float:
+        """`bucket`: _bucket(source, evidence, rank) when the caller has it."""
+        s, n = self.table.get(bucket or _bucket(source, evidence, rank), (0.0, 0.0))
         return (s + STRENGTH * self.prior(source, evidence, share)) / (n + STRENGTH)
 
     def observe(self, bucket: str, p: float) -> None:
@@ -382,16 +383,17 @@ class Builder:
     def propose(self, text: tuple[int, ...]) -> list[tuple[int, str, str, float]]:
         """[(token, source, bucket, est)] for a parent whose generated tokens are `text`; one per token (the
         likeliest source's)."""
-        full = self.prompt[-MAX_NGRAM:] + text
+        full = (self.prompt[-MAX_NGRAM:] + text[-MAX_NGRAM:])[-MAX_NGRAM:]  # all any source reads
         best: dict[int, tuple[int, str, str, float]] = {}
         for source, finder in (("match", self.index), ("recycled", self.recycler)):
             if finder is None:
                 continue
             found = self._match(full) if source == "match" else finder.propose(full)
             for rank, (tok, ev, share) in enumerate(found):
-                est = self.calibration.estimate(source, ev, rank, share)
+                bucket = _bucket(source, ev, rank)
+                est = self.calibration.estimate(source, ev, rank, share, bucket)
                 if tok not in best or est > best[tok][3]:
-                    best[tok] = (tok, source, _bucket(source, ev, rank), est)
+                    best[tok] = (tok, source, bucket, est)
         return sorted(best.values(), key=lambda c: (-c[3], c[0]))
 
     # -- the forest ------------------------------------------------------------------------------------
@@ -424,7 +426,8 @@ class Builder:
         chosen: list[Candidate] = []
         used = [0] * shape.max_depth
         cover = _Coverage(shape, self.calibration.layer_factor(shape.width, shape.replacement))
-        best_rate, best_n = (self._rate(shape, chosen, cover.values) if self.target_cost else 0.0), 0
+        base = self.target_cost(shape.base_tokens) if self.target_cost is not None else 0.0
+        best_rate, best_n = (self._rate(shape, chosen, cover.values, base) if self.target_cost else 0.0), 0
         pops = 0
         while heap and pops < MAX_CANDIDATES:
             _, _, c = heapq.heappop(heap)
@@ -437,7 +440,7 @@ class Builder:
             used[c.depth - 1] += 1
             if self.target_cost is not None:
                 cover.add(c)
-                rate = self._rate(shape, chosen, cover.values)
+                rate = self._rate(shape, chosen, cover.values, base)
                 if rate > best_rate * (1 + 1e-9):
                     best_rate, best_n = rate, len(chosen)
             if not self.finished(c.text):
@@ -448,9 +451,11 @@ class Builder:
         keep = set(map(id, chosen))  # a prefix of the pop order is closed under parents
         return [c for c in sorted(chosen, key=lambda c: c.depth) if id(c) in keep]
 
-    def _rate(self, shape: LookupBudget, chosen: Sequence[Candidate], covered: Sequence[float]) -> float:
+    def _rate(self, shape: LookupBudget, chosen: Sequence[Candidate], covered: Sequence[float],
+              base: float) -> float:
         """Expected beam steps per second of the iteration with these model-free nodes (spec §16.4, §16.7);
-        `covered`: their coverage per depth (_Coverage.values, with the layer factor).
+        `covered`: their coverage per depth (_Coverage.values, with the layer factor); `base`: the target
+        pass's seconds without them.
 
         Layer l passes by the drafted part with chance base_pass[l] and by the model-free nodes when every
         output lands on one: (covered share of p_beam)^width with replacement. Each further passed layer
@@ -465,7 +470,7 @@ class Builder:
             steps += reach
             extra_layers += reach - run_b
         seconds = (shape.base_seconds + self.target_cost(shape.base_tokens + len(chosen))
-                   - self.target_cost(shape.base_tokens) + self.verify_cost * extra_layers)
+                   - base + self.verify_cost * extra_layers)
         return steps / max(seconds, 1e-12)
 
     def _covered(self, shape: LookupBudget, chosen: Sequence[Candidate], factor: float) -> list[float]:
@@ -516,23 +521,27 @@ class _Coverage:
     def __init__(self, shape: LookupBudget, factor: float) -> None:
         self.shape, self.factor = shape, factor
         self.masses: list[list[float]] = [[] for _ in range(shape.max_depth)]
+        self.totals: list[float] = [0] * shape.max_depth  # sum(masses[k]), added in the same order
+        self.empty = min(1.0, factor * _all_covered(0.0, [], shape.width, shape.replacement))
         self.values = [self._value(d) for d in range(shape.max_depth)]
 
     def add(self, c: Candidate) -> None:
         d = c.depth - 1
         self.masses[d].append(c.mass)
+        self.totals[d] += c.mass
         for k in (d, d + 1):
             if k < len(self.values):
                 self.values[k] = self._value(k)
 
     def _value(self, d: int) -> float:
+        masses, shape = self.masses[d], self.shape
+        if not masses:
+            return self.empty
         prev_mass = 1.0  # the last non-empty depth's total before d (1 at the roots)
         for k in range(d - 1, -1, -1):
-            total = sum(self.masses[k])
-            if total > 0:
-                prev_mass = total
+            if self.totals[k] > 0:
+                prev_mass = self.totals[k]
                 break
-        masses, shape = self.masses[d], self.shape
         shares = sorted((m / prev_mass for m in masses), reverse=True) if prev_mass > 0 else []
         return min(1.0, self.factor * _all_covered(min(1.0, sum(shares)), shares, shape.width, shape.replacement))
 

@@ -175,6 +175,33 @@ def test_float32_torch_draws_the_references_keys_on_qwen_sized_rows(qwen_pair, w
     assert list(ref.law(ref.rows(x), dead, warp).top(12)) == list(tm.law(tm.rows(x), dead, warp).top(12))
 
 
+def test_normalisers_are_the_references_on_every_kind_of_row():
+    """One normaliser per row from the rows' softmax (its largest cell gives the shift): the reference's log-probs
+    within float32 rounding for far-off, flat, masked, one-cell and Qwen-sized rows; the same where a row with
+    no finite cell sends the whole set down the plain exp path; and a law at T = 1 on those exponentials is the
+    reference's law."""
+    rng = np.random.default_rng(11)
+    x = rng.normal(0, 4, (6, 151936)).astype(np.float32)
+    x[1] += 300.0  # far above 0
+    x[2] -= 300.0
+    x[3] = 0.0  # flat
+    x[4, rng.integers(0, 151936, 100_000)] = -np.inf  # masked ids
+    x[5] = -np.inf
+    x[5, 17] = 2.5  # one cell
+    ref, tm = rowmath.NumpyRows(), rowmath.make("torch")
+    dead = np.full((1, 151936), -np.inf, np.float32)
+    for rows in (x, np.concatenate([x, dead])):
+        a, b = ref.rows(rows), tm.rows(rows)
+        for i in range(len(x)):
+            fin = np.isfinite(rows[i])
+            assert np.abs(a.dense(i)[fin] - b.dense(i)[fin]).max() < 2e-6, i
+        scores = np.array([-1.0, -2.0, -0.5, -3.0, -1.5, -4.0] + [-np.inf] * (len(rows) - len(x)))
+        pr, pt = ref.law(a, scores, Warp()), tm.law(b, scores, Warp())
+        keys = pr.keys
+        assert len(pr) == len(pt) and np.abs(pr.lookup(keys) - pt.lookup(keys)).max() < 1e-6
+    assert tm.rows(dead).lse_all()[0] == -np.inf
+
+
 def head_rows(rng, kind: str) -> np.ndarray:
     """4 rows x 2,000 cells whose heads stress the cut: ties, a far tail, flat rows, masked cells."""
     if kind == "ties":  # integer logits: many equal cells at every cut

@@ -11,9 +11,9 @@
 
 `NumpyRows` is the reference: the float64 functions of `sampling.py`, unchanged. `TorchRows` runs where the
 logits are (CPU threads, or CUDA) and does only the work an answer reads (spec §16.9):
-- one normaliser per row (max, exp, the sums of each row's 4,096-cell blocks), a row's log-probs only where a
-  beam reads them;
-- a dense law is `exp((x - m_row) / T) * scale_row`: the exponentials of the normaliser (at T = 1) or one exp pass,
+- one normaliser per row (max, the rows' softmax in one fused kernel, the sums of each row's 4,096-cell blocks),
+  a row's log-probs only where a beam reads them;
+- a dense law is `exp((x - shift_row) / T) * scale_row`: the normaliser's softmax (at T = 1) or one exp pass,
   float32 cells; its block sums are the rows' block sums times the row's float64 scale, with no pass over the
   cells, and the [rows, V] product is formed only where a verifier reads cells as a tensor;
 - draws read the block sums and one block per uniform; draws without replacement are the same
@@ -221,8 +221,9 @@ class TorchLogProbs:
         self.tm, self.x = tm, x  # [n, V] tensor on tm.device
         self.vocab = int(x.shape[1])
         self._norm: dict[int, tuple[float, float]] = norms or {}  # row -> (max, log-sum-exp)
-        self.e = None  # exp(x - max) of every row, once all rows are normalised together
+        self.e = None  # exp(x - shift) of every row, once all rows are normalised together
         self.eb: np.ndarray | None = None  # its float64 block sums [n, blocks per row]
+        self.shift: np.ndarray | None = None  # [n] float64: e's shift per row (the row's max, or near it)
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
@@ -232,10 +233,10 @@ class TorchLogProbs:
         todo = [i for i in range(n) if i not in self._norm]
         if todo:
             whole = len(todo) == n
-            m, lse, e, eb = self.tm._norms(self.whole() if whole else self.x[todo])
+            m, lse, e, eb, shift = self.tm._norms(self.whole() if whole else self.x[todo])
             self._norm.update(zip(todo, zip(m.tolist(), lse.tolist())))
             if whole:  # every row in one pass: a law at T = 1 scales e instead of exponentiating again
-                self.e, self.eb = e, eb
+                self.e, self.eb, self.shift = e, eb, shift
 
     def whole(self):
         """Every row as one [n, V] tensor, for immediate use: rows read in place stay in place where they lie in
@@ -259,7 +260,7 @@ class TorchLogProbs:
     def lse(self, i: int) -> float:
         v = self._norm.get(i)
         if v is None:
-            m, lse, _, _ = self.tm._norms(self.x[i:i + 1])
+            m, lse, _, _, _ = self.tm._norms(self.x[i:i + 1])
             v = self._norm[i] = (float(m[0]), float(lse[0]))
         return v[1]
 
@@ -467,17 +468,23 @@ class TorchRows:
         return x.detach().cpu().numpy()
 
     def _norms(self, x):
-        """Row maxima (0 for an all -inf row) and normalisers (float64 sums of float32 block sums of exp(x - max):
-        relative error ~1e-7), on the host, with e = exp(x - max) and its block sums (`_exp_blocks`)."""
-        m = self._row_max(x)
-        e, eb = self._exp_blocks(x, m, 1.0)
+        """(row maxima (0 for an all -inf row), normalisers, e, its block sums, e's shift): e = exp(x - shift) on the
+        device, the rest on the host. e is the rows' softmax (one fused kernel, faster than a separate exp on a
+        CPU), so shift = max - log(the softmax's largest cell), exp(0) scaled as every other cell; the normaliser
+        is shift + log(float64 sum of e's float32 block sums), relative error ~1e-7 whatever the kernel's own
+        float32 sum. Rows with no finite cell take exp(x - max) instead (a softmax of them is NaN)."""
+        top = self._host(x.amax(dim=1)).astype(np.float64)
+        m = np.where(np.isfinite(top), top, 0.0)
+        if not np.isfinite(top).all():
+            e, eb = self._exp_blocks(x, m, 1.0)
+            shift = m
+        else:
+            e = self.torch.softmax(x, dim=1)
+            eb = self._block_sums(e)
+            with np.errstate(divide="ignore"):
+                shift = m - np.log(self._host(e.amax(dim=1)).astype(np.float64))
         with np.errstate(divide="ignore"):
-            return m, m + np.log(eb.sum(axis=1)), e, eb
-
-    def _row_max(self, x) -> np.ndarray:
-        """[n] float64 row maxima, 0 for an all -inf row."""
-        m = self._host(x.amax(dim=1)).astype(np.float64)
-        return np.where(np.isfinite(m), m, 0.0)
+            return m, shift + np.log(eb.sum(axis=1)), e, eb, shift
 
     def _exp_blocks(self, x, m: np.ndarray, inv_t: float):
         """e = exp((x - m) / T) [n, V] and its float64 sums over each row's CDF_BLOCK-cell blocks [n, blocks]."""
@@ -548,6 +555,7 @@ class TorchRows:
         if all(r.src.e is not None for r in refs):
             out.e = self.torch.stack([r.src.e[r.i] for r in refs])
             out.eb = np.stack([r.src.eb[r.i] for r in refs])
+            out.shift = np.array([r.src.shift[r.i] for r in refs])
         return out
 
     def law(self, rows: TorchLogProbs, scores, warp: Warp):
@@ -563,18 +571,19 @@ class TorchRows:
         if 0 < warp.top_k < x.shape[1] * np.count_nonzero(valid):
             return self._top_k(x, s - lse, valid, warp)
         if inv_t == 1.0 and rows.e is not None:
-            e, eb = rows.e, rows.eb
+            e, eb, base = rows.e, rows.eb, rows.shift  # e = exp(x - base)
         else:
             e, eb = self._exp_blocks(x, m, inv_t)  # exp((x - m) / T), once: the row sums and the law's cells
+            base = m * inv_t
         with np.errstate(divide="ignore"):
-            row_lse = m * inv_t + np.log(eb.sum(axis=1))  # log sum_t exp(x_t / T)
+            row_lse = base + np.log(eb.sum(axis=1))  # log sum_t exp(x_t / T)
         if warp.top_p < 1.0:
             return self._top_p(x, s - lse, valid, warp, row_lse)
         w = np.where(valid, (s - lse) * inv_t + row_lse, -np.inf)  # log mass of each row
         w_max = w[valid].max()
         log_z = w_max + math.log(float(np.exp(w[valid] - w_max).sum()))
-        c = (s - lse) * inv_t - log_z  # p = exp(x / T + c) = e * exp(c + m / T)
-        scale = np.where(valid, np.exp(np.where(valid, c + m * inv_t, 0.0)), 0.0)
+        c = (s - lse) * inv_t - log_z  # p = exp(x / T + c) = e * exp(c + base)
+        scale = np.where(valid, np.exp(np.where(valid, c + base, 0.0)), 0.0)
         return TorchLaw(self, scale, e, eb)
 
     def _top_k(self, x, off, valid, warp: Warp) -> NumpyLaw:

@@ -178,8 +178,8 @@ def test_float32_torch_draws_the_references_keys_on_qwen_sized_rows(qwen_pair, w
 def test_normalisers_are_the_references_on_every_kind_of_row():
     """One normaliser per row from the rows' softmax (its largest cell gives the shift): the reference's log-probs
     within float32 rounding for far-off, flat, masked, one-cell and Qwen-sized rows; the same where a row with
-    no finite cell sends the whole set down the plain exp path; and a law at T = 1 on those exponentials is the
-    reference's law."""
+    no finite cell sends the whole set down the plain exp path; and a law on those exponentials (T = 1) or on the
+    softmax of x / T is the reference's law."""
     rng = np.random.default_rng(11)
     x = rng.normal(0, 4, (6, 151936)).astype(np.float32)
     x[1] += 300.0  # far above 0
@@ -196,9 +196,10 @@ def test_normalisers_are_the_references_on_every_kind_of_row():
             fin = np.isfinite(rows[i])
             assert np.abs(a.dense(i)[fin] - b.dense(i)[fin]).max() < 2e-6, i
         scores = np.array([-1.0, -2.0, -0.5, -3.0, -1.5, -4.0] + [-np.inf] * (len(rows) - len(x)))
-        pr, pt = ref.law(a, scores, Warp()), tm.law(b, scores, Warp())
-        keys = pr.keys
-        assert len(pr) == len(pt) and np.abs(pr.lookup(keys) - pt.lookup(keys)).max() < 1e-6
+        for warp in (Warp(), Warp(0.7), Warp(1.6)):
+            pr, pt = ref.law(a, scores, warp), tm.law(b, scores, warp)
+            keys = pr.keys
+            assert len(pr) == len(pt) and np.abs(pr.lookup(keys) - pt.lookup(keys)).max() < 1e-6, warp
     assert tm.rows(dead).lse_all()[0] == -np.inf
 
 

@@ -475,7 +475,7 @@ class TorchRows:
         float32 sum. Rows with no finite cell take exp(x - max) instead (a softmax of them is NaN)."""
         top = self._host(x.amax(dim=1)).astype(np.float64)
         m = np.where(np.isfinite(top), top, 0.0)
-        if not np.isfinite(top).all():
+        if not np.isfinite(top).all():  # a softmax of a row with no finite cell is NaN: exp(x - max), 0 there
             e, eb = self._exp_blocks(x, m, 1.0)
             shift = m
         else:
@@ -570,9 +570,11 @@ class TorchRows:
         x = rows.whole()
         if 0 < warp.top_k < x.shape[1] * np.count_nonzero(valid):
             return self._top_k(x, s - lse, valid, warp)
-        if inv_t == 1.0 and rows.e is not None:
+        if inv_t == 1.0:
+            if rows.e is None:
+                _, _, rows.e, rows.eb, rows.shift = self._norms(x)
             e, eb, base = rows.e, rows.eb, rows.shift  # e = exp(x - base)
-        else:
+        else:  # x / T rounds a large logit too coarsely for a softmax: the exp of x - max, then scaled
             e, eb = self._exp_blocks(x, m, inv_t)  # exp((x - m) / T), once: the row sums and the law's cells
             base = m * inv_t
         with np.errstate(divide="ignore"):

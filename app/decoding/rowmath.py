@@ -638,11 +638,19 @@ class TorchRows:
             return _REF.on_rows(q, parents, counts)
         t = self.torch
         total = q.total()
-        out = t.zeros((len(parents), q.vocab), dtype=self.dtype, device=q._e.device)
+        out = t.empty((len(parents), q.vocab), dtype=self.dtype, device=q._e.device)
         for i, (js, m) in enumerate(zip(parents, counts)):
+            first = True
             for j in js:
                 if q._scale[j] > 0:  # q's cells are e * scale: one pass per parent, no [n, V] product
-                    out[i].add_(q._e[j], alpha=float(q._scale[j]) / (m * total))
+                    a = float(q._scale[j]) / (m * total)
+                    if first:  # 0 + a e, written once
+                        t.mul(q._e[j], a, out=out[i])
+                    else:
+                        out[i].add_(q._e[j], alpha=a)
+                    first = False
+            if first:
+                out[i].zero_()
         return _QRows(self, out)
 
     def chain(self, p, q, n: int):

@@ -459,15 +459,17 @@ class _Run:
             by_content[c].append(j)
         parents = [by_content.get(h.content, []) for h in rows]
         q_rows = self.rm.on_rows(layer.q, parents, [len(members[h.content]) for h in rows])
-        out: list = []
+        keys, inside = [], []
         for n in layer.drafts:
             idx = members.get(layer.parent_content[n.parent], [])
-            if idx:
-                key = idx[self.draft_rand.integer(len(idx)) if len(idx) > 1 else 0] * V + n.token
-                qv = float(q_rows.lookup(np.array([key]))[0])
-            else:
-                key, qv = len(rows) * V + n.token, n.qval  # outside S
-            out.append(DraftWOR(key, qv, n.rest, bool(idx)) if self.without else Draft(key, qv, bool(idx)))
+            inside.append(bool(idx))
+            keys.append(idx[self.draft_rand.integer(len(idx)) if len(idx) > 1 else 0] * V + n.token if idx
+                        else len(rows) * V + n.token)  # outside S: q at its own draw
+        looked = iter(q_rows.lookup(np.array([k for k, ok in zip(keys, inside) if ok], dtype=np.int64)).tolist())
+        out: list = []
+        for n, key, ok in zip(layer.drafts, keys, inside):
+            qv = next(looked) if ok else n.qval
+            out.append(DraftWOR(key, qv, n.rest, ok) if self.without else Draft(key, qv, ok))
         return q_rows, out
 
     def _p_beam(self, rows: Sequence[Handle]):

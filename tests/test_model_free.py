@@ -97,6 +97,37 @@ def test_builder_with_costs_adds_nodes_only_where_they_pay():
                                                                          lambda p, t: False) == []
 
 
+def test_a_build_skipped_by_its_bound_is_the_build_it_skips(monkeypatch):
+    """Where the depth-1 candidates alone show that no node can pay, the builder returns at once: the same nodes
+    (none), the same depth-1 proposals and predictions as the full search, over widths, laws, caps, curves and
+    calibrations; the bound fires in some cases and the search still builds in others."""
+    prompt = [5, 6, 7, 8, 9, 10, 5, 6, 7, 11, 12, 5, 6, 7, 8, 13, 5, 6]
+    curves = [CostCurve.of({1: 0.006, 8: 0.0062, 64: 0.0075}), CostCurve.of({1: 0.076, 2: 0.09, 8: 0.17}),
+              CostCurve.of({1: 0.076, 2: 0.2, 64: 5.0})]
+    sure = Calibration({f"match:{n}:{r}": [900.0, 1000.0] for n in range(1, 9) for r in range(3)})
+    roots = [[(0, (), 1.0)], [(0, (), 0.6), (1, (7,), 0.3), (2, (9,), 0.1)], [(0, (8,), 0.5), (1, (8, 13), 0.5)]]
+    cases = [(w, repl, cap, curve, cal, r) for w in (1, 2, 4) for repl in (True, False) for cap in (1, 4)
+             for curve in curves for cal in (None, sure) for r in roots]
+
+    def run():
+        out = []
+        for w, repl, cap, curve, cal, r in cases:
+            b = _builder(prompt, target_cost=curve, calibration=cal, verify_cost=2e-4)
+            shape = LookupBudget(max_depth=6, width=w, replacement=repl, per_layer=[cap] * 6, base_tokens=3.0,
+                                 base_seconds=curve(3.0), base_pass=[0.3, 0.1])
+            picks = b.build(r, shape, lambda p, t: False)
+            out.append(([(c.depth, c.text) for c in picks], [(c.text, c.mass) for c in b.proposed], b.predicted))
+        return out
+
+    fired = []
+    original = Builder._cannot_pay
+    monkeypatch.setattr(Builder, "_cannot_pay", lambda *a: fired.append(original(*a)) or fired[-1])
+    bounded = run()
+    monkeypatch.setattr(Builder, "_cannot_pay", lambda *a: False)
+    assert bounded == run()
+    assert 0 < sum(fired) < len(fired) and any(picks for picks, _, _ in bounded)
+
+
 def test_priced_chains_grow_while_they_pass_whole_and_start_over_after_a_failure():
     """A priced builder's model-free depth starts at CHAIN_START, doubles after a chain that passed at that
     depth (never past gamma) and goes back after one that failed; an unpriced (fixed) forest uses gamma."""

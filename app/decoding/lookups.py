@@ -329,8 +329,9 @@ class Builder:
                  target_cost: Callable[[float], float] | None = None, verify_cost: float = 0.0,
                  step_cost: float = 0.0, finished: Callable[[tuple[int, ...]], bool] = lambda t: False,
                  corpus: CorpusIndex | None = None, corpus_exclude: object = None) -> None:
-        """target_cost(n): seconds of a target pass scoring n tokens (None: no pricing, the likeliest nodes up
-        to the cap); verify_cost: the decoder's seconds per verified layer; step_cost: per iteration;
+        """target_cost(n): seconds of a target pass scoring n tokens, never less for more tokens (None: no
+        pricing, the likeliest nodes up to the cap); verify_cost: the decoder's seconds per verified layer (>= 0);
+        step_cost: per iteration;
         corpus: earlier chats for the match source (not the one keyed corpus_exclude)."""
         self.prompt = tuple(prompt)
         self.sources = tuple(s for s in SOURCES if s in set(sources))
@@ -428,6 +429,9 @@ class Builder:
         cover = _Coverage(shape, self.calibration.layer_factor(shape.width, shape.replacement))
         base = self.target_cost(shape.base_tokens) if self.target_cost is not None else 0.0
         best_rate, best_n = (self._rate(shape, chosen, cover.values, base) if self.target_cost else 0.0), 0
+        if self.target_cost is not None and self._cannot_pay(shape, [-m for m, _, _ in heap], cover.factor, base,
+                                                             best_rate):
+            heap = []  # the search below would choose nothing: skip it
         pops = 0
         while heap and pops < MAX_CANDIDATES:
             _, _, c = heapq.heappop(heap)
@@ -450,6 +454,21 @@ class Builder:
         self.shape, self.predicted = shape, self._covered(shape, chosen, factor=1.0)
         keep = set(map(id, chosen))  # a prefix of the pop order is closed under parents
         return [c for c in sorted(chosen, key=lambda c: c.depth) if id(c) in keep]
+
+    def _cannot_pay(self, shape: LookupBudget, masses: list[float], factor: float, base: float,
+                    rate: float) -> bool:
+        """True when no set of nodes can beat `rate` (the rate without them), read from the depth-1 candidates'
+        masses alone: depth 1's coverage is at most that of its per-layer cap's largest masses (the coverage
+        only grows as nodes are added), every deeper layer's at most depth 1's (a chain passes a layer only
+        after the ones above), and at least one more token costs at least target_cost(base + 1) - base (a
+        pass-cost curve never falls as tokens are added)."""
+        top = sorted(masses, reverse=True)[:shape.per_layer[0]] if shape.per_layer and shape.per_layer[0] > 0 else []
+        h = min(1.0, factor * _all_covered(min(1.0, sum(top)), top, shape.width, shape.replacement)) if top else 0.0
+        steps, run_b = 1.0, 1.0
+        for l in range(shape.max_depth):
+            run_b *= shape.base_pass[l] if l < len(shape.base_pass) else 0.0
+            steps += 1.0 - (1.0 - run_b) * (1.0 - h)
+        return steps / max(shape.base_seconds + self.target_cost(shape.base_tokens + 1) - base, 1e-12) <= rate
 
     def _rate(self, shape: LookupBudget, chosen: Sequence[Candidate], covered: Sequence[float],
               base: float) -> float:

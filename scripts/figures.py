@@ -94,8 +94,8 @@ def link(report: str) -> str:
 # ---- the figures, each from one or two JSON files ----
 
 def same_law() -> dict:
-    """Best quality vs beam sampling at the same law, CPU (rowmath-same-*.json)."""
-    files = ["rowmath-same-code.json", "rowmath-same-chat.json"]
+    """Best quality vs beam sampling at the same law, CPU (best-quality-same-*.json)."""
+    files = ["best-quality-same-code.json", "best-quality-same-chat.json"]
     data = [load(f) for f in files]
     best = [d["summary"]["preset:Best quality"] for d in data]
     same = [tuple(map(int, b["same_answers_as_beam-sample"].split("/"))) for b in best]
@@ -131,8 +131,8 @@ FIXED = "preset:Best quality,forest=fixed,draft_beams=8,gamma=3"  # a forest eve
 
 
 def projected() -> dict:
-    """The presets on the rtx4090-7b cost profile (heads-after-rtx4090-7b-code.json)."""
-    f = "heads-after-rtx4090-7b-code.json"
+    """The presets on the rtx4090-7b cost profile (decoder-rtx4090-7b-code.json)."""
+    f = "decoder-rtx4090-7b-code.json"
     d = load(f)
     s = d["summary"]
     plain = [r for r in d["runs"] if r["mode"] == "beam-sample"]

@@ -208,13 +208,27 @@ def test_the_array_choice_is_the_scan(costs):
     for catch_up in (0.0, 1e-4, 0.01, 0.3):
         assert p._best(6, 4, catch_up) == _scanned(p, 6, 4, catch_up)
     key = p._key(6, 4)
-    grid, (_, _, drafted) = p._choice[key]
+    grid, (_, _, drafted), _ = p._choice[key]
     assert len(grid) > 10 and drafted.sum() == len(grid) - 1
     # rates 1, 1 + 2e-12, 1 + 2.5e-12 on three candidates: the scan keeps the second, the plain argmax the third
     near = {3: 1.0, 4: 1 + 2e-12, 5: 1 + 2.5e-12}
     made = [(f, near.get(i, 0.5), 1.0) for i, (f, _, _) in enumerate(grid)]
-    p._choice[key] = (made, (np.array([s for _, s, _ in made]), np.ones(len(made)), drafted))
+    p._choice[key] = (made, (np.array([s for _, s, _ in made]), np.ones(len(made)), drafted), {})
     assert p._best(6, 4, 0.0) == _scanned(p, 6, 4, 0.0) == grid[4][0] != grid[5][0]
+
+
+def test_a_plain_choice_holds_for_dearer_catch_ups_and_only_for_them():
+    """Once the plain step wins on a grid it is returned without the rates for any dearer catch-up pass; a
+    cheaper one, and a grid whose counts changed, are priced again: the scan's choice at every catch-up."""
+    p = policy(GPU, draft_beams=16)
+    sweep = [0.0, 1e-3, 0.02, 0.05, 0.3, 1.0, 0.05, 0.02, 1e-3, 0.0, 2.0]
+    got = [p._best(6, 4, c) for c in sweep]
+    assert got == [_scanned(p, 6, 4, c) for c in sweep]
+    assert got[0][0] > 0 and got[5][0] == 0  # the sweep crosses from a drafted forest to the plain step
+    assert p._choice[p._key(6, 4)][2]["plain_from"] <= 0.3
+    p.observe(1, 4, outcomes=[True] * 3, passed=True)  # new counts: a new grid, nothing carried over
+    assert "plain_from" not in p._choice.get(p._key(6, 4), ({}, (), {}))[2]
+    assert [p._best(6, 4, c) for c in sweep] == [_scanned(p, 6, 4, c) for c in sweep]
 
 
 def test_a_capped_budget_reads_the_full_grid():

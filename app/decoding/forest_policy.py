@@ -388,18 +388,27 @@ class ForestPolicy:
     def _best(self, max_gamma: int, roots: int, catch_up: float) -> tuple:
         """The first candidate of the grid that no later one beats by more than a relative 1e-12 (a drafted
         one pays the catch-up pass too): the grid's rates in one array operation, and the candidate-by-candidate
-        scan only where two rates near the best lie within that tolerance, where the scan's order decides."""
+        scan only where two rates near the best lie within that tolerance, where the scan's order decides. Once
+        the plain step won on a grid, it wins at any dearer catch-up (no drafted rate rises, the plain one is
+        fixed), so those choices read nothing."""
         grid = self._grid(max_gamma, roots)
-        steps, seconds, drafted = self._choice[self._key(max_gamma, roots)][1]
+        _, (steps, seconds, drafted), seen = self._choice[self._key(max_gamma, roots)]
+        plain = grid[0][0] if grid[0][0][0] == 0 else None  # the one gamma-0 candidate comes first
+        if plain is not None and catch_up >= seen.get("plain_from", np.inf):
+            # the plain step won at a cheaper catch-up: every drafted rate only fell since, the plain one did not
+            return plain
         r = steps / (seconds + drafted * catch_up)
         top = int(np.argmax(r))
         below = r[r < r[top]]
         if np.isfinite(r).all() and (below.size == 0 or below.max() * (1 + 1e-12) < r[top]):
-            return grid[top][0]
-        best, best_rate = None, -1.0
-        for forest, rate in zip(grid, r.tolist()):
-            if rate > best_rate * (1 + 1e-12):
-                best, best_rate = forest[0], rate
+            best = grid[top][0]
+        else:
+            best, best_rate = None, -1.0
+            for forest, rate in zip(grid, r.tolist()):
+                if rate > best_rate * (1 + 1e-12):
+                    best, best_rate = forest[0], rate
+        if best == plain:
+            seen["plain_from"] = min(catch_up, seen.get("plain_from", np.inf))
         return best
 
     def _key(self, max_gamma: int, roots: int) -> tuple:
@@ -420,7 +429,7 @@ class ForestPolicy:
             whole = self._grid(max(self.gammas), roots)
             keep = [i for i, (f, _, _) in enumerate(whole) if f[0] in key[0]]
             grid = [whole[i] for i in keep]
-            self._choice[key] = (grid, tuple(a[keep] for a in self._choice[full][1]))
+            self._choice[key] = (grid, tuple(a[keep] for a in self._choice[full][1]), {})
         if grid is None:
             widths, looks = sorted(self.widths), sorted(set(self.lookups) or {0})
             deep = {(ws, n): self._depths(ws, n, roots, gammas[-1]) for ws in widths for n in looks}
@@ -431,7 +440,7 @@ class ForestPolicy:
                 if self.max_drafts is None or g * ws <= self.max_drafts]
             arrays = (np.array([s for _, s, _ in grid]), np.array([t for _, _, t in grid]),
                       np.array([float(f[0] > 0) for f, _, _ in grid]))
-            self._choice[key] = (grid, arrays)
+            self._choice[key] = (grid, arrays, {})  # and what choices on it showed: where the plain step wins
         return grid
 
     def _depths(self, ws: int, n: int, roots: int, top: int) -> list[tuple[float, float]]:

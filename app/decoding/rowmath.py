@@ -223,7 +223,7 @@ class TorchLogProbs:
         self._norm: dict[int, tuple[float, float]] = norms or {}  # row -> (max, log-sum-exp)
         self.e = None  # exp(x - shift) of every row, once all rows are normalised together
         self.eb: np.ndarray | None = None  # its float64 block sums [n, blocks per row]
-        self.shift: np.ndarray | None = None  # [n] float64: e's shift per row (the row's max, or near it)
+        self.shift: np.ndarray | None = None  # [n] float64: e = exp(x - shift) (about each row's log-sum-exp)
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
@@ -275,7 +275,7 @@ class TorchLogProbs:
 
 
 class TorchLaw:
-    """A dense warped joint over n rows x V: p(r, t) = e[r, t] * scale_r with e = exp((x - m_r) / T) float32 on the
+    """A dense warped joint over n rows x V: p(r, t) = e[r, t] * scale_r with e = exp(x / T - base_r) float32 on the
     device and scale_r float64 on the host (0 where the row is not a valid parent). Draws, masses and lookups read
     e's per-row block sums and single blocks; the [n, V] product p is formed only where a verifier reads it."""
 

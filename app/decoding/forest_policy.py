@@ -106,7 +106,6 @@ def layer_pass(beta1: float, beta_retry: float, ws: int, t: float, w_min: int, w
 def expected_distinct(q, ws: int, *, replacement: bool = True) -> float:
     """E[distinct pairs among ws draws from the probabilities q] (spec §16.4): sum of 1 - (1 - q)^ws with
     replacement; without it, ws capped by the support."""
-
     q = np.asarray(q, dtype=np.float64).ravel()
     q = q[q > 0]
     if q.size == 0:

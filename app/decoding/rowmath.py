@@ -13,7 +13,7 @@
 logits are (CPU threads, or CUDA) and does only the work an answer reads (spec §16.9):
 - one normaliser per row (max, the rows' softmax in one fused kernel, the sums of each row's 4,096-cell blocks),
   a row's log-probs only where a beam reads them;
-- a dense law is `exp((x - shift_row) / T) * scale_row`: the normaliser's softmax (at T = 1) or one exp pass,
+- a dense law is `exp(x / T - base_row) * scale_row`: the normaliser's softmax (at T = 1) or one exp pass,
   float32 cells; its block sums are the rows' block sums times the row's float64 scale, with no pass over the
   cells, and the [rows, V] product is formed only where a verifier reads cells as a tensor;
 - draws read the block sums and one block per uniform; draws without replacement are the same

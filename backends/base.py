@@ -25,8 +25,8 @@ import numpy as np
 from offload.errors import BackendError, BadModelFile, OutOfMemory
 
 __all__ = ["ROOT", "BackendError", "BadModelFile", "OutOfMemory", "Closing", "ContextFull", "ContentKeys",
-           "RegistryError", "ModelNotFound", "Forest", "Logits", "AcceptedPath", "ModelInfo", "Context", "Model",
-           "Tokenizer"]
+           "RegistryError", "ModelNotFound", "Forest", "Logits", "host_rows", "AcceptedPath", "ModelInfo", "Context",
+           "Model", "Tokenizer"]
 
 ROOT = -1  # parent id of a node that hangs directly off its row's suffix
 
@@ -100,11 +100,23 @@ class Forest:
 
 @dataclass(frozen=True)
 class Logits:
-    """Raw logits from one `evaluate`: `roots[i]` belongs to row `root_rows[i]` (its last suffix token)."""
+    """Raw logits from one `evaluate`: `roots[i]` belongs to row `root_rows[i]` (its last suffix token).
+
+    The rows are host numpy arrays, or tensors on the runtime's own device where the context was asked to keep
+    them there (a PyTorch context's `device_rows`): the row math then reads them where they were computed, and a
+    caller that needs host numbers converts them with `host_rows`."""
 
     root_rows: tuple[int, ...]
     roots: np.ndarray  # [len(root_rows), vocab] float32
     nodes: np.ndarray  # [n_new_nodes, vocab] float32
+
+
+def host_rows(a) -> np.ndarray:
+    """Logits rows as a host numpy array: a device tensor is copied to the host, anything else (numpy arrays,
+    rows read in place) goes through np.asarray."""
+    if hasattr(a, "detach") and hasattr(a, "cpu"):  # a torch tensor, without importing torch here
+        return a.detach().cpu().numpy()
+    return np.asarray(a)
 
 
 @dataclass(frozen=True)

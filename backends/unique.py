@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from backends.base import ROOT, AcceptedPath, ContentKeys, Context, Forest, Logits
+from backends.base import ROOT, AcceptedPath, ContentKeys, Context, Forest, Logits, host_rows
 
 
 class CountingContext:
@@ -123,7 +123,7 @@ class Rows:
 
     def __init__(self, up: "UniquePaths", where: list[tuple[int, int]], vocab: int, dtype) -> None:
         self._up, self._arrays, self._where, self._epoch = up, up._arrays, where, up._epoch
-        self.shape, self.dtype = (len(where), vocab), np.dtype(dtype)
+        self.shape, self.dtype = (len(where), vocab), dtype  # a numpy dtype, or a torch one for device rows
 
     def __len__(self) -> int:
         return len(self._where)
@@ -148,10 +148,13 @@ class Rows:
             return self._arrays[a][k:k + len(self._where)]
         return None
 
-    def take(self, idx) -> np.ndarray:
-        """Rows idx, copied: [len(idx), vocab]."""
+    def take(self, idx):
+        """Rows idx, copied: [len(idx), vocab], where the rows are (a device's rows stay on it)."""
         idx = list(idx)
-        out = np.empty((len(idx), self.shape[1]), dtype=self.dtype)
+        if not isinstance(self.dtype, np.dtype):  # tensors: the copy stays on their device
+            out = self._arrays[self._where[0][0]].new_empty((len(idx), self.shape[1]))
+        else:
+            out = np.empty((len(idx), self.shape[1]), dtype=self.dtype)
         for j, i in enumerate(idx):
             out[j] = self.row(int(i))
         return out
@@ -169,7 +172,7 @@ class Rows:
         return self.row(int(i))
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        out = self.take(range(len(self)))
+        out = host_rows(self.take(range(len(self))))
         return out if dtype is None else out.astype(dtype)
 
 
@@ -287,8 +290,9 @@ class UniquePaths(CountingContext):
         """Before the inner context decodes again: copy the rows kept from its earlier evaluates (a view of
         its output buffer would change under them). The target's one pass per commit is never copied whole;
         the caller gets only its rows, copied once by _gather."""
-        for a in range(self._owned, len(self._arrays)):
-            self._arrays[a] = np.array(self._arrays[a])
+        if getattr(self.inner, "output_views", False):  # other runtimes return fresh arrays every pass
+            for a in range(self._owned, len(self._arrays)):
+                self._arrays[a] = np.array(self._arrays[a])
         self._owned = len(self._arrays)
 
     def _gather(self, keys: list[int]):
@@ -296,7 +300,7 @@ class UniquePaths(CountingContext):
         of the inner results."""
         first = self._arrays[self._at[keys[0]][2]]
         rows = Rows(self, [self._at[key][2:] for key in keys], first.shape[1], first.dtype)
-        return rows if self.views else np.asarray(rows)
+        return rows if self.views else rows.take(range(len(rows)))
 
     def commit(self, paths: Sequence[AcceptedPath]) -> None:
         n_rows = len(self._tokens)

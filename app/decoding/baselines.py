@@ -11,7 +11,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from app.config import MODE_FACTS, DecodeParams
-from backends.base import ROOT, AcceptedPath, Context, Forest
+from backends.base import ROOT, AcceptedPath, Context, Forest, host_rows
 
 from . import Step, rng_streams
 from .beams import Beam, Pool, Stopper, common_prefix, final_choice
@@ -29,7 +29,7 @@ def pad_vocab(logits: np.ndarray, vocab: int) -> np.ndarray:
     n = logits.shape[-1]
     if n == vocab:
         return logits
-    logits = np.asarray(logits)  # rows read in place are copied here
+    logits = host_rows(logits)  # rows read in place, or on a device, are copied to the host here
     if n > vocab:
         return logits[..., :vocab]
     pad = np.full(logits.shape[:-1] + (vocab - n,), -np.inf, dtype=logits.dtype)
@@ -152,7 +152,7 @@ def speculative_sampling(*, target: Context, draft: Context, prompt: Sequence[in
         drafts, qs = _draft_chain(draft, d_suffix, g, tokens, warp, vocab, rng_draft, stopper, metrics)
         out = _score_chain(target, t_suffix, drafts, metrics)
         metrics.track_kv(target, draft)
-        lp = log_softmax(np.concatenate([out.roots, out.nodes]))  # [1 + len(drafts), vocab]
+        lp = log_softmax(np.concatenate([host_rows(out.roots), host_rows(out.nodes)]))  # [1 + len(drafts), vocab]
         accepted, new = _verify_chain(out, drafts, qs, warp, rand, metrics)
         emitted = drafts[:accepted] + [new]
         metrics.steps.append(len(emitted))
@@ -178,7 +178,7 @@ def speculative_sampling(*, target: Context, draft: Context, prompt: Sequence[in
 
 def _per_token(logits: np.ndarray, warp: Warp):
     """The warped law of one row's next token (one parent: keys are token ids)."""
-    return warp_joint(log_softmax(logits)[None, :], warp)
+    return warp_joint(log_softmax(host_rows(logits))[None, :], warp)
 
 
 def _draft_chain(draft: Context, d_suffix: tuple[int, ...], g: int, tokens: list[int], warp: Warp, vocab: int,

@@ -37,6 +37,8 @@ from typing import Sequence
 
 import numpy as np
 
+from backends.base import host_rows
+
 from .sampling import (CDF_BLOCK, RESIDUAL_EPS, TOP_P_HEAD, Draft, DraftWOR, Joint, Rand, SeededRand, Warp,
                        draw_without_replacement, log_softmax, residual_chain, sample_without_replacement,
                        verify_layer, verify_layer_without_replacement, warp_entries, warp_joint)
@@ -52,7 +54,7 @@ class NumpyLogProbs:
     """Raw log-probs of [n, V] logits, float64 (today's `log_softmax`)."""
 
     def __init__(self, logits, lp: np.ndarray | None = None) -> None:
-        self._logits = logits
+        self._logits = None if logits is None else host_rows(logits)  # a runtime's device rows come to the host
         self._lp = lp
 
     @property
@@ -126,6 +128,10 @@ class NumpyRows:
     name = "numpy"
     device = "cpu"
     cell_seconds = NUMPY_CELL_SECONDS
+
+    def reads(self, device) -> bool:
+        """Whether a runtime on `device` should hand its rows over as tensors there: never (host numpy)."""
+        return False
 
     def rows(self, logits) -> NumpyLogProbs:
         return NumpyLogProbs(logits)
@@ -535,6 +541,18 @@ class TorchRows:
         return self._host(idx[:, 0]), self._host(idx[:, 1]), self._host(x[idx[:, 0], idx[:, 1]])
 
     # -- the interface --------------------------------------------------------------------------------
+    def reads(self, device) -> bool:
+        """Whether rows a runtime computes on `device` are read there in place: the same device (a CUDA device
+        without an index is the current one)."""
+        d = self.torch.device(device)
+        if d.type != self.device.type:
+            return False
+        if d.type != "cuda":
+            return True
+        current = self.torch.cuda.current_device()
+        return (d.index if d.index is not None else current) == (
+            self.device.index if self.device.index is not None else current)
+
     def rows(self, logits) -> TorchLogProbs:
         return TorchLogProbs(self, self._tensor(logits))
 
@@ -705,7 +723,8 @@ class _InPlace:
         self.tm, self.rows, self.shape = tm, rows, tuple(rows.shape)
 
     def _t(self, a):
-        return self.tm.torch.from_numpy(a).to(device=self.tm.device, dtype=self.tm.dtype)
+        x = a if isinstance(a, self.tm.torch.Tensor) else self.tm.torch.from_numpy(a)  # device rows stay put
+        return x.to(device=self.tm.device, dtype=self.tm.dtype)
 
     def block(self):
         """Every row as one tensor on the runtime's buffer (no copy on a CPU), or None where they are scattered."""

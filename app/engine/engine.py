@@ -212,6 +212,10 @@ class Engine(ModelEngine):
         if have is not None:
             have[1].close()
         ctx = model.context(rows=rows, max_tokens=size)
+        if hasattr(ctx, "device_rows"):  # a runtime that can keep its rows where it computed them (PyTorch)
+            from app.decoding import rowmath
+
+            ctx.device_rows = rowmath.backend().reads(ctx.device)  # only token ids and scalars reach the host
         self._ctx[role] = (rows, ctx, size)
         return ctx
 

@@ -70,8 +70,16 @@ class PyTorchContext(Closing):
         self._suffix: list[list[int]] = [[]]  # pending suffix per row (cached, not committed)
         self._used: list[int] = [0]  # next free slot per row
         self._nodes: list[_Node] = []  # pending forest, ids = list index
+        # True: evaluate returns the logits as tensors on the model's device (the row math reads them there, and
+        # only token ids and a few numbers reach the host); False: host numpy arrays
+        self.device_rows = False
 
     # -- queries -----------------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        """Where the logits are computed (and kept, with `device_rows`)."""
+        return self._device
 
     @property
     def rows(self) -> int:
@@ -129,7 +137,9 @@ class PyTorchContext(Closing):
         new_per_row = [f - u for f, u in zip(free, self._used)]
         if not any(new_per_row):
             empty = np.zeros((0, self._model.args.vocab_size), dtype=self._logits_dtype)
-            return Logits(root_rows=(), roots=empty, nodes=empty.copy())
+            if self.device_rows:
+                empty = torch.from_numpy(empty).to(self._device)
+            return Logits(root_rows=(), roots=empty, nodes=empty.clone() if self.device_rows else empty.copy())
         block, root_rows, select = self._query_block(suffix, nodes[base:], nodes, free, new_per_row)
         out = self._forward(kv, block, select)
         # the new tokens join the pending forest.
@@ -213,8 +223,9 @@ class PyTorchContext(Closing):
         select = (root_rows + [r for r, _ in node_q], root_q + [j for _, j in node_q])
         return (tok, pos, slot, mask), root_rows, select
 
-    def _forward(self, kv: KVCache, block, select) -> np.ndarray:
-        """One forward; logits only where a caller needs them ([roots + nodes, vocab])."""
+    def _forward(self, kv: KVCache, block, select):
+        """One forward; logits only where a caller needs them ([roots + nodes, vocab]), on the host or, with
+        `device_rows`, where they were computed."""
         dev = self._device
         tok, pos, slot, mask = block
         sel_r, sel_q = (torch.tensor(x, dtype=torch.long, device=dev) for x in select)
@@ -227,7 +238,7 @@ class PyTorchContext(Closing):
             select=(sel_r, sel_q),
         )
         wide = torch.float64 if self._logits_dtype == np.float64 else torch.float32  # numpy has no bf16
-        return logits.to(wide).cpu().numpy()
+        return logits.to(wide) if self.device_rows else logits.to(wide).cpu().numpy()
 
     @torch.inference_mode()
     @_typed_oom

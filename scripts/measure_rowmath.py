@@ -134,6 +134,12 @@ def main() -> None:
                         row[f"{b}/{pname} pass"] = round(ms[b][op] / pass_ms, 3)
                 out["results"].append(row)
                 print(json.dumps(row))
+    # the forest policy's per-cell prices of each backend, and the same figures timed here warm (a GPU backend's
+    # prices are its own timing: TorchRows.cell_seconds)
+    out["cell_seconds"] = {name: {"prices": list(rm.cell_seconds),
+                                  **({"timed_warm": list(rm.time_cells())} if hasattr(rm, "time_cells") else {})}
+                           for name, rm in backends.items()}
+    print(json.dumps(out["cell_seconds"]))
     if a.check:
         out["check"] = check(backends, rng)
         print(json.dumps(out["check"]))

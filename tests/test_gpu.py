@@ -239,8 +239,11 @@ def rows_where_computed(device: torch.device) -> dict:
 def test_rows_kept_on_the_device_give_the_host_rows_answers():
     """The row math on CUDA reading a PyTorch model's rows where they were computed: the same answers as host
     rows, token for token; the decoder's ms an iteration both ways go to the JSON (`device_rows`)."""
+    from app.decoding import rowmath
+
     got = rows_where_computed(CUDA)
     RESULTS["device_rows"] = {m: {w: {k: v for k, v in r.items() if k != "tokens"} for w, r in by.items()}
                               for m, by in got.items()}
+    RESULTS["device_rows"]["cell_seconds"] = list(rowmath.TorchRows("cuda").cell_seconds)  # the policy's prices
     for mode, by in got.items():
         assert by["device"]["tokens"] == by["host"]["tokens"], mode

@@ -299,6 +299,25 @@ def test_an_unknown_backend_is_a_clear_error_and_auto_runs():
     assert rowmath.make("auto").name in ("torch-cpu", "numpy")
 
 
+def test_a_device_without_measured_prices_times_its_own_cells_once():
+    """The forest policy prices the row math per cell: the CPU's measured figures, and on any other device (whose
+    costs are not a CPU's) the device's own timing, taken at first use and kept."""
+    from app.config import DecodeParams
+    from app.decoding.forest_policy import decoder_costs
+
+    cpu = rowmath.TorchRows("cpu")
+    assert cpu.cell_seconds == rowmath.TORCH_CELL_SECONDS
+    other = rowmath.TorchRows("cpu")
+    other._cell_seconds = None  # what a CUDA backend starts from
+    timed = other.cell_seconds
+    assert all(np.isfinite(v) and v > 0 for v in timed) and other.cell_seconds is timed  # timed once
+    params = DecodeParams(mode="dsbd", beams=4, draft_beams=8, gamma=3).validated()
+    V = 151_936
+    warp, chain = timed
+    assert decoder_costs(params, V, rm=other)["verify_cost"](8) == pytest.approx(4 * V * warp + 4 * V * chain * 8
+                                                                                  + 8 * V * warp)
+
+
 def test_rows_whose_parents_hold_no_draft_mass_get_an_empty_law():
     """q mapped onto rows whose parents carry none of q's pairs (a warp cut their support) is an empty law of
     float masses, not an error."""

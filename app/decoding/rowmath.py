@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from typing import Sequence
 
 import numpy as np
@@ -450,7 +451,6 @@ class TorchRows:
     """The row math on torch tensors where the logits are (module docstring)."""
 
     name = "torch"
-    cell_seconds = TORCH_CELL_SECONDS
 
     def __init__(self, device: str = "cpu", dtype: str = "float32", threads: int | None = None) -> None:
         import torch
@@ -461,6 +461,45 @@ class TorchRows:
         if threads and self.device.type == "cpu":
             torch.set_num_threads(threads)
         self.name = f"torch-{self.device.type}" + ("" if dtype == "float32" else f"-{dtype}")
+        self._cell_seconds: tuple[float, float] | None = TORCH_CELL_SECONDS if self.device.type == "cpu" else None
+
+    @property
+    def cell_seconds(self) -> tuple[float, float]:
+        """(warp and draws, one residual-chain step of one draft) seconds per (beam, token) cell: the forest
+        policy's prices. On a CPU the measured TORCH_CELL_SECONDS; on another device (a GPU, whose costs are not
+        a CPU's) timed there once, at first use."""
+        if self._cell_seconds is None:
+            self._cell_seconds = self.time_cells()
+        return self._cell_seconds
+
+    def time_cells(self, rows: int = 4, vocab: int = 151_936, repeats: int = 5) -> tuple[float, float]:
+        """Seconds per cell of a warp with its draws and of one residual-chain step, timed here on synthetic
+        Qwen-sized rows (the median of `repeats` after a warm-up, waiting for the device each time)."""
+        t = self.torch
+        x = t.randn((rows, vocab), generator=t.Generator().manual_seed(0), dtype=self.dtype).mul_(3).to(self.device)
+        rand, warp, scores = SeededRand(np.random.default_rng(0)), Warp(temperature=1.0), np.zeros(rows)
+        wait = t.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+
+        def median_s(fn) -> float:
+            fn()
+            wait()
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                wait()
+                times.append(time.perf_counter() - t0)
+            return float(np.median(times))
+
+        def warp_and_draws():
+            law = self.law(self.rows(x), scores, warp)
+            law.sample(rows, rand)
+            return law
+
+        p = warp_and_draws()
+        q = p.normalised().roll(1)  # another law over the same cells
+        return median_s(warp_and_draws) / (rows * vocab), median_s(lambda: _mass(self, p.normalised(), q, 0.5)) / (
+            rows * vocab)
 
     # -- tensors --------------------------------------------------------------------------------------
     def _tensor(self, a):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from backends.modelfiles import library
+from offload.errors import BadModelFile
 from offload.gguf_header import metadata_card, read_header
 from backends.tokenizer import HeaderVocab, VocabMismatch, check_compatible, load_tokenizer, vocab_differences
 from gguf_files import SPM_TOKENS, vocabulary, write_gguf
@@ -45,6 +46,29 @@ def test_header_reader_equals_gguf_reader(tmp_path, tiny_gguf_path):
             elif not hasattr(value, "count"):  # arrays other than the tokenizer's are previews
                 assert value == pytest.approx(field.contents())
         assert ours.missing_bytes == 0 and ours.expected_size == path.stat().st_size
+
+
+def test_a_kept_header_is_read_again_once_its_bytes_change(tmp_path):
+    """A header read without arrays is kept for its file, and read again when the file's header bytes change,
+    even in place at the same size and modification time."""
+    import os
+
+    path = write_gguf(tmp_path / "m.gguf", name="model-one")[0]
+    first = read_header(path, keep=())
+    assert read_header(path, keep=()) is first and first.metadata["general.name"] == "model-one"
+    st = path.stat()
+    data = path.read_bytes()
+    at = data.index(b"model-one")
+    with open(path, "r+b") as f:  # the same size, the same time: only the bytes differ
+        f.seek(at)
+        f.write(b"model-two")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    again = read_header(path, keep=())
+    assert again is not first and again.metadata["general.name"] == "model-two"
+    with open(path, "r+b") as f:  # a cut header is an error, never the header kept before
+        f.truncate(at)
+    with pytest.raises(BadModelFile):
+        read_header(path, keep=())
 
 
 def test_metadata_card_truncates_arrays_and_strings(tiny_gguf_path):

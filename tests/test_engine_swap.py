@@ -73,7 +73,10 @@ def test_corrupt_file_keeps_the_old_models_serving(engine, tiny_gguf_path, tmp_p
 
 
 class Doctored:
-    """The real tokenizer, but token 42 is spelled differently."""
+    """The real tokenizer, but token 42 is spelled differently (so its file's header fingerprint no longer
+    vouches for its texts)."""
+
+    fingerprint = None
 
     def __init__(self, tok) -> None:
         self._tok = tok

@@ -78,6 +78,31 @@ def test_compatible_same_model(gguf_tok, tiny_gguf_path):
         other.encode("x")
 
 
+def test_two_gguf_files_of_one_vocabulary_are_checked_by_their_fingerprints(tmp_path, monkeypatch):
+    """Equal header fingerprints prove every token text equal: the check at load reads no piece. One token
+    changed changes the fingerprint, and the per-id comparison names it."""
+    from backends.llamacpp.tokenizer import GGUFTokenizer
+    from gguf_files import SPM_TOKENS, SPM_TYPES, write_gguf
+
+    changed = list(SPM_TOKENS)
+    changed[40] = "doctored"
+    paths = [write_gguf(tmp_path / f"{n}.gguf", tokens=t, types=SPM_TYPES)[0]
+             for n, t in (("a", SPM_TOKENS), ("b", SPM_TOKENS), ("c", changed))]
+    a, b, c = (load_tokenizer(p) for p in paths)
+    read = []
+    piece = GGUFTokenizer.piece
+    monkeypatch.setattr(GGUFTokenizer, "piece", lambda self, i: read.append(i) or piece(self, i))
+    try:
+        check_compatible(a, b)
+        assert read == [] and a.fingerprint is not None
+        with pytest.raises(VocabMismatch, match="token 40 differs"):
+            check_compatible(c, a)
+        assert len(read) > 40
+    finally:
+        for t in (a, b, c):
+            t.close()
+
+
 def test_pieces_read_from_two_threads_at_once_are_the_pieces(gguf_tok):
     """A load's vocabulary check reads every piece while an answer decodes with the same tokenizer."""
     import threading

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from pathlib import Path
 from typing import Iterable
@@ -38,6 +39,19 @@ class GGUFTokenizer(Tokenizer):
         self.chat_template = tpl.decode("utf-8", "replace") if tpl else None
         self._buf = ctypes.create_string_buffer(256)
         self._buf_lock = threading.Lock()  # one tokenizer serves an answer and a load's vocabulary check at once
+
+    @functools.cached_property
+    def fingerprint(self):
+        """The file header's vocabulary fingerprint (backends.tokenizer.VocabFingerprint), None where the header
+        cannot say: two equal ones prove every token text equal, so a draft's check needs no per-id loop."""
+        from backends.tokenizer import header_fingerprint
+        from offload.errors import BadModelFile
+        from offload.gguf_header import read_header
+
+        try:
+            return header_fingerprint(read_header(self._h.path))
+        except BadModelFile:
+            return None
 
     @classmethod
     def from_file(cls, path: Path) -> "GGUFTokenizer":

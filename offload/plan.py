@@ -30,7 +30,9 @@ Activation sizes are estimates (attention scores, MLP and logit buffers of the l
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -131,9 +133,16 @@ class Budget:
         return cls(vram=vram, ram=ram, source=source, **kw)
 
 
+# Where a GPU that torch could use shows itself on Linux: NVIDIA's driver, ROCm's kernel driver, WSL's GPU.
+_GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
+
+
 def detect_vram(device: str = "cuda") -> int:
     """Free bytes on the CUDA device (0 without torch or CUDA). Asks offload.stream, the module that talks to
-    the device, so importing the planner never imports torch."""
+    the device, so importing the planner never imports torch; on a Linux machine with no GPU driver at all it
+    does not ask (importing torch takes a second or two of a load there)."""
+    if sys.platform.startswith("linux") and not any(os.path.exists(p) for p in _GPU_NODES):
+        return 0
     try:
         from offload.stream import free_vram
     except ImportError:

@@ -52,6 +52,21 @@ def test_parse_size_rejects(bad):
         parse_size(bad)
 
 
+def test_free_vram_is_asked_of_torch_only_where_a_gpu_driver_exists(monkeypatch):
+    """A Linux machine with no GPU driver has no VRAM to plan for, and its load does not import torch to learn
+    that; where a driver exists, torch is asked."""
+    import offload.plan as op
+    import offload.stream as stream
+
+    asked = []
+    monkeypatch.setattr(stream, "free_vram", lambda device: asked.append(device) or 5 * GiB)
+    monkeypatch.setattr(op.sys, "platform", "linux")
+    monkeypatch.setattr(op.os.path, "exists", lambda p: False)
+    assert op.detect_vram("cuda") == 0 and asked == []
+    monkeypatch.setattr(op.os.path, "exists", lambda p: p == "/dev/nvidiactl")
+    assert op.detect_vram("cuda") == 5 * GiB and asked == ["cuda"]
+
+
 def test_gguf_header_scan_matches_gguf_reader(tiny_gguf_path):
     import gguf
 

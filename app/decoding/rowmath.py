@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 from typing import Sequence
 
@@ -1039,6 +1040,7 @@ def _draw_u(tm: TorchRows, pn, qf, tau: float, frozen: dict[int, float], output_
 
 _BACKENDS: dict[str, object] = {}
 _DEFAULT: list[object] = []
+_MAKING = threading.Lock()
 
 
 def make(name: str):
@@ -1063,14 +1065,22 @@ def make(name: str):
 
 def backend():
     """The process's row-math backend: DSBD_CHAT_ROWMATH (numpy | torch | torch-cuda | auto), default auto."""
-    if not _DEFAULT:
-        name = os.environ.get("DSBD_CHAT_ROWMATH", "auto")
-        try:
-            _DEFAULT.append(make(name))
-        except Exception as e:  # noqa: BLE001
-            log.warning("row math: backend %r cannot run (%s); using the numpy reference", name, e)
-            _DEFAULT.append(NumpyRows())
+    with _MAKING:
+        if not _DEFAULT:
+            name = os.environ.get("DSBD_CHAT_ROWMATH", "auto")
+            try:
+                _DEFAULT.append(make(name))
+            except Exception as e:  # noqa: BLE001
+                log.warning("row math: backend %r cannot run (%s); using the numpy reference", name, e)
+                _DEFAULT.append(NumpyRows())
     return _DEFAULT[0]
+
+
+def prewarm() -> None:
+    """Make the process's backend in a background thread: importing torch takes a second or two, which a model
+    load, waiting on native code meanwhile, hides from the first answer."""
+    if not _DEFAULT:
+        threading.Thread(target=backend, name="row-math", daemon=True).start()
 
 
 def use(rm) -> None:

@@ -96,6 +96,9 @@ class Engine(ModelEngine):
         engine.specs, engine.plan = (target, draft), plan
         if profile != TIMED:
             engine.use_cost_profile(profile)
+        from app.decoding import rowmath
+
+        rowmath.prewarm()  # the decoders' torch imports in the background, while a user types the first message
         return engine
 
     def swap(self, target: ModelSpec, draft: ModelSpec | None = None, *, progress=None,

@@ -233,6 +233,15 @@ def first_start() -> dict:
     return {"on": on("first-start.json")} | load("first-start.json")
 
 
+def first_answer() -> dict:
+    d = load("first-answer.json")
+    before, after = d["arms"]["before"]["median"], d["arms"]["after"]["median"]
+    loads = [after[p]["load_s"] for p in after]
+    return {"on": on("first-answer.json"), "load_before": before["0.0"]["load_s"], "load_after": min(loads),
+            "load_after_max": max(loads), "paused_before": before["3.0"]["first_answer_s"],
+            "paused_after": after["3.0"]["first_answer_s"]}
+
+
 # ---- the texts ----
 
 def expect() -> str:
@@ -256,7 +265,7 @@ def expect() -> str:
 def table() -> str:
     a, r, p, b, u, c, dc, fs, f, e = (same_law(), row_math(), projected(), busy(), unique_paths(), pass_cost(),
                                       draft_cost(), first_start(), attachments(), edits())
-    lc, pl, ip, hd = learnt_costs(), plain(), in_place(), heads()
+    lc, pl, ip, hd, fa = learnt_costs(), plain(), in_place(), heads(), first_answer()
     base = u["base"]
     rows = [
         (f"Best quality vs beam sampling at the same law, qwen-coder, {a['code']} code + {a['chat']} chat prompts",
@@ -305,6 +314,10 @@ def table() -> str:
         (f"A {f['bytes'] // 1024} KB attachment ({f['tokens']:,} tokens): the match source's prompt index", f["on"],
          f"{f['match_index_s']:.3f} s (the plain n-gram table {f['match_index_plain_s']:.3f} s in the same run); "
          f"tokenizing it {f['tokenize_s']:.3f} s, retrieving passages {f['retrieval_s']:.2f} s", "attachments.md"),
+        ("Loading the qwen-coder pair (files assembled, a fresh process), and the first answer after a 3 s pause: "
+         "before / after the load skipped torch's VRAM query, compared vocabularies by fingerprint and kept headers",
+         fa["on"], f"load {fa['load_before']:.2f} / {fa['load_after']:.2f}-{fa['load_after_max']:.2f} s; first answer "
+         f"{fa['paused_before']:.2f} / {fa['paused_after']:.2f} s", "load-progress.md"),
         ("Fresh install (before the RPC build flag) and first answer", fs["on"],
          f"{fs['install_s'] / 60:.1f} min install; page at {fs['first_page_s']:.1f} s, first answer "
          f"{fs['first_answer_s']:.1f} s after launch", "first-start.md"),

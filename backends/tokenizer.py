@@ -27,7 +27,7 @@ from typing import Iterable
 
 import numpy as np
 
-from backends.base import BackendError, Tokenizer
+from backends.base import BackendError, BadModelFile, Tokenizer
 
 # End-of-generation texts llama.cpp also treats as EOG; used for tokenizer.json folders.
 EOG_TEXTS = frozenset({
@@ -96,8 +96,23 @@ def show_piece(piece: bytes) -> str:
 
 def _same_texts(a: Tokenizer, b: Tokenizer) -> bool:
     """True when both fingerprints prove every token text equal (same size and digest): no per-id loop."""
-    fa, fb = getattr(a, "fingerprint", None), getattr(b, "fingerprint", None)
+    fa, fb = _fingerprint(a), _fingerprint(b)
     return fa is not None and fb is not None and fa.same_texts(fb)
+
+
+def _fingerprint(t: Tokenizer) -> "VocabFingerprint | None":
+    """A tokenizer's vocabulary fingerprint: its own, or its GGUF file's header's (`gguf_path`, llama.cpp's
+    tokenizers: two headers take 0.25 s to read where comparing 151,936 pieces takes 0.9 s)."""
+    fp = getattr(t, "fingerprint", None)
+    path = getattr(t, "gguf_path", None)
+    if fp is None and path is not None:
+        from offload.gguf_header import read_header
+
+        try:
+            fp = header_fingerprint(read_header(path))
+        except BadModelFile:
+            return None
+    return fp
 
 
 def check_compatible(draft: Tokenizer, target: Tokenizer) -> None:

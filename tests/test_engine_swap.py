@@ -76,7 +76,7 @@ class Doctored:
     """The real tokenizer, but token 42 is spelled differently (so its file's header fingerprint no longer
     vouches for its texts)."""
 
-    fingerprint = None
+    fingerprint = gguf_path = None
 
     def __init__(self, tok) -> None:
         self._tok = tok

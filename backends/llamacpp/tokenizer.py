@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 import threading
 from pathlib import Path
 from typing import Iterable
@@ -25,6 +24,7 @@ class GGUFTokenizer(Tokenizer):
         self._owner = owner  # a standalone tokenizer frees its handle; the runtime's leaves it to the model
         v = handle.vocab
         self.name = handle.meta("general.name") or handle.path.stem
+        self.gguf_path = handle.path  # the file whose header fingerprint vouches for these token texts
         self.n_vocab = ll.llama_vocab_n_tokens(v)
         self.vocab_type = VOCAB_TYPES.get(ll.llama_vocab_type(v), "unknown")
         bos = ll.llama_vocab_bos(v)
@@ -39,19 +39,6 @@ class GGUFTokenizer(Tokenizer):
         self.chat_template = tpl.decode("utf-8", "replace") if tpl else None
         self._buf = ctypes.create_string_buffer(256)
         self._buf_lock = threading.Lock()  # one tokenizer serves an answer and a load's vocabulary check at once
-
-    @functools.cached_property
-    def fingerprint(self):
-        """The file header's vocabulary fingerprint (backends.tokenizer.VocabFingerprint), None where the header
-        cannot say: two equal ones prove every token text equal, so a draft's check needs no per-id loop."""
-        from backends.tokenizer import header_fingerprint
-        from offload.errors import BadModelFile
-        from offload.gguf_header import read_header
-
-        try:
-            return header_fingerprint(read_header(self._h.path))
-        except BadModelFile:
-            return None
 
     @classmethod
     def from_file(cls, path: Path) -> "GGUFTokenizer":

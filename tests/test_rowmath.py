@@ -299,6 +299,23 @@ def test_an_unknown_backend_is_a_clear_error_and_auto_runs():
     assert rowmath.make("auto").name in ("torch-cpu", "numpy")
 
 
+def test_a_cuda_backend_without_cuda_falls_back_to_the_reference_at_once(monkeypatch, caplog):
+    """Asked for where torch sees no CUDA device, the backend fails when it is made, so the process runs on the
+    reference with one line in the log instead of an answer failing halfway."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="sees no CUDA device"):
+        rowmath.make("torch-cuda")
+    monkeypatch.setenv("DSBD_CHAT_ROWMATH", "torch-cuda")
+    monkeypatch.setattr(rowmath, "_DEFAULT", [])
+    with caplog.at_level("WARNING", logger=rowmath.__name__):
+        assert rowmath.backend().name == "numpy"
+    assert [r.getMessage() for r in caplog.records] == [
+        "row math: backend 'torch-cuda' cannot run (torch " + torch.__version__ + " sees no CUDA device); "
+        "using the numpy reference"]
+
+
 def test_a_device_without_measured_prices_times_its_own_cells_once():
     """The forest policy prices the row math per cell: the CPU's measured figures, and on any other device (whose
     costs are not a CPU's) the device's own timing, taken at first use and kept."""

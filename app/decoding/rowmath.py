@@ -458,6 +458,8 @@ class TorchRows:
 
         self.torch = torch
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():  # fail here, not in the middle of an answer
+            raise RuntimeError(f"torch {torch.__version__} sees no CUDA device")
         self.dtype = getattr(torch, dtype)
         if threads and self.device.type == "cpu":
             torch.set_num_threads(threads)

@@ -161,3 +161,22 @@ def test_pytorch_rows_stay_where_they_are_computed_and_answers_do_not_move(tiny_
             assert handed == ({"torch"} if where == "device" else {"numpy"})
     for mode in modes:
         assert answers[mode]["device"] == answers[mode]["host"], mode
+
+
+def test_prepared_contexts_serve_the_first_answers_of_every_width(tiny_gguf_path, monkeypatch):
+    """prepare() makes the llama.cpp contexts after a load, so no answer that follows waits to create one: DSBD,
+    beam sampling at the most beams a request may ask for, and sps all run on them."""
+    e = Engine.load(ModelSpec(source="tiny", n_ctx=512), ModelSpec(source="tiny", n_ctx=512))
+    try:
+        e.prepare()
+        made = []
+        for m in (e.target, e.draft):
+            make = m.context
+            monkeypatch.setattr(m, "context", lambda *a, _make=make, **k: made.append(k) or _make(*a, **k))
+        for params in (DecodeParams(mode="dsbd", beams=4, max_new_tokens=8, seed=1),
+                       DecodeParams(mode="beam-sample", beams=16, max_new_tokens=4, seed=1),
+                       DecodeParams(mode="sps", max_new_tokens=8, seed=1)):
+            assert final(e.chat(MESSAGES, params)).stats["new_tokens"] > 0
+        assert made == []
+    finally:
+        e.close()

@@ -79,6 +79,11 @@ def test_stream_equals_the_in_process_engine(worker, inproc, params):
     assert [_view(e) for e in worker.generate(ids, params)] == [_view(e) for e in theirs]
 
 
+def test_prepare_reaches_the_model_process(worker):
+    worker.prepare()  # the child's engine makes its contexts; the next answer runs on them
+    assert list(worker.chat(HI, DecodeParams(mode="sample", max_new_tokens=4, seed=1)))[-1].done
+
+
 def test_mirrored_state_and_tokenizer(worker, inproc):
     assert worker.describe() == inproc.describe()
     assert worker.specs == inproc.specs and worker.n_ctx == inproc.n_ctx

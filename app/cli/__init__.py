@@ -237,8 +237,9 @@ def cmd_chat(a) -> int:
         raise ConfigError("--rpc needs the supervised model process (a lost worker aborts the process that "
                           "holds the model): drop --no-worker")
     engine = open_engine(target, draft, supervised=not a.no_worker, profile=profile)
-    if draft is not None:  # the default preset sizes DSBD forests from timed passes: time them now, while the
-        threading.Thread(target=_time_passes, args=(engine,), daemon=True).start()  # page opens, not at message 1
+    # While the page opens, not at message 1: the first answer's contexts, and (the default preset sizes DSBD
+    # forests from timed passes) the pass timing.
+    threading.Thread(target=_warm_up, args=(engine, draft is not None), daemon=True).start()
     try:
         print(f"dsbd-chat: {engine.describe()}", file=sys.stderr)
         if a.share:  # a Gradio share tunnel needs Gradio's own launch; the API stays off the public link
@@ -254,12 +255,15 @@ def cmd_chat(a) -> int:
         engine.close()
 
 
-def _time_passes(engine) -> None:
-    """Engine.costs() in the background; a failure only means the first adaptive answer times them itself."""
+def _warm_up(engine, time_passes: bool) -> None:
+    """Engine.prepare(), then Engine.costs(), in the background; a failure only means the first answer makes its
+    contexts, or the first adaptive answer times the passes, itself."""
     try:
-        engine.costs()
+        engine.prepare()
+        if time_passes:
+            engine.costs()
     except Exception as e:  # noqa: BLE001 (a dead model process, say: the supervisor reports it on use)
-        print(f"dsbd-chat: could not time the model passes yet ({e})", file=sys.stderr)
+        print(f"dsbd-chat: could not prepare the models yet ({e})", file=sys.stderr)
 
 
 def cmd_bench(a) -> int:

@@ -20,7 +20,7 @@ from backends.base import BackendError, ContextFull, OutOfMemory
 from backends.unique import CountingContext, UniquePaths
 from offload.runtimes import RUNTIMES
 
-from app.config import MODE_FACTS, ConfigError, DecodeParams
+from app.config import MAX_BEAMS, MODE_FACTS, ConfigError, DecodeParams
 from backends.registry import ModelSpec
 from app.decoding import derive_seed, start
 from app.decoding.beams import Stopper
@@ -373,6 +373,20 @@ class Engine(ModelEngine):
         self._calibrated()
         policy = self.policy
         return policy.target_cost, policy.draft_cost
+
+    def prepare(self) -> None:
+        """Make the llama.cpp contexts the next answers reuse, now: a context with every sequence id forests may
+        need takes up to a second or so to create, which the first answer after a load would otherwise wait for.
+        They hold the most rows any request may ask for (rows cost llama.cpp's unified cache no memory) and the
+        engine's context length; PyTorch contexts, whose KV is per row, are still made by the answer that needs
+        them. Waits for a running answer."""
+        rows = max(f.rows(MAX_BEAMS) for f in MODE_FACTS.values())
+        for role in ("target", "draft"):  # one at a time: an answer asked meanwhile waits for one context at most
+            with self.lock:
+                model = self.target if role == "target" else self.draft
+                facts = RUNTIMES.get(model.info.backend) if model is not None else None
+                if facts is not None and facts.unified_kv:
+                    self._context(role, rows, 0)
 
     def use_cost_profile(self, name: str) -> dict:
         """Price adaptive forests and auto mode with a named cost profile (app.engine.timing; "timed": this

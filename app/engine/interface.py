@@ -119,6 +119,10 @@ class ModelEngine(ABC):
     def costs(self) -> tuple:
         """(target, draft) pass-cost curves, timed on first use (or the cost profile's)."""
 
+    def prepare(self) -> None:
+        """Make what the next answers reuse (the runtime's contexts) now, so the first answer after a load does
+        not wait for it; waits for a running answer. Engines with nothing to prepare do nothing."""
+
     @abstractmethod
     def use_cost_profile(self, name: str) -> dict:
         """Price adaptive forests and auto with a named cost profile ("timed": this machine's); returns

@@ -202,6 +202,9 @@ class WorkerEngine(ModelEngine):
         self._costs = self._call("costs", kind="answer")  # times the passes on first use: not asked twice
         return self._costs
 
+    def prepare(self) -> None:
+        return self._call("prepare", kind="answer")  # waits for a running answer, as one does
+
     def use_cost_profile(self, name: str) -> dict:
         described = self._call("use_cost_profile", name)
         self._profile, self._costs = name, None  # a restarted model process prices with it too

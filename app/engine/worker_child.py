@@ -22,8 +22,9 @@ from backends.registry import ModelSpec
 
 TOKENIZER_ATTRS = ("name", "n_vocab", "bos_id", "eos_id", "eos_ids", "vocab_type", "add_bos", "chat_template")
 # What the supervisor may call on the child's Engine (streams: "generate" / "chat", opened separately).
-CALLS = frozenset({"describe", "check_params", "resolve", "pick", "costs", "observe", "encode", "complete", "swap",
-                   "use_cost_profile", "remember_chats", "tokenizer.encode", "tokenizer.decode", "tokenizer.piece"})
+CALLS = frozenset({"describe", "check_params", "resolve", "pick", "costs", "prepare", "observe", "encode", "complete",
+                   "swap", "use_cost_profile", "remember_chats", "tokenizer.encode", "tokenizer.decode",
+                   "tokenizer.piece"})
 
 
 class _Served:

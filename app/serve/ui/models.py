@@ -168,12 +168,20 @@ class LoadJob:
                 except Exception as e:  # noqa: BLE001 - the first adaptive answer times them instead
                     self.warm_error = str(e)
                 self.hear(LoadStep("time", None, 1.0))
+            if hasattr(self.engine, "prepare"):  # the first answer's contexts, made while the user types
+                threading.Thread(target=self._prepare, name="dsbd-models-prepare", daemon=True).start()
         except BaseException as e:  # noqa: BLE001 - shown to the user by the handler
             self.error = e
         finally:
             with self.changed:
                 self.done, self.t_end = True, time.monotonic()
                 self.changed.notify_all()
+
+    def _prepare(self) -> None:
+        try:
+            self.engine.prepare()
+        except Exception as e:  # noqa: BLE001 - the first answer makes its contexts itself
+            log.info("preparing the contexts after a load failed (%s); the first answer makes them", e)
 
     def wait(self, timeout: float) -> None:
         """Until the next report or the end (at most `timeout` s)."""

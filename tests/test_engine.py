@@ -180,3 +180,31 @@ def test_prepared_contexts_serve_the_first_answers_of_every_width(tiny_gguf_path
         assert made == []
     finally:
         e.close()
+
+
+def test_close_waits_for_a_context_being_prepared_and_prepare_then_stops(tiny_gguf_path, monkeypatch):
+    """close() while prepare() makes a context in the background: the context is finished before the weights are
+    freed, and prepare makes nothing after the close."""
+    e = Engine.load(ModelSpec(source="tiny", n_ctx=512), ModelSpec(source="tiny", n_ctx=512))
+    entered, release, events = threading.Event(), threading.Event(), []
+    make = e.target.context
+
+    def slow(*a, **k):
+        entered.set()
+        release.wait(10)
+        events.append("context made")
+        return make(*a, **k)
+
+    monkeypatch.setattr(e.target, "context", slow)
+    monkeypatch.setattr(e.draft, "context", lambda *a, **k: events.append("draft context") or make(*a, **k))
+    worker = threading.Thread(target=e.prepare)
+    worker.start()
+    assert entered.wait(10)
+    closer = threading.Thread(target=lambda: (e.close(), events.append("closed")))
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive() and events == []  # the close waits for the context being made
+    release.set()
+    worker.join(10)
+    closer.join(10)
+    assert events == ["context made", "closed"]  # and nothing is made after it

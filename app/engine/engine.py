@@ -48,6 +48,8 @@ class Engine(ModelEngine):
         self._ctx: dict[str, tuple[int, object, int]] = {}  # role -> (rows, context, KV cells)
         self.lock = threading.Lock()
         self._warm_lock = threading.Lock()  # one pass-cost timing at a time
+        self._preparing = threading.Lock()  # held while prepare() makes a context (close() waits for it)
+        self._closed = False
         self._warming = threading.Event()  # set while a thread times the passes (answers then do not wait)
         self.policy = None  # app.engine.auto.AutoPolicy: timed on the first auto request, dropped on a model swap
         self._finished: deque = deque(maxlen=64)  # (params, stats) of recent answers, taught to a new policy
@@ -143,7 +145,7 @@ class Engine(ModelEngine):
             self._ctx.clear()
             if staged.target is not self.target:  # token ids mean nothing to another tokenizer
                 self.corpus, self._saved_due = CorpusIndex(), bool(self._saved)
-            self.target, self.draft = staged.target, staged.draft
+            self.target, self.draft, self._closed = staged.target, staged.draft, False
             self.n_ctx, self.tokenizer, self.specs = staged.n_ctx, staged.tokenizer, (target, draft)
             self.plan, self.policy = plan, None  # pass costs and acceptance belong to the old models
             self._finished.clear()
@@ -173,6 +175,9 @@ class Engine(ModelEngine):
         return (self.target, self.draft)[i] if spec is not None and self.specs[i] == spec else None
 
     def close(self) -> None:
+        self._closed = True  # prepare() makes nothing more
+        with self._preparing:  # and a context it is making must not outlive the weights
+            pass
         for _, ctx, _ in self._ctx.values():
             ctx.close()
         self._ctx.clear()
@@ -382,7 +387,9 @@ class Engine(ModelEngine):
         them. Waits for a running answer."""
         rows = max(f.rows(MAX_BEAMS) for f in MODE_FACTS.values())
         for role in ("target", "draft"):  # one at a time: an answer asked meanwhile waits for one context at most
-            with self.lock:
+            with self.lock, self._preparing:
+                if self._closed:
+                    return
                 model = self.target if role == "target" else self.draft
                 facts = RUNTIMES.get(model.info.backend) if model is not None else None
                 if facts is not None and facts.unified_kv:

@@ -159,6 +159,8 @@ class LoadJob:
     def _run(self) -> None:
         try:
             self.info = self.engine.swap(*self.specs, progress=self.hear, cancel=self.cancel)
+            if hasattr(self.engine, "prepare"):  # the first answer's contexts, made while the user types
+                threading.Thread(target=self._prepare, name="dsbd-models-prepare", daemon=True).start()
             if self.specs[1] is not None and hasattr(self.engine, "costs"):
                 # Adaptive forests and auto mode price passes: timed now (or read from the timing cache), not
                 # during the first answer. The models already serve: this step cannot be cancelled.
@@ -168,8 +170,6 @@ class LoadJob:
                 except Exception as e:  # noqa: BLE001 - the first adaptive answer times them instead
                     self.warm_error = str(e)
                 self.hear(LoadStep("time", None, 1.0))
-            if hasattr(self.engine, "prepare"):  # the first answer's contexts, made while the user types
-                threading.Thread(target=self._prepare, name="dsbd-models-prepare", daemon=True).start()
         except BaseException as e:  # noqa: BLE001 - shown to the user by the handler
             self.error = e
         finally:

@@ -56,13 +56,13 @@ class NumpyLogProbs:
     """Raw log-probs of [n, V] logits, float64 (today's `log_softmax`)."""
 
     def __init__(self, logits, lp: np.ndarray | None = None) -> None:
-        self._logits = None if logits is None else host_rows(logits)  # a runtime's device rows come to the host
+        self._logits = logits
         self._lp = lp
 
     @property
     def lp(self) -> np.ndarray:
         if self._lp is None:
-            self._lp = log_softmax(self._logits)
+            self._lp = log_softmax(host_rows(self._logits))  # a runtime's device rows come to the host here
         return self._lp
 
     def __len__(self) -> int:
@@ -512,8 +512,7 @@ class TorchRows:
         x = a if isinstance(a, t.Tensor) else t.from_numpy(np.ascontiguousarray(a))
         return x.to(device=self.device, dtype=self.dtype)
 
-    def _host(self, x) -> np.ndarray:
-        return x.detach().cpu().numpy()
+    _host = staticmethod(host_rows)  # a tensor's cells on the host
 
     def _norms(self, x):
         """(row maxima (0 for an all -inf row), normalisers, e, its block sums, e's shift): e = exp(x - shift) on the

@@ -139,7 +139,7 @@ class PyTorchContext(Closing):
             empty = np.zeros((0, self._model.args.vocab_size), dtype=self._logits_dtype)
             if self.device_rows:
                 empty = torch.from_numpy(empty).to(self._device)
-            return Logits(root_rows=(), roots=empty, nodes=empty.clone() if self.device_rows else empty.copy())
+            return Logits(root_rows=(), roots=empty, nodes=empty[:0])  # no cells: nothing to share
         block, root_rows, select = self._query_block(suffix, nodes[base:], nodes, free, new_per_row)
         out = self._forward(kv, block, select)
         # the new tokens join the pending forest.

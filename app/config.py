@@ -145,6 +145,11 @@ def _int(name: str, value: int, lo: int, hi: int) -> int:
     return value
 
 
+# The sampling warp of the law (DecodeParams' fields). Given on the command line it is every compared mode's law,
+# presets included.
+WARP = ("temperature", "top_k", "top_p")
+
+
 @dataclass(frozen=True)
 class DecodeParams:
     """One generation's decoding settings (spec §1 names in comments)."""

@@ -96,3 +96,40 @@ def test_the_decoders_own_time_is_reported_as_a_share_and_per_iteration():
     assert out["decoder_share"] == pytest.approx((0.2 + 0.1) / 3.0)
     assert out["decoder_ms_per_iteration"] == pytest.approx(1e3 * 0.3 / 10)
     assert out["tokens_per_s_overall"] == pytest.approx(16 / 3.0)
+
+
+def test_a_warp_given_on_the_command_line_is_the_law_of_preset_modes_too():
+    """`--temperature 0.7 --top-k 20` with `preset:Best quality` runs the preset at T 0.7, top-k 20 (the law the
+    plain modes beside it run); without the flags the preset's own warp; a setting in the spec wins over both."""
+    from app.cli import _given_warp, build_parser
+
+    def settings(*argv):
+        a = build_parser().parse_args(["bench", "--modes", "beam-sample,preset:Best quality", *argv])
+        keep = _given_warp(a)
+        base = DecodeParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, beams=4)
+        return {m: bench.parse_mode(m, base, keep=keep)[1] for m in bench.split_modes(a.modes)}, keep
+
+    given, keep = settings("--temperature", "0.7", "--top-k", "20")
+    assert keep == ("temperature", "top_k")
+    for p in given.values():
+        assert (p.temperature, p.top_k, p.top_p) == (0.7, 20, 1.0)
+    assert given["preset:Best quality"].mode == "dsbd" and given["preset:Best quality"].replacement == "without"
+    own, keep = settings()
+    assert keep == () and (own["preset:Best quality"].temperature, own["preset:Best quality"].top_k) == (1.0, 0)
+    base = DecodeParams(temperature=0.7)
+    spec = bench.parse_mode("preset:Best quality,temperature=1.2", base, keep=("temperature",))[1]
+    assert spec.temperature == 1.2
+
+
+def test_compare_keeps_a_given_warp_for_preset_modes_too(tmp_path):
+    from app.cli import _given_warp, build_parser
+    from app.compare import runner
+    from app.compare.store import ResultStore
+
+    a = build_parser().parse_args(["compare", "--modes", "beam-sample,preset:Best quality", "--top-p", "0.9"])
+    keep = _given_warp(a)
+    base = DecodeParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
+    _, params, _ = runner.prepare(ResultStore(tmp_path), resume=None, modes=a.modes, suite="chat", prompts=1,
+                                  base=base, keep=keep)
+    assert [p.top_p for p in params.values()] == [0.9, 0.9]
+    assert a.temperature == 1.0 and a.top_k == 0  # not given: DecodeParams' defaults

@@ -12,7 +12,7 @@ import threading
 
 from app.cli.models import add_models_parser, cmd_models
 from app.config import (ACCEPTANCE_PRIOR, FOREST_POLICIES, LOOKUP_SOURCES, MODES, QUALITY_LEVELS, REPLACEMENTS,
-                        ConfigError, DecodeParams)
+                        WARP, ConfigError, DecodeParams)
 from app.engine.timing import TIMED, cost_profile, profile_names
 from backends.host import keep_freed_rows, rpc_endpoints
 from backends.registry import BACKENDS, DTYPES, ModelSpec
@@ -89,6 +89,17 @@ def _decode_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--no-unique-paths", dest="unique_paths", action="store_false",
                    help="score every forest entry, repeats included (same answers, more work; for comparisons)")
+
+
+def _given_warp(a) -> tuple[str, ...]:
+    """The warp settings the command line gave; the others take DecodeParams' defaults. Bench and compare parse
+    them with no default, so that a preset mode keeps the law the user asked for."""
+    d = DecodeParams()
+    given = tuple(f for f in WARP if getattr(a, f) is not None)
+    for f in WARP:
+        if getattr(a, f) is None:
+            setattr(a, f, getattr(d, f))
+    return given
 
 
 def _params(a, *, validate: bool = True) -> DecodeParams:
@@ -271,12 +282,13 @@ def cmd_bench(a) -> int:
 
     from app.compare import bench
 
+    keep = _given_warp(a)
     base = _params(a, validate=False)  # each bench mode resolves its own defaults (W_S = W + 1 for dsbd)
     prompts = bench.load_suite(a.suite)[: a.prompts or None]
     modes = bench.split_modes(a.modes)
     for m in modes:
-        bench.parse_mode(m, base)  # bad settings fail before any model loads
-    target, draft = _specs(a, need_draft=any(bench.parse_mode(m, base)[1].needs_draft for m in modes))
+        bench.parse_mode(m, base, keep=keep)  # bad settings fail before any model loads
+    target, draft = _specs(a, need_draft=any(bench.parse_mode(m, base, keep=keep)[1].needs_draft for m in modes))
     from app.engine.planning import placed_profile
 
     profile = cost_profile(_profile(a))
@@ -285,7 +297,7 @@ def cmd_bench(a) -> int:
         profile = placed_profile(profile, target, draft)
         out = Path(a.json) if a.json else None
         result = bench.run_bench(engine, modes=modes, prompts=prompts, base=base, repeats=a.repeats, out=out,
-                                 profile=profile)
+                                 profile=profile, keep=keep)
     finally:
         engine.close()
     if a.plot:
@@ -305,9 +317,10 @@ def cmd_compare(a) -> int:
     from app.compare.store import ResultStore, to_csv, to_json
 
     store = ResultStore(a.data_dir)
+    keep = _given_warp(a)
     base = _params(a, validate=False)
     run, params, items = runner.prepare(store, resume=a.resume, modes=a.modes, suite=a.suite, prompts=a.prompts,
-                                        base=base)
+                                        base=base, keep=keep)
     target, draft = _specs(a, need_draft=any(p.needs_draft for p in params.values()))
     engine = open_engine(target, draft, profile=_profile(a))
     try:
@@ -461,6 +474,7 @@ def _bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmark decoding modes interleaved (JSON summary, optional plot)")
     _model_args(bench)
     _decode_args(bench)
+    bench.set_defaults(**dict.fromkeys(WARP))  # given or not: a preset mode keeps a given warp (_given_warp)
     bench.add_argument("--modes", default="sample,beam-sample,sps,dsbd,dsbd-mem",
                        help="comma-separated modes, each optionally with settings: dsbd:beams=2,gamma=4")
     bench.add_argument("--suite", default="chat",
@@ -476,6 +490,7 @@ def _compare_parser(sub) -> None:
                                          "the quality report (code suite: pass rates)")
     _model_args(cmp)
     _decode_args(cmp)
+    cmp.set_defaults(**dict.fromkeys(WARP))
     cmp.add_argument("--modes", default="greedy,beam-sample,dsbd",
                      help="comma-separated modes, each optionally with settings: dsbd:beams=2,gamma=4")
     cmp.add_argument("--suite", default="chat", help="chat | code | a bench .json, a .jsonl or a .txt of prompts")

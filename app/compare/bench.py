@@ -56,9 +56,11 @@ def split_modes(text: str) -> list[str]:
     return out
 
 
-def parse_mode(spec: str, base: DecodeParams, machine: str = "cpu") -> tuple[str, DecodeParams]:
+def parse_mode(spec: str, base: DecodeParams, machine: str = "cpu",
+               keep: tuple[str, ...] = ()) -> tuple[str, DecodeParams]:
     """'dsbd' or 'dsbd:beams=2,gamma=4' or 'auto:quality=beam' or 'preset:Balanced[,gamma=2]' (a UI preset with
-    the forest caps of `machine`) -> (label, params)."""
+    the forest caps of `machine`) -> (label, params). `keep`: settings of `base` a preset does not replace (the
+    warp the command line gave); settings written in the spec replace them."""
     mode, _, opts = spec.partition(":")
     kw: dict = {"mode": mode}
     if mode == "preset":
@@ -66,7 +68,8 @@ def parse_mode(spec: str, base: DecodeParams, machine: str = "cpu") -> tuple[str
         presets = load_presets(machine)
         if name not in presets:
             raise ConfigError(f"unknown preset {name!r} in bench mode {spec!r}; choose one of: {', '.join(presets)}")
-        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in presets[name]["settings"].items()}
+        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in presets[name]["settings"].items()
+              if k not in keep}
     for item in filter(None, opts.split(",")):
         key, _, value = item.partition("=")
         field = {"level": "quality"}.get(key.strip(), key.strip().replace("-", "_"))  # auto:level= (older runs)
@@ -84,14 +87,15 @@ def parse_mode(spec: str, base: DecodeParams, machine: str = "cpu") -> tuple[str
 
 
 def run_bench(engine, *, modes: list[str], prompts: list, base: DecodeParams, repeats: int = 1,
-              out: Path | None = None, progress: bool = True, profile=None) -> dict:
+              out: Path | None = None, progress: bool = True, profile=None, keep: tuple[str, ...] = ()) -> dict:
     """Run every (repeat, prompt, mode) once, modes innermost; returns {config, runs, summary}.
 
     `prompts`: strings or task dicts (graded: runs get `passed`). Auto runs record the `setting` they ran.
     `profile`: the engine's cost profile (app.engine.timing); a named one adds each run's projected time there.
+    `keep`: settings of `base` that presets keep (parse_mode).
     """
     machine = engine.describe().get("machine", "cpu")
-    settings = [parse_mode(m, base, machine) for m in modes]
+    settings = [parse_mode(m, base, machine, keep) for m in modes]
     for _, p in settings:
         engine.check_params(p)
     config = {"modes": modes, "prompts": prompts, "repeats": repeats, "base": base.as_dict(),
@@ -105,7 +109,7 @@ def run_bench(engine, *, modes: list[str], prompts: list, base: DecodeParams, re
         if old.get("config") == config:
             runs = old["runs"]
     for r in runs:  # a resumed bench: the engine relearns from the runs already done, as auto would have
-        engine.observe(parse_mode(r.get("setting", r["mode"]), base)[1], r["stats"])
+        engine.observe(parse_mode(r.get("setting", r["mode"]), base, machine, keep)[1], r["stats"])
     done = {(r["repeat"], r["prompt"], r["mode"]) for r in runs}
     todo = [(r, i, label, p) for r in range(repeats) for i in range(len(prompts)) for label, p in settings
             if (r, i, label) not in done]

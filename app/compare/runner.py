@@ -128,15 +128,15 @@ def open_run(store: ResultStore, run_id: str) -> tuple[dict, dict[str, DecodePar
 
 
 def prepare(store: ResultStore, *, resume: str | None, modes: str, suite: str, prompts: int,
-            base: DecodeParams) -> tuple[dict | None, dict[str, DecodeParams], list]:
+            base: DecodeParams, keep: tuple[str, ...] = ()) -> tuple[dict | None, dict[str, DecodeParams], list]:
     """Before any model loads: (the run to resume or None, params per mode label, a new run's items).
-    `modes` is a bench mode list ("greedy,dsbd:beams=2"); bad settings fail here."""
+    `modes` is a bench mode list ("greedy,dsbd:beams=2"); bad settings fail here. `keep`: bench.parse_mode's."""
     if resume:
         run, params = open_run(store, resume)
         return run, params, run["items"]
     from app.compare.bench import parse_mode, split_modes
 
-    params = dict(parse_mode(m, base) for m in split_modes(modes))
+    params = dict(parse_mode(m, base, keep=keep) for m in split_modes(modes))
     if len(params) < 2:
         raise ConfigError(f"--modes needs at least two modes to compare, got {modes!r}")
     return None, params, load_prompt_source(suite)[: prompts or None]

@@ -13,6 +13,7 @@ from app.compare.bench import parse_mode
 from app.config import MODES, ConfigError, DecodeParams
 from backends.registry import ModelSpec
 from app.engine.engine import Engine, PromptTooLong
+from app.engine.interface import NoModelLoaded
 
 MESSAGES = [{"role": "user", "content": "List three colours."}]
 
@@ -180,6 +181,49 @@ def test_prepared_contexts_serve_the_first_answers_of_every_width(tiny_gguf_path
         assert made == []
     finally:
         e.close()
+
+
+def test_close_waits_for_a_pass_being_timed_and_the_timing_then_stops(tiny_gguf_path, monkeypatch, tmp_path):
+    """close() while the pass costs are timed in the background (in-process, as `--no-worker` runs): the pass
+    being timed finishes before the weights are freed, no other pass is timed after it, and the timing thread
+    ends with a clear error instead of running on freed weights."""
+    from app.engine import timing
+
+    monkeypatch.setenv("DSBD_CHAT_CACHE", str(tmp_path))  # nothing cached: every point is timed
+    e = Engine.load(ModelSpec(source="tiny", n_ctx=512), None)
+    entered, release, events = threading.Event(), threading.Event(), []
+    measure = timing.measure_costs
+
+    def slow(model, ns, **kw):
+        events.append(f"timing {ns[0]}")
+        entered.set()
+        release.wait(10)
+        out = measure(model, ns, **kw)
+        events.append(f"timed {ns[0]}")
+        return out
+
+    monkeypatch.setattr(timing, "measure_costs", slow)
+    errors: list = []
+    worker = threading.Thread(target=lambda: _keep_error(e.costs, errors))
+    worker.start()
+    assert entered.wait(10)
+    closer = threading.Thread(target=lambda: (e.close(), events.append("closed")))
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive() and "closed" not in events  # the close waits for the pass being timed
+    release.set()
+    worker.join(20)
+    closer.join(10)
+    first = events[0].split()[1]
+    assert events == [f"timing {first}", f"timed {first}", "closed"]
+    assert len(errors) == 1 and isinstance(errors[0], NoModelLoaded) and "closed" in str(errors[0])
+
+
+def _keep_error(fn, errors: list) -> None:
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001
+        errors.append(err)
 
 
 def test_close_waits_for_a_context_being_prepared_and_prepare_then_stops(tiny_gguf_path, monkeypatch):

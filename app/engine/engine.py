@@ -48,7 +48,9 @@ class Engine(ModelEngine):
         self._ctx: dict[str, tuple[int, object, int]] = {}  # role -> (rows, context, KV cells)
         self.lock = threading.Lock()
         self._warm_lock = threading.Lock()  # one pass-cost timing at a time
-        self._preparing = threading.Lock()  # held while prepare() makes a context (close() waits for it)
+        # held while background work runs native code on the models (prepare() making a context, a pass being
+        # timed): close() waits for it, so no native call outlives the weights
+        self._native = threading.Lock()
         self._closed = False
         self._warming = threading.Event()  # set while a thread times the passes (answers then do not wait)
         self.policy = None  # app.engine.auto.AutoPolicy: timed on the first auto request, dropped on a model swap
@@ -175,8 +177,8 @@ class Engine(ModelEngine):
         return (self.target, self.draft)[i] if spec is not None and self.specs[i] == spec else None
 
     def close(self) -> None:
-        self._closed = True  # prepare() makes nothing more
-        with self._preparing:  # and a context it is making must not outlive the weights
+        self._closed = True  # prepare() makes nothing more, and the pass timing stops
+        with self._native:  # a context being made or a pass being timed finishes before the weights go
             pass
         for _, ctx, _ in self._ctx.values():
             ctx.close()
@@ -361,8 +363,11 @@ class Engine(ModelEngine):
 
     @contextmanager
     def _holding(self, models):
-        """The lock, for timing one point of `models`' passes; _ModelsChanged once they were swapped out."""
-        with self.lock:
+        """The lock, for timing one point of `models`' passes; _ModelsChanged once they were swapped out,
+        NoModelLoaded once the engine was closed."""
+        with self.lock, self._native:
+            if self._closed:
+                raise NoModelLoaded("the models were closed while their passes were being timed")
             if (self.target, self.draft) != models:
                 raise _ModelsChanged()
             yield
@@ -387,7 +392,7 @@ class Engine(ModelEngine):
         them. Waits for a running answer."""
         rows = max(f.rows(MAX_BEAMS) for f in MODE_FACTS.values())
         for role in ("target", "draft"):  # one at a time: an answer asked meanwhile waits for one context at most
-            with self.lock, self._preparing:
+            with self.lock, self._native:
                 if self._closed:
                     return
                 model = self.target if role == "target" else self.draft

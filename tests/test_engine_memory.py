@@ -92,3 +92,89 @@ def test_oom_that_persists_is_a_clear_error_and_the_engine_survives(starved):
     with pytest.raises(BackendError, match=r"out of memory during beam with 2 beams \(already retried.*dsbd-chat plan"):
         final(starved.chat(MESSAGES, DecodeParams(mode="beam", beams=4, max_new_tokens=4)))
     assert final(starved.chat(MESSAGES, DecodeParams(mode="greedy", max_new_tokens=4))).text
+
+
+# -- the row math out of memory ----------------------------------------------------------------------------------
+
+CUDA_OOM = "CUDA out of memory. Tried to allocate 2.32 GiB (GPU 0; 7.79 GiB total capacity)"
+CPU_OOM = ("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to "
+           "allocate 2490368000 bytes. Error code 12 (Cannot allocate memory)")
+
+
+def failing_rows(*, device: bool, fail_at: int):
+    """The torch row math, whose `fail_at`-th law fails to allocate: as a GPU's would (its rows apart from the
+    host's memory, torch's OutOfMemoryError) with device, else as on the host (torch's CPU allocator)."""
+    import torch
+
+    from app.decoding import rowmath
+
+    class Failing(rowmath.TorchRows):
+        off_host = device
+        laws = 0
+
+        def law(self, *a, **k):
+            self.laws += 1
+            if self.laws == fail_at:
+                raise torch.OutOfMemoryError(CUDA_OOM) if device else RuntimeError(CPU_OOM)
+            return super().law(*a, **k)
+
+    rm = Failing("cpu")
+    rm.name = "torch-cuda" if device else rm.name
+    return rm
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_gguf_path):
+    engine = Engine.load(TINY)
+    yield engine
+    engine.close()
+
+
+def test_row_math_out_of_device_memory_answers_on_the_reference_with_one_log_line(plain, monkeypatch, caplog):
+    """The GPU's row math runs out of memory before the answer's first event: the answer is the reference's (the
+    same seeded answer as the numpy row math gives), the user is told, the log has one line, and the process
+    stays on the reference."""
+    from app.decoding import rowmath
+
+    params = DecodeParams(mode="beam-sample", beams=2, max_new_tokens=8, seed=4)
+    monkeypatch.setattr(rowmath, "_DEFAULT", [rowmath.NumpyRows()])
+    want = final(plain.chat(MESSAGES, params))
+    rm = failing_rows(device=True, fail_at=1)
+    monkeypatch.setattr(rowmath, "_DEFAULT", [rm])
+    with caplog.at_level("WARNING", logger=rowmath.__name__):
+        ev = final(plain.chat(MESSAGES, params))
+    assert ev.done and ev.text == want.text and ev.stats["new_tokens"] == want.stats["new_tokens"]
+    assert "the row math (torch-cuda) ran out of memory: this answer ran on the host (the numpy reference)" in ev.notice
+    assert [r.getMessage() for r in caplog.records] == [
+        f"row math: torch-cuda ran out of memory ({CUDA_OOM}); using the numpy reference"]
+    assert rowmath.backend().name == "numpy" and rm.laws == 1
+    again = final(plain.chat(MESSAGES, params))
+    assert again.text == want.text and again.notice is None
+
+
+def test_row_math_out_of_device_memory_mid_answer_is_a_clear_error_and_the_next_answer_runs(plain, monkeypatch):
+    from app.decoding import rowmath
+
+    monkeypatch.setattr(rowmath, "_DEFAULT", [failing_rows(device=True, fail_at=4)])
+    params = DecodeParams(mode="beam-sample", beams=2, max_new_tokens=8, seed=4, stop=())
+    seen = []
+    with pytest.raises(BackendError, match=r"the row math \(torch-cuda\) ran out of memory during this answer; it "
+                                           r"runs on the host now \(the numpy reference\): send the message again"):
+        for ev in plain.chat(MESSAGES, params):
+            seen.append(ev)
+    assert seen and not seen[-1].done  # the answer had begun
+    assert rowmath.backend().name == "numpy"
+    assert final(plain.chat(MESSAGES, params)).done
+
+
+def test_row_math_out_of_host_memory_takes_the_lighter_setting_and_keeps_its_backend(plain, monkeypatch):
+    """On the host the reference would need more of the same memory: a torch allocation failure there is an
+    out-of-memory error like any other (one retry, lighter), and the backend stays."""
+    from app.decoding import rowmath
+
+    rm = failing_rows(device=False, fail_at=1)
+    monkeypatch.setattr(rowmath, "_DEFAULT", [rm])
+    ev = final(plain.chat(MESSAGES, DecodeParams(mode="beam-sample", beams=2, max_new_tokens=6, seed=4)))
+    assert ev.done and ev.text
+    assert "out of memory with beam-sample and 2 beams: retried with beam-sample and 1 beams" in ev.notice
+    assert rowmath.backend() is rm

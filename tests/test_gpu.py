@@ -3,7 +3,8 @@
 1. streamed == resident logits bit for bit on CUDA (random model, tiny GGUF);
 2. a fully streamed pass of a Qwen2.5-1.5B-shaped model against the host-to-device bound;
 3. dsbd vs beam-sample vs sps on the qwen-coder preset under a capped VRAM budget (the plan decides the split);
-4. the decoders with the row math on CUDA reading a PyTorch model's rows on the device, against host rows.
+4. the decoders with the row math on CUDA reading a PyTorch model's rows on the device, against host rows;
+5. the row math out of CUDA memory: recognised, and the process moved to the reference.
 Measurements go to the JSON file named by DSBD_GPU_JSON (default gpu_check.json).
 """
 
@@ -184,3 +185,25 @@ def test_rows_kept_on_the_device_give_the_host_rows_answers():
     RESULTS["device_rows"]["cell_seconds"] = list(rowmath.TorchRows("cuda").cell_seconds)  # the policy's prices
     for mode, by in got.items():
         assert by["device"]["tokens"] == by["host"]["tokens"], mode
+
+
+def test_row_math_out_of_cuda_memory_is_recognised_and_falls_back_to_the_reference(monkeypatch):
+    """A real CUDA allocation failure inside the row math (the rows fit, the law's cells do not) is what the
+    engine's fallback reads as the row math out of device memory; the fallback leaves the reference in place."""
+    from app.decoding import rowmath
+    from app.decoding.sampling import Warp
+
+    rm = rowmath.TorchRows("cuda")
+    x = torch.randn((260, 151936), device=CUDA)
+    torch.cuda.synchronize()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_reserved() + (16 << 20)) / total))
+    try:
+        with pytest.raises(Exception) as err:
+            rm.law(rm.rows(x), np.zeros(260), Warp())
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert rowmath.out_of_memory(err.value), repr(err.value)
+    monkeypatch.setattr(rowmath, "_DEFAULT", [rm])
+    assert rowmath.fall_back(err.value) == "torch-cuda" and rowmath.backend().name == "numpy"
+    RESULTS["row_math_oom"] = type(err.value).__name__

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from typing import Sequence
@@ -465,6 +466,11 @@ class TorchRows:
             torch.set_num_threads(threads)
         self.name = f"torch-{self.device.type}" + ("" if dtype == "float32" else f"-{dtype}")
         self._cell_seconds: tuple[float, float] | None = TORCH_CELL_SECONDS if self.device.type == "cpu" else None
+
+    @property
+    def off_host(self) -> bool:
+        """Whether the rows lie in a device's own memory (a GPU's), apart from the host's."""
+        return self.device.type != "cpu"
 
     @property
     def cell_seconds(self) -> tuple[float, float]:
@@ -1087,3 +1093,26 @@ def prewarm() -> None:
 def use(rm) -> None:
     """Make `rm` the process's backend (tests, scripts)."""
     _DEFAULT[:] = [rm]
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether e is torch's failure to allocate: a device's OutOfMemoryError, or its CPU allocator's RuntimeError."""
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None)
+    if oom is not None and isinstance(e, oom):
+        return True
+    return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
+
+
+def fall_back(e: BaseException) -> str | None:
+    """After the process's torch backend ran out of its device's memory: the numpy reference from now on, its rows
+    in host memory, with one line in the log. Returns the backend given up, or None where nothing changed: a
+    backend in host memory (the reference would need more of it) or the reference itself."""
+    with _MAKING:
+        rm = _DEFAULT[0] if _DEFAULT else None
+        if not getattr(rm, "off_host", False):
+            return None
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        log.warning("row math: %s ran out of memory (%s); using the numpy reference", rm.name, why)
+        _DEFAULT[:] = [NumpyRows()]
+        return rm.name

@@ -501,13 +501,25 @@ class Engine(ModelEngine):
 
     def _run(self, prompt, params, cancel, encoded_for, notice, auto=None, costs=None) -> Iterator[Event]:
         """Decode; an out-of-memory error before the first event frees the caches and retries once with a
-        lighter setting (memory-reduced DSBD, fewer beams), telling the user."""
+        lighter setting (memory-reduced DSBD, fewer beams), telling the user. The row math running out of a
+        device's memory moves it to the host instead (the numpy reference), for this answer and the next."""
         started = False
         try:
             for ev in self._decode(prompt, params, cancel, encoded_for, notice, auto, costs):
                 started = True
                 yield ev
         except Exception as e:
+            from app.decoding import rowmath
+
+            if rowmath.out_of_memory(e) and (gone := rowmath.fall_back(e)) is not None:
+                self._free()  # contexts made for device rows are made again for host rows
+                if started:
+                    raise OutOfMemory(f"the row math ({gone}) ran out of memory during this answer; it runs on the "
+                                      "host now (the numpy reference): send the message again") from e
+                why = f"the row math ({gone}) ran out of memory: this answer ran on the host (the numpy reference)"
+                yield from self._run(prompt, params, cancel, encoded_for, f"{notice}; {why}" if notice else why,
+                                     auto, costs)
+                return
             if not _is_oom(e):
                 raise
             self._free()
@@ -796,8 +808,11 @@ class _ModelsChanged(Exception):
 
 
 def _is_oom(e: BaseException) -> bool:
-    # The runtimes translate their own allocation failures into OutOfMemory; MemoryError is Python's.
-    return isinstance(e, (OutOfMemory, MemoryError))
+    # The runtimes translate their own allocation failures into OutOfMemory; MemoryError is Python's; torch's own
+    # (the row math's on the host) come as its OutOfMemoryError or its CPU allocator's RuntimeError.
+    from app.decoding import rowmath
+
+    return isinstance(e, (OutOfMemory, MemoryError)) or rowmath.out_of_memory(e)
 
 
 def _oom_error(params: DecodeParams, e: BaseException, *, retried: bool = False) -> OutOfMemory:

@@ -22,7 +22,7 @@ from offload.runtimes import RUNTIMES
 
 from app.config import MAX_BEAMS, MODE_FACTS, ConfigError, DecodeParams
 from backends.registry import ModelSpec
-from app.decoding import derive_seed, start
+from app.decoding import derive_seed, rowmath, start
 from app.decoding.beams import Stopper
 from app.decoding.lookups import CorpusIndex
 from app.decoding.metrics import Metrics
@@ -100,8 +100,6 @@ class Engine(ModelEngine):
         engine.specs, engine.plan = (target, draft), plan
         if profile != TIMED:
             engine.use_cost_profile(profile)
-        from app.decoding import rowmath
-
         rowmath.prewarm()  # the decoders' torch imports in the background, while a user types the first message
         return engine
 
@@ -193,8 +191,6 @@ class Engine(ModelEngine):
         if self.draft is not None:
             d |= {"draft": self.draft.info.name, "draft_backend": self.draft.info.backend}
         d["machine"] = self.machine_class()
-        from app.decoding import rowmath
-
         d["row_math"] = rowmath.backend().name
         if self.cost_profile.name != TIMED:
             d["cost_profile"] = self.cost_profile.name
@@ -223,8 +219,6 @@ class Engine(ModelEngine):
             have[1].close()
         ctx = model.context(rows=rows, max_tokens=size)
         if hasattr(ctx, "device_rows"):  # a runtime that can keep its rows where it computed them (PyTorch)
-            from app.decoding import rowmath
-
             ctx.device_rows = rowmath.backend().reads(ctx.device)  # only token ids and scalars reach the host
         self._ctx[role] = (rows, ctx, size)
         return ctx
@@ -509,8 +503,6 @@ class Engine(ModelEngine):
                 started = True
                 yield ev
         except Exception as e:
-            from app.decoding import rowmath
-
             if rowmath.out_of_memory(e) and (gone := rowmath.fall_back(e)) is not None:
                 self._free()  # contexts made for device rows are made again for host rows
                 if started:
@@ -810,8 +802,6 @@ class _ModelsChanged(Exception):
 def _is_oom(e: BaseException) -> bool:
     # The runtimes translate their own allocation failures into OutOfMemory; MemoryError is Python's; torch's own
     # (the row math's on the host) come as its OutOfMemoryError or its CPU allocator's RuntimeError.
-    from app.decoding import rowmath
-
     return isinstance(e, (OutOfMemory, MemoryError)) or rowmath.out_of_memory(e)
 
 

@@ -1,4 +1,4 @@
-"""This machine as the runtimes see it: CPU facts (llama.cpp's probe, imported without loading llama_cpp), what
+"""This machine as the runtimes see it: CPU facts (from /proc/cpuinfo, with no runtime loaded), what
 a loaded model's pass costs depend on, and the RPC front door (support check, workers' devices, serving as a
 worker). The native sides load on use; the rest of the app reaches them only through here.
 """
@@ -8,6 +8,8 @@ from __future__ import annotations
 import ctypes
 import sys
 from pathlib import Path
+
+from backends.cpu import cpu_id, cpu_summary
 
 # glibc's malloc hands a freed block above its mmap threshold back to the kernel and trims the heap's free top,
 # so a decoder that allocates the same few-MB rows every step pays fresh page faults each time (a W_S 8 x gamma 3
@@ -30,16 +32,9 @@ def keep_freed_rows() -> bool:
 def cpu_report() -> dict[str, str]:
     """What the CPU runtime uses here ("cpu": e.g. 'AVX2, AVX-512, AMX') and the llama.cpp weight-repack
     verdicts for this CPU ("llama_weight_repack"), for `dsbd-chat models` and the engine's description."""
-    from backends.llamacpp.probe import cpu_summary, probe_summary  # reads /proc/cpuinfo; imports no llama_cpp
+    from backends.llamacpp.probe import probe_summary  # the llama.cpp package: loads llama_cpp
 
     return {"cpu": cpu_summary(), "llama_weight_repack": probe_summary()}
-
-
-def cpu_summary() -> str:
-    """The instruction sets llama.cpp's CPU backend uses here, e.g. 'AVX2, AVX-512, AMX'."""
-    from backends.llamacpp.probe import cpu_summary as summary
-
-    return summary()
 
 
 def machine_facts(cost_profile: str | None = None) -> dict:
@@ -47,8 +42,6 @@ def machine_facts(cost_profile: str | None = None) -> dict:
     the GPU (None without CUDA) and, where the times are projected, the cost profile that priced them."""
     import os
     import sys
-
-    from backends.llamacpp.probe import cpu_id
 
     model, _, flags = cpu_id().partition("|")
     gpu = None
@@ -62,8 +55,6 @@ def machine_facts(cost_profile: str | None = None) -> dict:
 def timing_identity(model) -> dict | None:
     """What a loaded model's pass costs depend on, for caching them: its file (path, size, mtime), runtime and
     build, CPU (model + flags), threads and weight placement. None when it has no file to key on."""
-    from backends.llamacpp.probe import build_id, cpu_id  # build_id imports llama_cpp only when asked
-
     info = model.info
     path = info.extra.get("path")
     try:
@@ -73,6 +64,8 @@ def timing_identity(model) -> dict | None:
     if st is None:
         return None
     if info.backend == "llamacpp":
+        from backends.llamacpp.probe import build_id  # loads llama_cpp
+
         build = build_id()
     else:
         from importlib.metadata import PackageNotFoundError, version

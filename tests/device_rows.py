@@ -37,6 +37,7 @@ def rows_where_computed(device: torch.device, order: tuple[str, str] = ("device"
     computed (`device_rows`) against host rows, in `order`. Returns per mode the answers and the decoder's own ms
     an iteration (everything outside the passes) both ways."""
     from app.decoding import rowmath, start
+    from app.decoding.rowmath import tensors
     from app.decoding.beams import Stopper
     from app.decoding.metrics import Metrics
     from backends.pytorch.runtime import PyTorchModel, model_info
@@ -51,7 +52,7 @@ def rows_where_computed(device: torch.device, order: tuple[str, str] = ("device"
     modes = {"sample": {}, "beam-sample": {"beams": 4},
              "dsbd": {"beams": 4, "draft_beams": 8, "gamma": 3, "replacement": "without"}}
     saved = rowmath.backend()
-    rowmath.use(rowmath.TorchRows(device.type))
+    rowmath.use(tensors.TorchRows(device.type))
     out: dict = {}
     try:
         for mode, kw in modes.items():

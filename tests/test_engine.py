@@ -130,9 +130,10 @@ def test_pytorch_rows_stay_where_they_are_computed_and_answers_do_not_move(tiny_
     """A PyTorch target and draft hand their logits to the row math as tensors on their own device (here the CPU;
     on a GPU the same path keeps them there): every mode answers exactly as with host numpy rows, seeded."""
     from app.decoding import rowmath
+    from app.decoding.rowmath import tensors
     from backends.pytorch.runtime import PyTorchContext
 
-    monkeypatch.setattr(rowmath, "_DEFAULT", [rowmath.TorchRows("cpu")])  # the suite's default is the reference
+    monkeypatch.setattr(rowmath, "_DEFAULT", [tensors.TorchRows("cpu")])  # the suite's default is the reference
     evaluate = PyTorchContext.evaluate
     handed: set[str] = set()
 
@@ -147,7 +148,7 @@ def test_pytorch_rows_stay_where_they_are_computed_and_answers_do_not_move(tiny_
     for where in ("device", "host"):
         with monkeypatch.context() as m:
             if where == "host":
-                m.setattr(rowmath.TorchRows, "reads", lambda self, device: False)
+                m.setattr(tensors.TorchRows, "reads", lambda self, device: False)
             handed.clear()
             e = Engine.load(ModelSpec(source="tiny", backend="pytorch", n_ctx=512),
                             ModelSpec(source="tiny", backend="pytorch", n_ctx=512))

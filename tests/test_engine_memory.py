@@ -108,7 +108,9 @@ def failing_rows(*, device: bool, fail_at: int):
 
     from app.decoding import rowmath
 
-    class Failing(rowmath.TorchRows):
+    from app.decoding.rowmath import tensors
+
+    class Failing(tensors.TorchRows):
         off_host = device
         laws = 0
 
@@ -135,6 +137,7 @@ def test_row_math_out_of_device_memory_answers_on_the_reference_with_one_log_lin
     same seeded answer as the numpy row math gives), the user is told, the log has one line, and the process
     stays on the reference."""
     from app.decoding import rowmath
+    from app.decoding.rowmath import tensors
 
     params = DecodeParams(mode="beam-sample", beams=2, max_new_tokens=8, seed=4)
     monkeypatch.setattr(rowmath, "_DEFAULT", [rowmath.NumpyRows()])
@@ -154,6 +157,7 @@ def test_row_math_out_of_device_memory_answers_on_the_reference_with_one_log_lin
 
 def test_row_math_out_of_device_memory_mid_answer_is_a_clear_error_and_the_next_answer_runs(plain, monkeypatch):
     from app.decoding import rowmath
+    from app.decoding.rowmath import tensors
 
     monkeypatch.setattr(rowmath, "_DEFAULT", [failing_rows(device=True, fail_at=4)])
     params = DecodeParams(mode="beam-sample", beams=2, max_new_tokens=8, seed=4, stop=())
@@ -171,6 +175,7 @@ def test_row_math_out_of_host_memory_takes_the_lighter_setting_and_keeps_its_bac
     """On the host the reference would need more of the same memory: a torch allocation failure there is an
     out-of-memory error like any other (one retry, lighter), and the backend stays."""
     from app.decoding import rowmath
+    from app.decoding.rowmath import tensors
 
     rm = failing_rows(device=False, fail_at=1)
     monkeypatch.setattr(rowmath, "_DEFAULT", [rm])

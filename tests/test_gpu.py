@@ -176,13 +176,14 @@ def test_rows_kept_on_the_device_give_the_host_rows_answers():
     """The row math on CUDA reading a PyTorch model's rows where they were computed: the same answers as host
     rows, token for token; the decoder's ms an iteration both ways go to the JSON (`device_rows`)."""
     from app.decoding import rowmath
+    from app.decoding.rowmath import tensors
 
     from device_rows import rows_where_computed
 
     got = rows_where_computed(CUDA)
     RESULTS["device_rows"] = {m: {w: {k: v for k, v in r.items() if k != "tokens"} for w, r in by.items()}
                               for m, by in got.items()}
-    RESULTS["device_rows"]["cell_seconds"] = list(rowmath.TorchRows("cuda").cell_seconds)  # the policy's prices
+    RESULTS["device_rows"]["cell_seconds"] = list(tensors.TorchRows("cuda").cell_seconds)  # the policy's prices
     for mode, by in got.items():
         assert by["device"]["tokens"] == by["host"]["tokens"], mode
 
@@ -191,9 +192,10 @@ def test_row_math_out_of_cuda_memory_is_recognised_and_falls_back_to_the_referen
     """A real CUDA allocation failure inside the row math (the rows fit, the law's cells do not) is what the
     engine's fallback reads as the row math out of device memory; the fallback leaves the reference in place."""
     from app.decoding import rowmath
+    from app.decoding.rowmath import tensors
     from app.decoding.sampling import Warp
 
-    rm = rowmath.TorchRows("cuda")
+    rm = tensors.TorchRows("cuda")
     x = torch.randn((260, 151936), device=CUDA)
     torch.cuda.synchronize()
     total = torch.cuda.get_device_properties(0).total_memory

@@ -82,11 +82,11 @@ def _broken_rules(importer: str, imported: str) -> list[str]:
         broken.append("backends/ imports nothing of app/")
     if top == "llama_cpp" and not _within(importer, "backends.llamacpp"):
         broken.append("only backends/llamacpp imports llama_cpp")
-    # torch for model code in its runtime and the layer streamer; the decoders' row math (rowmath.py) also runs
-    # on torch tensors where the logits are
+    # torch for model code in its runtime and the layer streamer; the decoders' row math (rowmath/tensors.py) also
+    # runs on torch tensors where the logits are
     if top == "torch" and not (_within(importer, "backends.pytorch") or importer in ("offload.stream",
-                                                                                      "app.decoding.rowmath")):
-        broken.append("only backends/pytorch, offload/stream.py and app/decoding/rowmath.py import torch")
+                                                                                      "app.decoding.rowmath.tensors")):
+        broken.append("only backends/pytorch, offload/stream.py and app/decoding/rowmath/tensors.py import torch")
     if _within(importer, "app.decoding") and top in PACKAGES:
         if not (_within(imported, "app.decoding") or target in ("backends.base", "app.config", "app", "backends")):
             broken.append("app/decoding imports backends.base and app/config.py only")
@@ -216,7 +216,7 @@ def test_the_checker_catches_each_rule(importer, imported, rule):
 def test_the_checker_allows_the_downward_edges():
     for importer, imported in [("app.serve.api", "app.engine.engine"), ("app.decoding.dsbd", "backends.base"),
                                ("app.decoding.dsbd", "app.config"), ("backends.llamacpp.runtime", "llama_cpp"),
-                               ("offload.stream", "torch"), ("app.decoding.rowmath", "torch"),
+                               ("offload.stream", "torch"), ("app.decoding.rowmath.tensors", "torch"),
                                ("app.engine.engine", "offload.plan"), ("app.cli.models", "argparse"),
                                ("backends.llamacpp.probe", "backends.modelfiles.progress"),
                                ("backends.modelfiles.library", "offload.gguf_header")]:

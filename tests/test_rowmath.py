@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from app.decoding import rowmath
+from app.decoding.rowmath import tensors
 from app.decoding.sampling import Draft, DraftWOR, Joint, SeededRand, Warp, residual_chain, verify_layer
 from app.decoding.width import acceptance_count_law, acceptance_count_table, choose_width
 from dsbd_helpers import enumerate_paths, layer_cases, make_drafts
@@ -34,7 +35,7 @@ def torch_q(tm, q: Joint, n_rows: int):
     table = np.zeros((n_rows, q.vocab))
     keys = q.keys[q.keys < n_rows * q.vocab]
     table.reshape(-1)[keys] = q.lookup(keys)
-    return rowmath._QRows(tm, tm._tensor(table).view(n_rows, q.vocab))
+    return tensors._QRows(tm, tm._tensor(table).view(n_rows, q.vocab))
 
 
 def laws(p: Joint, q: Joint, valid, W_S: int, W_L: int, run) -> dict:
@@ -113,7 +114,7 @@ def test_negative_control_a_chain_without_its_scalar_moves_the_law(monkeypatch):
     want = laws(p, q, valid, 3, 2, reference_with(p, q, 3, 2))
     chain.alphas(3)  # the chain grown to its end, then its thresholds replaced
     chain.s = [c / 2 for c in range(len(chain.s))]
-    chain.Z = [1.0] + [rowmath._mass(tm, chain.pn, qt.flat, s) for s in chain.s[1:]]
+    chain.Z = [1.0] + [tm._residual_mass(chain.pn, qt.flat, s) for s in chain.s[1:]]
     got = laws(p, q, valid, 3, 2, lambda drafts, rand: tm.verify(chain, drafts, 2, rand))
     assert gap(got, want) > 1e-3
 
@@ -238,7 +239,7 @@ def test_heads_cut_on_the_device_equal_the_whole_rows(monkeypatch, kind):
         return out
 
     cut = run()
-    monkeypatch.setattr(rowmath, "_levels", lambda sub, need, every: [every])  # the last level alone: every cell
+    monkeypatch.setattr(tensors, "_levels", lambda sub, need, every: [every])  # the last level alone: every cell
     assert cut == run()
 
 
@@ -264,8 +265,8 @@ def test_a_gpus_head_cut_is_the_hosts(monkeypatch, qwen_pair):
 
     host = run()
     taken = []
-    where_they_lie = rowmath.TorchRows._at_least_where_they_lie
-    monkeypatch.setattr(rowmath.TorchRows, "_at_least",
+    where_they_lie = tensors.TorchRows._at_least_where_they_lie
+    monkeypatch.setattr(tensors.TorchRows, "_at_least",
                         lambda self, r, c: taken.append(1) or where_they_lie(self, r, c))
     assert run() == host and taken
 
@@ -350,9 +351,9 @@ def test_a_device_without_measured_prices_times_its_own_cells_once():
     from app.config import DecodeParams
     from app.decoding.forest_policy import decoder_costs
 
-    cpu = rowmath.TorchRows("cpu")
-    assert cpu.cell_seconds == rowmath.TORCH_CELL_SECONDS
-    other = rowmath.TorchRows("cpu")
+    cpu = tensors.TorchRows("cpu")
+    assert cpu.cell_seconds == tensors.TORCH_CELL_SECONDS
+    other = tensors.TorchRows("cpu")
     other._cell_seconds = None  # what a CUDA backend starts from
     timed = other.cell_seconds
     assert all(np.isfinite(v) and v > 0 for v in timed) and other.cell_seconds is timed  # timed once

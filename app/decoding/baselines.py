@@ -17,7 +17,7 @@ from . import Step, rng_streams
 from .beams import Beam, Pool, Stopper, common_prefix, final_choice
 from .metrics import Metrics
 from . import rowmath
-from .sampling import Rand, SeededRand, Warp, log_softmax, residual_chain, sample_iid, warp_joint
+from .sampling import Draft, Rand, SeededRand, Warp
 
 
 def warp_of(params: DecodeParams) -> Warp:
@@ -82,7 +82,7 @@ def greedy(*, target: Context, prompt: Sequence[int], params: DecodeParams, stop
            metrics: Metrics) -> Iterator[Step]:
     """Argmax decoding (ties: lower token id)."""
     return _beam_loop(target=target, prompt=prompt, params=params, stopper=stopper, metrics=metrics,
-                      choose=lambda lp, s, _: [(0, int(np.argmax(s[0] + lp.lp[0])))], rm=rowmath.NumpyRows())
+                      choose=lambda lp, s, _: [(0, lp.argmax(0))])
 
 
 def beam_search(*, target: Context, prompt: Sequence[int], params: DecodeParams, stopper: Stopper,
@@ -134,12 +134,14 @@ def beam_sampling(*, target: Context, prompt: Sequence[int], params: DecodeParam
 
 
 def speculative_sampling(*, target: Context, draft: Context, prompt: Sequence[int], params: DecodeParams,
-                         stopper: Stopper, metrics: Metrics, vocab: int) -> Iterator[Step]:
+                         stopper: Stopper, metrics: Metrics, vocab: int, rm=None) -> Iterator[Step]:
     """Standard speculative sampling (Leviathan et al.; Chen et al.): a chain of gamma drafts, min(1, p/q)
-    tests, a residual draw at the first rejection, a bonus token after a full pass."""
+    tests, a residual draw at the first rejection, a bonus token after a full pass. Each position is one
+    layer of DSBD's verifier (`sampling.mss`) with one draft and width 1."""
     rng_draft, rng_verify = rng_streams(params.seed)
     rand = SeededRand(rng_verify)
     warp = warp_of(params)
+    rm = rm or rowmath.backend()
     target.prefill(prompt[:-1])
     draft.prefill(prompt[:-1])
     metrics.mark_prefilled()
@@ -149,11 +151,11 @@ def speculative_sampling(*, target: Context, draft: Context, prompt: Sequence[in
     t_suffix, d_suffix = (prompt[-1],), (prompt[-1],)
     while True:
         g = min(params.gamma, params.max_new_tokens - len(tokens) - 1)
-        drafts, qs = _draft_chain(draft, d_suffix, g, tokens, warp, vocab, rng_draft, stopper, metrics)
-        out = _score_chain(target, t_suffix, drafts, metrics)
+        drafts, qs = _draft_chain(draft, d_suffix, g, tokens, warp, vocab, SeededRand(rng_draft), stopper, metrics,
+                                  rm)
+        rows = _score_chain(target, t_suffix, drafts, metrics, rm)  # the target's row after each chain prefix
         metrics.track_kv(target, draft)
-        lp = log_softmax(np.concatenate([host_rows(out.roots), host_rows(out.nodes)]))  # [1 + len(drafts), vocab]
-        accepted, new = _verify_chain(out, drafts, qs, warp, rand, metrics)
+        accepted, new = _verify_chain(rm, rows, drafts, qs, warp, rand, metrics)
         emitted = drafts[:accepted] + [new]
         metrics.steps.append(len(emitted))
         # EOS, stop strings and the budget end the chain at the first token that ends it.
@@ -161,7 +163,7 @@ def speculative_sampling(*, target: Context, draft: Context, prompt: Sequence[in
         for j, x in enumerate(emitted):
             tokens.append(x)
             drafted.append(j < accepted)
-            score += float(lp[j, x])
+            score += rows[j][x]
             if stopper.finished(tokens) or len(tokens) >= params.max_new_tokens:
                 done = True
                 break
@@ -176,13 +178,13 @@ def speculative_sampling(*, target: Context, draft: Context, prompt: Sequence[in
         yield Step(final=tuple(tokens), live=1)
 
 
-def _per_token(logits: np.ndarray, warp: Warp):
+def _per_token(rm, row, warp: Warp):
     """The warped law of one row's next token (one parent: keys are token ids)."""
-    return warp_joint(log_softmax(host_rows(logits))[None, :], warp)
+    return rm.law(rm.stack([row]), [0.0], warp)
 
 
 def _draft_chain(draft: Context, d_suffix: tuple[int, ...], g: int, tokens: list[int], warp: Warp, vocab: int,
-                 rng, stopper: Stopper, metrics: Metrics) -> tuple[list[int], list]:
+                 rand: SeededRand, stopper: Stopper, metrics: Metrics, rm) -> tuple[list[int], list]:
     """Draft a chain of up to g tokens (g draft passes; the last token is never fed) and the laws drawn from."""
     drafts, qs = [], []
     for i in range(g):
@@ -192,8 +194,8 @@ def _draft_chain(draft: Context, d_suffix: tuple[int, ...], g: int, tokens: list
             dl = draft.evaluate(Forest(tokens=(drafts[-1],), parents=(ROOT if i == 1 else i - 2,),
                                        rows=(0,))).nodes[0]
         metrics.draft_passes += 1
-        q = _per_token(pad_vocab(dl, vocab), warp)
-        x = int(sample_iid(q, 1, rng)[0])
+        q = _per_token(rm, rm.rows(pad_vocab(dl, vocab)[None, :]).row(0), warp)
+        x = int(q.sample(1, rand)[0])
         drafts.append(x)
         qs.append(q)
         if stopper.finished(tokens + drafts):
@@ -201,34 +203,34 @@ def _draft_chain(draft: Context, d_suffix: tuple[int, ...], g: int, tokens: list
     return drafts, qs
 
 
-def _score_chain(target: Context, t_suffix: tuple[int, ...], drafts: list[int], metrics: Metrics):
-    """One target pass over the suffix and the chain."""
+def _score_chain(target: Context, t_suffix: tuple[int, ...], drafts: list[int], metrics: Metrics, rm) -> list:
+    """One target pass over the suffix and the chain: the target's log-prob row after each prefix."""
     out = target.evaluate(Forest(suffix=(t_suffix,), tokens=tuple(drafts),
                                  parents=(ROOT, *range(len(drafts) - 1))[: len(drafts)],
                                  rows=(0,) * len(drafts)))
     metrics.target_passes += 1
     metrics.iterations += 1
-    return out
+    nodes = rm.rows(out.nodes) if drafts else None
+    return [rm.rows(out.roots).row(0)] + [nodes.row(i) for i in range(len(drafts))]
 
 
-def _verify_chain(out, drafts: list[int], qs: list, warp: Warp, rand: SeededRand,
+def _verify_chain(rm, rows: list, drafts: list[int], qs: list, warp: Warp, rand: SeededRand,
                   metrics: Metrics) -> tuple[int, int]:
     """min(1, p/q) tests along the chain: (drafts accepted, the token drawn after them): the residual
     norm(max(p - q, 0)) at the first rejection, else a bonus token from p."""
     for i, x in enumerate(drafts):
-        p = _per_token(out.roots[0] if i == 0 else out.nodes[i - 1], warp)
-        ratio = p.lookup(np.array([x]))[0] / qs[i].lookup(np.array([x]))[0]
+        p = _per_token(rm, rows[i], warp)
+        chain = rm.chain(p, rm.on_rows(qs[i], [[0]], [1]), 1)
         st = metrics.layer(i + 1)
         st.attempted += 1
         st.tested += 1
-        if rand.bernoulli(min(1.0, ratio)):
+        passed, out = rm.verify(chain, [Draft(x, float(qs[i].lookup([x])[0]), True)], 1, rand)
+        if passed:
             st.accepted += 1
             st.passed += 1
             continue
-        S, R, _ = residual_chain(p, qs[i], 1)
-        return i, int(rand.categorical(S, R[1]))
-    p = _per_token(out.roots[0] if not drafts else out.nodes[len(drafts) - 1], warp)
-    return len(drafts), int(rand.categorical(p.keys, p.probs))
+        return i, int(out[0][0])
+    return len(drafts), int(_per_token(rm, rows[len(drafts)], warp).sample(1, rand)[0])
 
 
 def _commit_chain(target: Context, draft: Context, d_suffix: tuple[int, ...], drafts: list[int], accepted: int,

@@ -420,21 +420,25 @@ class Draft:
     valid: bool
 
 
-def verify_layer(
-    drafts: Sequence[Draft], S: np.ndarray, R: "Residuals | np.ndarray", width: int, rand: Rand
-) -> tuple[bool, list[tuple[int, int | None]]]:
-    """Sequential MSS test with reset over one layer's drafts (spec §5 step 4).
+class Chain(Protocol):
+    """A layer's residual chain as the verifier reads it: R[c] is p' after c rejections in a row (R[0] = p)."""
+
+    def value(self, c: int, key: int) -> float: ...  # R[c](key); 0 outside the support
+
+    def draw(self, c: int, rand: Rand) -> int: ...  # one key from R[c] (one uniform when seeded)
+
+
+def mss(chain: Chain, drafts: Sequence[Draft], width: int, rand: Rand) -> tuple[bool, list[tuple[int, int | None]]]:
+    """Sequential MSS test with reset over one layer's drafts (spec §5 step 4), on any backend's chain.
 
     Returns (passed, out): out lists (key, draft index) for accepted drafts and (key, None) for the correction
     and fill draws, in slot order. passed iff `width` drafts were accepted (out is then exactly those);
     otherwise out holds exactly `width` entries: the accepted drafts, one draw from the current residual,
-    then fresh draws from p = R[0]. Drafts past the width-th acceptance stay untested.
+    then fresh draws from p = R[0]. Drafts past the width-th acceptance stay untested. Speculative sampling's
+    chain is this loop with one draft a position and width 1.
     """
     if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
-    if R.shape[0] < len(drafts) + 1:
-        raise ValueError(f"R has {R.shape[0]} rows; {len(drafts)} drafts need {len(drafts) + 1}")
-    pos = positions(S, np.array([d.key for d in drafts], dtype=np.int64))  # [W_S], -1 outside S
     acc: list[tuple[int, int | None]] = []
     c = 0  # rejections since the last acceptance: p' = R[c]
     for i, d in enumerate(drafts):
@@ -445,18 +449,41 @@ def verify_layer(
             continue
         if not d.qval > 0:
             raise ValueError(f"draft {i} has qval {d.qval}; a drawn pair must have q > 0")
-        r = float(R[c, pos[i]]) if pos[i] >= 0 else 0.0
-        if rand.bernoulli(min(1.0, r / d.qval)):
+        if rand.bernoulli(min(1.0, chain.value(c, d.key) / d.qval)):
             acc.append((d.key, i))
             c = 0  # accept: p' resets to p_beam
         else:
             c += 1  # reject: p' <- norm(max(p' - q, 0))
     if len(acc) == width:
         return True, acc
-    out = acc + [(rand.categorical(S, R[c]), None)]  # correction: one draw from the current p'
+    out = acc + [(chain.draw(c, rand), None)]  # correction: one draw from the current p'
     while len(out) < width:
-        out.append((rand.categorical(S, R[0]), None))  # fill: fresh p_beam draws
+        out.append((chain.draw(0, rand), None))  # fill: fresh p_beam draws
     return False, out
+
+
+@dataclass(frozen=True)
+class ArrayChain:
+    """`Chain` on the reference's arrays: S = supp(p) (sorted keys) and R [n+1, |S|] (`residual_chain`)."""
+
+    S: np.ndarray
+    R: "Residuals | np.ndarray"
+
+    def value(self, c: int, key: int) -> float:
+        i = int(self.S.searchsorted(key))
+        return float(self.R[c, i]) if i < self.S.size and self.S[i] == key else 0.0
+
+    def draw(self, c: int, rand: Rand) -> int:
+        return int(rand.categorical(self.S, self.R[c]))
+
+
+def verify_layer(
+    drafts: Sequence[Draft], S: np.ndarray, R: "Residuals | np.ndarray", width: int, rand: Rand
+) -> tuple[bool, list[tuple[int, int | None]]]:
+    """`mss` on the reference's chain arrays (S, R [n+1, |S|])."""
+    if R.shape[0] < len(drafts) + 1:
+        raise ValueError(f"R has {R.shape[0]} rows; {len(drafts)} drafts need {len(drafts) + 1}")
+    return mss(ArrayChain(S, R), drafts, width, rand)
 
 
 # ------------------------------------------------------------------------ without replacement (spec §16.5)

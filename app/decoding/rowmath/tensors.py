@@ -1,16 +1,5 @@
-"""Row math: the decoders' arithmetic over [rows, V] logits, behind one small interface (spec §2, §5, §16.5, §16.9).
+"""The row math on torch tensors where the logits are: CPU threads, or a CUDA device (spec §16.9).
 
-    rm = rowmath.backend()                  # the torch backend where torch runs, else the numpy reference
-    rows = rm.rows(logits)                  # raw log-probs: one normaliser per row, computed when first read
-    p = rm.law(rows, scores, warp)          # the warped joint over (row, token): p_beam, or q_beam (spec §2.1)
-    p.sample(n, rand); p.distinct(n, rand)  # i.i.d. draws; sequential draws without replacement (+ masses left)
-    q_on = rm.on_rows(q, parents, counts)   # a layer's q_beam mapped onto the target's rows (spec §16.2)
-    chain = rm.chain(p, q_on, n)            # the residual chain's acceptance chances alpha (spec §5 step 3)
-    rm.verify(chain, drafts, width, rand)   # MSS with reset over the layer (spec §5 step 4)
-    rm.verify_without(p, q_on, drafts, width, rand)   # recursive rejection without replacement (spec §16.5)
-
-`NumpyRows` is the reference: the float64 functions of `sampling.py`, unchanged. `TorchRows` runs where the
-logits are (CPU threads, or CUDA) and does only the work an answer reads (spec §16.9):
 - one normaliser per row (max, the rows' softmax in one fused kernel, the sums of each row's 4,096-cell blocks),
   a row's log-probs only where a beam reads them;
 - a dense law is `exp(x / T - base_row) * scale_row`: the normaliser's softmax (at T = 1) or one exp pass,
@@ -23,18 +12,17 @@ logits are (CPU threads, or CUDA) and does only the work an answer reads (spec �
   cells already drawn or output, so no [n, rows, V] block and no per-draft copy of a row;
 - uniforms come from the host generator (`SeededRand.rng`) in the reference's order, so both backends draw the same
   keys for the same seed except where a uniform falls within rounding of a CDF boundary.
-Truncated warps (top-k, top-p) leave a small support: the torch backend selects it on the device and hands a sparse
-`Joint` to the reference functions. Any other `Rand` (the tests' enumerators) gets the exact probabilities of each
+Truncated warps (top-k, top-p) leave a small support: this backend selects it where the rows lie and hands a
+sparse `Joint` to the reference. Any other `Rand` (the tests' enumerators) gets the exact probabilities of each
 categorical the closed form implies, materialised, so enumerations check the closed form itself.
+
+The passes over whole rows (`_norms`, `_exp_blocks`, `_block_sums`, `_mass`, the residual's cells) are methods,
+so the compiled CPU backend (`compiled.py`) replaces them and keeps everything else.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import os
-import sys
-import threading
 import time
 from typing import Sequence
 
@@ -42,182 +30,13 @@ import numpy as np
 
 from backends.base import host_rows
 
-from .sampling import (CDF_BLOCK, RESIDUAL_EPS, TOP_P_HEAD, Draft, DraftWOR, Joint, Rand, SeededRand, Warp,
-                       draw_without_replacement, log_softmax, residual_chain, sample_without_replacement,
-                       verify_layer, verify_layer_without_replacement, warp_entries, warp_joint)
+from ..sampling import (CDF_BLOCK, RESIDUAL_EPS, TOP_P_HEAD, Draft, DraftWOR, Rand, SeededRand, Warp,
+                        draw_without_replacement, mss, warp_entries)
+from .protocols import Outputs
+from .reference import _REF, NUMPY_CELL_SECONDS, LogProbRow, NumpyLaw
 
-log = logging.getLogger(__name__)
-
-Outputs = list[tuple[int, int | None]]
-
-
-# ------------------------------------------------------------------------------------------- numpy reference
-
-class NumpyLogProbs:
-    """Raw log-probs of [n, V] logits, float64 (today's `log_softmax`)."""
-
-    def __init__(self, logits, lp: np.ndarray | None = None) -> None:
-        self._logits = logits
-        self._lp = lp
-
-    @property
-    def lp(self) -> np.ndarray:
-        if self._lp is None:
-            self._lp = log_softmax(host_rows(self._logits))  # a runtime's device rows come to the host here
-        return self._lp
-
-    def __len__(self) -> int:
-        return int(np.shape(self._logits if self._lp is None else self._lp)[0])
-
-    def at(self, row: int, token: int) -> float:
-        return float(self.lp[row, token])
-
-    def row(self, i: int) -> "LogProbRow":
-        return LogProbRow(self, i)
-
-    def dense(self, i: int) -> np.ndarray:
-        return self.lp[i]
-
-
-class NumpyLaw:
-    """A `Joint` with the law interface (also the torch backend's law for truncated warps)."""
-
-    def __init__(self, joint: Joint) -> None:
-        self.joint = joint
-        self.vocab = joint.vocab
-
-    keys = property(lambda self: self.joint.keys)
-    probs = property(lambda self: self.joint.probs)
-
-    def __len__(self) -> int:
-        return len(self.joint)
-
-    def at_most(self, n: int) -> int:
-        """min(n, support size)."""
-        return min(n, len(self.joint))
-
-    def lookup(self, keys) -> np.ndarray:
-        return self.joint.lookup(keys)
-
-    def sample(self, n: int, rand: Rand) -> np.ndarray:
-        return rand.draws(self.joint, n)
-
-    def distinct(self, n: int, rand: Rand) -> tuple[np.ndarray, np.ndarray]:
-        return sample_without_replacement(self.joint, n, rand)
-
-    def profile(self, tiny: float) -> tuple[np.ndarray, float]:
-        q = self.joint.probs / self.joint.probs.sum()
-        big = q[q >= tiny]
-        return big, float(1.0 - big.sum())
-
-    def top(self, k: int) -> np.ndarray:
-        """Keys of the k likeliest pairs, descending, ties by lower key."""
-        q = self.joint
-        k = min(k, len(q))
-        top = np.argpartition(-q.probs, k - 1)[:k] if k < len(q) else np.arange(len(q))
-        return q.keys[top[np.lexsort((q.keys[top], -q.probs[top]))]]
-
-
-# Seconds per (beam, token) cell, for the forest policy's prices (forest_policy.decoder_costs): the warp with its
-# draws, and one residual-chain step of one draft. Measured on Qwen-sized rows, 4 rows, by
-# scripts/measure_rowmath.py (docs/measurements/rowmath.md); the numpy figures are the qwen-coder decoder's.
-NUMPY_CELL_SECONDS = (0.014 / (4 * 151_936), 0.012 / (5 * 4 * 151_936))
 TORCH_CELL_SECONDS = (NUMPY_CELL_SECONDS[0] / 4, NUMPY_CELL_SECONDS[1] / 8)
 
-
-class NumpyRows:
-    """The reference backend: `sampling.py`'s float64 functions."""
-
-    name = "numpy"
-    device = "cpu"
-    cell_seconds = NUMPY_CELL_SECONDS
-
-    def reads(self, device) -> bool:
-        """Whether a runtime on `device` should hand its rows over as tensors there: never (host numpy)."""
-        return False
-
-    def rows(self, logits) -> NumpyLogProbs:
-        return NumpyLogProbs(logits)
-
-    def stack(self, refs: Sequence["LogProbRow"]) -> NumpyLogProbs:
-        return NumpyLogProbs(None, np.stack([r.dense() for r in refs]))
-
-    def law(self, rows: NumpyLogProbs, scores, warp: Warp) -> NumpyLaw:
-        z = np.asarray(scores, dtype=np.float64)[:, None] + rows.lp  # [n, V] joint raw log-scores
-        return NumpyLaw(warp_joint(z, warp))
-
-    def on_rows(self, q: NumpyLaw, parents: Sequence[Sequence[int]], counts: Sequence[int]) -> NumpyLaw:
-        """q_rows(i, t) = (sum of q(j, t) over row i's parents j) / counts_i (spec §16.2)."""
-        V, qj = q.vocab, q.joint
-        par = qj.keys // V
-        keys, vals = [], []
-        for i, (js, m) in enumerate(zip(parents, counts)):
-            if js:
-                sel = np.isin(par, js)
-                keys.append(i * V + qj.keys[sel] % V)
-                vals.append(qj.probs[sel] / m)
-        if not keys:
-            return NumpyLaw(Joint(np.zeros(0, np.int64), np.zeros(0), V))
-        uk, inv = np.unique(np.concatenate(keys), return_inverse=True)  # slots of one content add up
-        sums = np.bincount(inv, weights=np.concatenate(vals), minlength=len(uk)).astype(np.float64)  # int64 if empty
-        return NumpyLaw(Joint(uk.astype(np.int64), sums, V))
-
-    def chain(self, p: NumpyLaw, q: NumpyLaw, n: int):
-        S, R, alpha = residual_chain(p.joint, q.joint, n)
-        return _RefChain(S, R, alpha)
-
-    def verify(self, chain, drafts: Sequence[Draft], width: int, rand: Rand) -> tuple[bool, Outputs]:
-        return verify_layer(drafts, chain.S, chain.R, width, rand)
-
-    def verify_without(self, p: NumpyLaw, q: NumpyLaw, drafts: Sequence[DraftWOR], width: int,
-                       rand: Rand) -> tuple[bool, Outputs]:
-        q_S = q.lookup(p.keys) if drafts else np.zeros(len(p))
-        return verify_layer_without_replacement(drafts, p.joint, q_S, width, rand)
-
-    def distinct_keys(self, p: NumpyLaw, n: int, rand: Rand) -> list[int]:
-        return draw_without_replacement(p.joint, n, rand)
-
-
-_REF = NumpyRows()  # the torch backend hands sparse (truncated) laws to the reference
-
-
-class _RefChain:
-    def __init__(self, S, R, alpha) -> None:
-        self.S, self.R, self.alpha = S, R, alpha
-
-    def alphas(self, j: int) -> np.ndarray:
-        return self.alpha[:j]
-
-
-class LogProbRow:
-    """One row of a `rows(...)` result: what a beam reads of the target's log-probs after it."""
-
-    __slots__ = ("src", "i")
-
-    def __init__(self, src, i: int) -> None:
-        self.src, self.i = src, i
-
-    def __getitem__(self, token):
-        if np.ndim(token):
-            return self.dense()[token]
-        return self.src.at(self.i, int(token))
-
-    def __len__(self) -> int:
-        return self.src.vocab if hasattr(self.src, "vocab") else int(np.shape(self.src.lp)[1])
-
-    def dense(self) -> np.ndarray:
-        """The whole row, float64 numpy (callers that need every cell)."""
-        return self.src.dense(self.i)
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        a = self.dense()
-        return a if dtype is None else a.astype(dtype)
-
-    def __neg__(self) -> np.ndarray:
-        return -self.dense()
-
-
-# --------------------------------------------------------------------------------------------- torch backend
 
 def _is_seeded(rand) -> bool:
     return type(rand) is SeededRand
@@ -282,6 +101,10 @@ class TorchLogProbs:
     def dense(self, i: int) -> np.ndarray:
         return self.tm._host(self.x[i]).astype(np.float64) - self.lse(i)
 
+    def argmax(self, i: int) -> int:
+        """Row i's likeliest token (ties: the lower id): the raw logits' argmax, no normaliser needed."""
+        return int(self.tm.torch.argmax(self.x[i]))
+
 
 class TorchLaw:
     """A dense warped joint over n rows x V: p(r, t) = e[r, t] * scale_r with e = exp(x / T - base_r) float32 on the
@@ -304,7 +127,7 @@ class TorchLaw:
     def p(self):
         """[n, V] float32 probabilities (computed once, where a verifier reads cells as a tensor)."""
         if self._p is None:
-            self._p = self._e * self.tm._tensor(self._scale)[:, None]
+            self._p = self.tm._scaled(self._e, self._scale).view(self.n, self.vocab)
         return self._p
 
     @property
@@ -315,7 +138,7 @@ class TorchLaw:
         """p / total as flat float32 cells, in one pass over e (the verifiers' cells)."""
         if self._pn is None:
             total = self.total()
-            self._pn = (self._e * self.tm._tensor(self._scale / total)[:, None]).view(-1) if total > 0 else self.flat
+            self._pn = self.tm._scaled(self._e, self._scale / total) if total > 0 else self.flat
         return self._pn
 
     def blocks(self) -> np.ndarray:
@@ -507,7 +330,7 @@ class TorchRows:
 
         p = warp_and_draws()
         q = p.normalised().roll(1)  # another law over the same cells
-        return median_s(warp_and_draws) / (rows * vocab), median_s(lambda: _mass(self, p.normalised(), q, 0.5)) / (
+        return median_s(warp_and_draws) / (rows * vocab), median_s(lambda: self._residual_mass(p.normalised(), q, 0.5)) / (
             rows * vocab)
 
     # -- tensors --------------------------------------------------------------------------------------
@@ -564,6 +387,24 @@ class TorchRows:
             parts.append(rows[:, full * CDF_BLOCK:].sum(dim=1, keepdim=True))
         sums = self._host(t.cat(parts, dim=1) if len(parts) > 1 else parts[0]).astype(np.float64)
         return sums if x.dim() == 2 else sums.reshape(-1)
+
+    def _scaled(self, e, scale: np.ndarray):
+        """Flat float32 cells e[r, t] * scale[r] (a law's probabilities)."""
+        return (e * self._tensor(scale)[:, None]).view(-1)
+
+    def _residual(self, p, q, s: float):
+        """Flat cells max(p - s q, 0) (p itself at s = 0)."""
+        return p if s == 0.0 else self.torch.sub(p, q, alpha=s).clamp_min_(0.0)
+
+    def _residual_mass(self, p, q, s: float) -> float:
+        """M(s) = sum over cells of max(p - s q, 0): one fused pass of add, clamp and a (cascaded) sum."""
+        d = self.torch.add(p, q, alpha=-s) if s != 0.0 else p.clone()
+        return float(d.clamp_min_(0.0).sum())
+
+    def _residual_blocks(self, p, q, s: float):
+        """(float64 block sums, the cells as `_FlatCells`) of max(p - s q, 0), for draws from it."""
+        cells = self._residual(p, q, s)
+        return self._block_sums(cells), _FlatCells(self, cells)
 
     def _head(self, x, worth, cut, levels: Sequence[float], need: int):
         """The cells of the [r, V] tensor x at or above a per-row cut, lowered level by level until `need` of the
@@ -729,32 +570,8 @@ class TorchRows:
         return _Chain(self, p, q, n)
 
     def verify(self, chain, drafts: Sequence[Draft], width: int, rand: Rand) -> tuple[bool, Outputs]:
-        """Sequential MSS with reset (spec §5 step 4), as `sampling.verify_layer`, on the closed-form chain."""
-        if isinstance(chain, _RefChain):
-            return verify_layer(drafts, chain.S, chain.R, width, rand)
-        if width < 1:
-            raise ValueError(f"width must be >= 1, got {width}")
-        acc: Outputs = []
-        c = 0
-        for i, d in enumerate(drafts):
-            if len(acc) == width:
-                break
-            if not d.valid:
-                c += 1
-                continue
-            if not d.qval > 0:
-                raise ValueError(f"draft {i} has qval {d.qval}; a drawn pair must have q > 0")
-            if rand.bernoulli(min(1.0, chain.value(c, d.key) / d.qval)):
-                acc.append((d.key, i))
-                c = 0
-            else:
-                c += 1
-        if len(acc) == width:
-            return True, acc
-        out = acc + [(chain.draw(c, rand), None)]
-        while len(out) < width:
-            out.append((chain.draw(0, rand), None))
-        return False, out
+        """Sequential MSS with reset (spec §5 step 4) on the closed-form chain, or the reference's."""
+        return mss(chain, drafts, width, rand)
 
     def verify_without(self, p, q, drafts: Sequence[DraftWOR], width: int, rand: Rand) -> tuple[bool, Outputs]:
         if isinstance(p, NumpyLaw):
@@ -823,6 +640,13 @@ class _FlatCells:
         lo = b * CDF_BLOCK
         return lo, self.tm._host(self.flat[lo: lo + CDF_BLOCK]).astype(np.float64)
 
+    def value(self, k: int) -> float:
+        return float(self.flat[k])
+
+    def dense(self) -> np.ndarray:
+        """Every cell, float64 on the host (the tests' enumerators)."""
+        return self.tm._host(self.flat).astype(np.float64)
+
 
 def _icdf(cells, blocks: np.ndarray, override: dict[int, float], t: float) -> int:
     """The cell i with F(i-1) <= t < F(i), F the running sum of the cells (`cells.segment(b)`: a block's first cell
@@ -850,12 +674,6 @@ def _icdf(cells, blocks: np.ndarray, override: dict[int, float], t: float) -> in
     return lo + i
 
 
-def _mass(tm: "TorchRows", p, q, s: float) -> float:
-    """M(s) = sum over cells of max(p - s q, 0): one fused pass of add, clamp and a (cascaded) sum."""
-    d = tm.torch.add(p, q, alpha=-s) if s != 0.0 else p.clone()
-    return float(d.clamp_min_(0.0).sum())
-
-
 class _Chain:
     """The with-replacement residual chain in closed form: R[c] = max(p - s_c q, 0) / Z_c (spec §16.9), grown only
     as far as the verifier and the width rule read it (each step is one pass over the rows)."""
@@ -864,7 +682,7 @@ class _Chain:
         self.tm, self.p, self.q, self.n = tm, p, q, n
         self.s, self.Z = [0.0], [1.0]
         self._alpha: list[float] = []
-        self._blocks: dict[int, np.ndarray] = {}
+        self._blocks: dict[int, tuple] = {}
 
     @property
     def pn(self):
@@ -874,7 +692,7 @@ class _Chain:
         """s_c and Z_c (and alpha up to c - 1): alpha_j = 1 - M(s_j + Z_j) / Z_j, M(s) = sum max(p - s q, 0)."""
         while len(self.s) <= c:
             s = self.s[-1] + self.Z[-1]
-            mass_u = _mass(self.tm, self.pn, self.q.flat, s)
+            mass_u = self.tm._residual_mass(self.pn, self.q.flat, s)
             mass = mass_u / self.Z[-1]
             self._alpha.append(min(1.0, max(0.0, 1.0 - mass)))
             if mass < RESIDUAL_EPS:
@@ -903,22 +721,19 @@ class _Chain:
         return max(pv - self.s[c] * float(self.q.flat[key]), 0.0) / self.Z[c]
 
     def _cells(self, c: int):
+        """(float64 block sums, cells) of R[c] unnormalised, formed once per c and only where a draw reads them."""
         self._grow(c)
-        if self.s[c] == 0.0:
-            return self.pn
-        return self.tm.torch.sub(self.pn, self.q.flat, alpha=self.s[c]).clamp_min_(0.0)
+        if c not in self._blocks:
+            self._blocks[c] = self.tm._residual_blocks(self.pn, self.q.flat, self.s[c])
+        return self._blocks[c]
 
     def draw(self, c: int, rand: Rand) -> int:
+        blocks, cells = self._cells(c)
         if not _is_seeded(rand):
-            cells = self.tm._host(self._cells(c)).astype(np.float64)
             S = np.flatnonzero(self.tm._host(self.pn) > 0)
-            r = cells[S]
+            r = cells.dense()[S]
             return int(rand.categorical(S, r / r.sum()))
-        cells = self._cells(c)
-        if c not in self._blocks:
-            self._blocks[c] = self.tm._block_sums(cells)
-        b = self._blocks[c]
-        return _icdf(_FlatCells(self.tm, cells), b, {}, rand.rng.random() * float(b.sum()))
+        return _icdf(cells, blocks, {}, rand.rng.random() * float(blocks.sum()))
 
 
 def _without(tm: TorchRows, p: TorchLaw, q: _QRows, drafts: Sequence[DraftWOR], width: int,
@@ -982,7 +797,7 @@ class _Without:
 
     def mass_at(self, t: float) -> float:  # sum of u over every cell with the run's threshold t
         pv, qv = self.pv, self.qv
-        z = _mass(self.tm, self.pn, self.qf, t)
+        z = self.tm._residual_mass(self.pn, self.qf, t)
         for k in self.output_keys:
             z -= max(pv(k) - t * qv(k), 0.0)
         for k, f in self.frozen.items():
@@ -1026,7 +841,7 @@ def _draw_u(tm: TorchRows, pn, qf, tau: float, frozen: dict[int, float], output_
             rand: Rand) -> int:
     """One draw from u / zu, u(i) = max(p(i) - tau_i q(i), 0) with the drawn cells' thresholds and output cells 0."""
     n_cells = int(pn.shape[0])
-    cells = pn if tau == 0.0 else tm.torch.sub(pn, qf, alpha=tau).clamp_min_(0.0)
+    blocks, cells = tm._residual_blocks(pn, qf, tau)
     override: dict[int, float] = {}
     for k, f in frozen.items():
         if f != tau and 0 <= k < n_cells:
@@ -1035,89 +850,13 @@ def _draw_u(tm: TorchRows, pn, qf, tau: float, frozen: dict[int, float], output_
         if 0 <= k < n_cells:
             override[k] = 0.0
     if not _is_seeded(rand):
-        host = tm._host(cells).astype(np.float64)
+        host = cells.dense()
         for k, v in override.items():
             host[k] = v
         S = np.flatnonzero(tm._host(pn) > 0)
         r = host[S]
         return int(rand.categorical(S, r / r.sum()))
-    blocks = tm._block_sums(cells)
     for k, v in override.items():
-        blocks[k // CDF_BLOCK] += v - float(cells[k])
+        blocks[k // CDF_BLOCK] += v - cells.value(k)
     blocks = np.maximum(blocks, 0.0)
-    return _icdf(_FlatCells(tm, cells), blocks, override, rand.rng.random() * float(blocks.sum()))
-
-
-# ------------------------------------------------------------------------------------------------ selection
-
-_BACKENDS: dict[str, object] = {}
-_DEFAULT: list[object] = []
-_MAKING = threading.Lock()
-
-
-def make(name: str):
-    """A backend by name: "numpy" (the reference), "torch" (CPU), "torch-float64" (CPU, float64 cells: the
-    enumeration tests' exactness at 1e-12), "torch-cuda", or "auto"."""
-    if name == "numpy":
-        return NumpyRows()
-    if name in ("torch", "torch-cpu"):
-        return TorchRows("cpu")
-    if name == "torch-float64":
-        return TorchRows("cpu", dtype="float64")
-    if name == "torch-cuda":
-        return TorchRows("cuda")
-    if name == "auto":
-        try:
-            return TorchRows("cpu")
-        except Exception as e:  # noqa: BLE001 - any import or runtime failure falls back to the reference
-            log.warning("row math: torch unavailable (%s); using the numpy reference", e)
-            return NumpyRows()
-    raise ValueError(f"unknown row-math backend {name!r}: use numpy, torch, torch-cuda or auto")
-
-
-def backend():
-    """The process's row-math backend: DSBD_CHAT_ROWMATH (numpy | torch | torch-cuda | auto), default auto."""
-    with _MAKING:
-        if not _DEFAULT:
-            name = os.environ.get("DSBD_CHAT_ROWMATH", "auto")
-            try:
-                _DEFAULT.append(make(name))
-            except Exception as e:  # noqa: BLE001
-                log.warning("row math: backend %r cannot run (%s); using the numpy reference", name, e)
-                _DEFAULT.append(NumpyRows())
-    return _DEFAULT[0]
-
-
-def prewarm() -> None:
-    """Make the process's backend in a background thread: importing torch takes a second or two, which a model
-    load, waiting on native code meanwhile, hides from the first answer."""
-    if not _DEFAULT:
-        threading.Thread(target=backend, name="row-math", daemon=True).start()
-
-
-def use(rm) -> None:
-    """Make `rm` the process's backend (tests, scripts)."""
-    _DEFAULT[:] = [rm]
-
-
-def out_of_memory(e: BaseException) -> bool:
-    """Whether e is torch's failure to allocate: a device's OutOfMemoryError, or its CPU allocator's RuntimeError."""
-    torch = sys.modules.get("torch")
-    oom = getattr(torch, "OutOfMemoryError", None)
-    if oom is not None and isinstance(e, oom):
-        return True
-    return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
-
-
-def fall_back(e: BaseException) -> str | None:
-    """After the process's torch backend ran out of its device's memory: the numpy reference from now on, its rows
-    in host memory, with one line in the log. Returns the backend given up, or None where nothing changed: a
-    backend in host memory (the reference would need more of it) or the reference itself."""
-    with _MAKING:
-        rm = _DEFAULT[0] if _DEFAULT else None
-        if not getattr(rm, "off_host", False):
-            return None
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        log.warning("row math: %s ran out of memory (%s); using the numpy reference", rm.name, why)
-        _DEFAULT[:] = [NumpyRows()]
-        return rm.name
+    return _icdf(cells, blocks, override, rand.rng.random() * float(blocks.sum()))

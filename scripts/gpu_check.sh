@@ -34,8 +34,9 @@ base="${DSBD_GPU_JSON%.json}"
 read -r small_s large_s tests_s <<< "${DSBD_GPU_CHECK_LIMITS:-120 60 300}"
 failed=0
 set +e
-timeout "$small_s" "$py" scripts/measure_rowmath.py --backends numpy torch torch-cuda --rows 1 4 24 --repeats 3 --check \
-  --json "$base-rowmath.json" || { echo "gpu_check: row math check (rows 1, 4, 24) failed or timed out" >&2; failed=1; }
+timeout "$small_s" "$py" scripts/measure_rowmath.py --backends numpy torch torch-cuda --rows 1 4 24 --repeats 3 \
+  --check --json "$base-rowmath.json" \
+  || { echo "gpu_check: row math check (rows 1, 4, 24) failed or timed out" >&2; failed=1; }
 timeout "$large_s" "$py" scripts/measure_rowmath.py --backends torch-cuda --rows 64 260 --repeats 3 \
   --json "$base-rowmath-large.json" || { echo "gpu_check: row math on CUDA (rows 64, 260) failed or timed out" >&2; failed=1; }
 # -m gpu replaces the default "not gpu" selection from pyproject's addopts.

@@ -1,5 +1,5 @@
 """Measure cost profiles on this machine: seconds of one forward pass scoring n tokens (n = 1..128) for
-target-shaped and a draft-shaped models with generated weights, through the project's PyTorch runtime and the
+target-shaped models and a draft-shaped one with generated weights, through the project's PyTorch runtime and the
 same timing method the app uses (app.engine.timing.measure_costs), the rows kept on the device (a pass's own
 time: scripts/measure_device_rows.py times the rows' copy to the host). Writes profile JSON that
 `--cost-profile PATH.json` (or a copy in assets/cost_profiles/) reads: one file, or one a target into a folder,
@@ -113,13 +113,13 @@ def main(argv=None) -> int:
     ap.add_argument("--ns", type=int, nargs="+", default=list(NS), help="the token counts timed")
     ap.add_argument("--context", type=int, default=512, help="cached tokens before each timed pass")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--name", default=None, help="the profile's name (default: the output file's stem)")
+    ap.add_argument("--name", default=None, help="with --out: the profile's name (default: the file's stem)")
     where_to = ap.add_mutually_exclusive_group(required=True)
     where_to.add_argument("--out", help="the profile file (one target)")
     where_to.add_argument("--out-dir", help="a folder for one profile a target, named after device, shape, dtype")
     a = ap.parse_args(argv)
-    if a.out and len(a.target) > 1:
-        ap.error("--out takes one target; use --out-dir for several")
+    if a.out_dir and a.name or a.out and len(a.target) > 1:
+        ap.error("--out takes one target and --name; --out-dir takes several, named after the device")
     import torch
 
     t0 = time.time()

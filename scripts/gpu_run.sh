@@ -24,8 +24,8 @@ tiny=0
 if [ "${1:-}" = "--tiny" ]; then tiny=1; shift; fi
 if [ $# != 1 ]; then echo "usage: scripts/gpu_run.sh [--tiny] OUT_DIR" >&2; exit 64; fi
 out="$(mkdir -p "$1" && cd "$1" && pwd)" || exit 64
-# seconds: gpu_check.sh's row math check, its row math at large row counts, its GPU tests; the profiles; the
-# DSBD iteration (each measured part takes well under half of its limit where it was tried)
+# seconds each step may take: gpu_check.sh's row math check (its CPU side took 23 s on 2 cores), its row math at
+# large row counts and its GPU tests; the profiles; the DSBD iteration (seconds of GPU work, models built on it)
 check_limits="100 45 150"
 profile_s=90
 iteration_s=70
@@ -44,7 +44,7 @@ step() {  # step NAME SECONDS COMMAND...: run it under its time limit, note a fa
 run_all() {
   failed=() summary=()
   export PYTHONUNBUFFERED=1
-  local device=cuda shapes=(--target 1.5b 7b --draft 0.5b) iteration=7b repeats=3
+  local device=cuda shapes=(--target 1.5b 7b --draft 0.5b) iteration=7b quick=()
   "$py" - <<'EOF'
 import sys, torch
 print(f"gpu_run: torch {torch.__version__}, CUDA {torch.version.cuda}, "
@@ -58,15 +58,15 @@ EOF
        device=cpu ;;
     *) echo "gpu_run: cannot import torch with $py"; return 2 ;;
   esac
-  if [ $tiny = 1 ]; then shapes=(--target test --draft test) iteration=test repeats=1; fi
+  if [ $tiny = 1 ]; then shapes=(--target test --draft test) iteration=test quick=(--repeats 1); fi
   if [ $device = cuda ]; then
     DSBD_GPU_CHECK_LIMITS="$check_limits" step "gpu_check.sh" "$(( ${check_limits// /+} + 20 ))" \
       bash scripts/gpu_check.sh "$out/gpu_check.json"
   fi
   step "cost profiles" "$profile_s" "$py" scripts/gpu_profile.py "${shapes[@]}" --device $device \
-    --dtype bfloat16 --ns 1 4 16 32 64 --repeats $repeats --out-dir "$out"
+    --dtype bfloat16 --ns 1 4 16 32 64 "${quick[@]}" --out-dir "$out"
   step "DSBD iteration" "$iteration_s" "$py" scripts/measure_device_rows.py --device $device --shape $iteration \
-    --dtype bfloat16 --modes beam-sample dsbd --repeats $repeats --json "$out/dsbd-iteration.json"
+    --dtype bfloat16 --modes beam-sample dsbd "${quick[@]}" --json "$out/dsbd-iteration.json"
   printf 'gpu_run: %s\n' "${summary[@]}" "$SECONDS s in all" "files in $out:"
   ls -l "$out"
   if [ ${#failed[@]} != 0 ]; then echo "gpu_run: failed: ${failed[*]}"; return 1; fi

@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     device = torch.device(a.device)
     model = random_model(a.shape, device=a.device, dtype=a.dtype) if a.shape else None
     out = {"device": str(device), "model": model.info.name if model else "random-qwen-vocab",
-           "forest": "dsbd: W 4, W_S 8 x gamma 3, without replacement", "repeats": []}
+           "dtype": a.dtype if model else "float32", "modes": {m: MODES[m] for m in a.modes}, "repeats": []}
     rows = 0
     for i in range(a.repeats):
         got = rows_where_computed(device, ("device", "host") if i % 2 else ("host", "device"),  # each first in turn

@@ -38,7 +38,8 @@ def main(argv=None) -> None:
     device = torch.device(a.device)
     model = random_model(a.shape, device=a.device, dtype=a.dtype) if a.shape else None
     out = {"device": str(device), "model": model.info.name if model else "random-qwen-vocab",
-           "dtype": a.dtype if model else "float32", "modes": {m: MODES[m] for m in a.modes}, "repeats": []}
+           "dtype": a.dtype if model else "float32", "modes": {m: MODES[m] for m in a.modes}, "machine": machine(),
+           "repeats": []}
     rows = 0
     for i in range(a.repeats):
         got = rows_where_computed(device, ("device", "host") if i % 2 else ("host", "device"),  # each first in turn
@@ -55,7 +56,7 @@ def main(argv=None) -> None:
         moved = to_host_ms(rm, torch.zeros((rows, vocab), device=device), a.repeats)
         out["rows_to_host_ms"] = {"rows": rows, "vocab": vocab, **{k: round(v, 3) for k, v in moved.items()}}
     out["cell_seconds"] = {"prices": list(rm.cell_seconds), "timed_warm": list(rm.time_cells())}
-    emit(out | {"machine": machine()}, a.json)
+    emit(out, a.json)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ def rows_where_computed(device: torch.device, order: tuple[str, str] = ("device"
     from app.decoding.metrics import Metrics
     from backends.unique import UniquePaths
 
-    model = model or qwen_vocab_model(device)
+    model = qwen_vocab_model(device) if model is None else model
     vocab = model.info.vocab_size
     prompt = [(1000 + i) % vocab for i in range(40)]
     saved = rowmath.backend()

@@ -342,8 +342,11 @@ def test_the_gpu_run_dry_run_writes_a_profile_the_app_reads_where_only_torch_num
         (blocked / name / "__init__.py").write_text("raise ImportError('not installed on the GPU machine')\n")
     path = os.pathsep.join(filter(None, [str(blocked), os.environ.get("PYTHONPATH")]))
     out = tmp_path / "out"
+    # one thread a process: tiny shapes gain nothing from more, and on a busy machine a thread team waits for
+    # its slowest member at every operation (three times slower here)
+    env = os.environ | {"PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     run = subprocess.run(["bash", "scripts/gpu_run.sh", "--tiny", str(out)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, env=os.environ | {"PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": ""})
+                         text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "gpu_run: no CUDA device found" in (out / "gpu_run.log").read_text()
     assert "gpu_check.sh (at most" not in run.stdout

@@ -38,11 +38,13 @@ def machine(cost_profile: str | None = None) -> dict:
     return machine_facts(cost_profile)
 
 
-def emit(out: dict, path: str | None) -> None:
-    """Print a measurement's JSON, and write it to `path` when one is given."""
+def emit(out: dict, path: str | None, *, show: bool = True) -> None:
+    """Print a measurement's JSON (unless `show` is false: a partial result saved as it grows), and write it to
+    `path` when one is given."""
     import json
 
     text = json.dumps(out, indent=1)
-    print(text)
+    if show:
+        print(text)
     if path:
         Path(path).write_text(text + "\n")

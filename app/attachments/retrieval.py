@@ -22,7 +22,7 @@ def estimate_tokens(text: str) -> int:
     return max(1, math.ceil(len(text) / 4)) if text else 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class Budget:
     """The context the next answer needs, in tokens: files + history (system prompt, earlier turns, the new
     text) + answer (+ the decoder's forest) against the window."""
@@ -52,7 +52,7 @@ class Budget:
                 f"{self.total:,} of {self.n_ctx:,} tokens · {verdict}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ContextPlan:
     """What goes into the prompt for one message's files: all of them whole, or retrieved parts."""
 

@@ -162,18 +162,19 @@ def cmd_generate(a) -> int:
     try:
         tok = engine.tokenizer
 
-        def encode(question: str) -> list[int]:
-            if a.raw:
-                return ([tok.bos_id] if tok.add_bos and tok.bos_id is not None else []) + tok.encode(question)
-            return engine.encode(([{"role": "system", "content": a.system}] if a.system else []) +
-                                 [{"role": "user", "content": question}])
+        def encode(messages: list[dict]) -> list[int]:
+            if a.raw:  # no chat template: the user turn's text alone
+                return ([tok.bos_id] if tok.add_bos and tok.bos_id is not None else []) + tok.encode(
+                    messages[-1]["content"])
+            return engine.encode(messages)
 
-        prompt = encode(a.prompt)
+        chat = ([{"role": "system", "content": a.system}] if a.system else []) + [
+            {"role": "user", "content": a.prompt, "attachments": files}]
+        built = attachments.chat_prompt(chat, attachments.Window.of(engine, params, encode=encode))
         if files:  # whole when they fit, else the passages the prompt needs (said on stderr)
-            plan, budget = attachments.fit(a.prompt, files, rest=len(prompt), reserve=attachments.answer_reserve(
-                params), n_ctx=engine.n_ctx, count=lambda text: len(tok.encode(text)))
-            print(f"dsbd-chat: {budget.line()}; {plan.describe(files)}", file=sys.stderr)
-            prompt = encode(attachments.render(a.prompt, files, plan.parts))
+            print(f"dsbd-chat: {built.budgets[built.last].line()}; {built.plans[built.last].describe(files)}",
+                  file=sys.stderr)
+        prompt = encode(built.messages)
         if a.n == 1 and not a.json:  # stream to the terminal
             shown = ""
             for i, ev in enumerate(engine.generate(prompt, params)):

@@ -236,26 +236,19 @@ def _file_part(f: FileData, param: str) -> attachments.Attachment:
 
 
 def _with_files(engine, messages: list[dict], params: DecodeParams) -> tuple[list[dict], dict | None]:
-    """Messages as the model sees them: every file rendered into its turn, the last turn's files whole when they
-    fit the context, else the passages its text needs (BM25); plus what went in (the response's dsbd_files)."""
-    last = max((i for i, m in enumerate(messages) if m.get("attachments")), default=None)
+    """Messages as the model sees them, every turn's files rendered into it as the chat sends them (whole when
+    they fit the context left before that turn, else the passages its text needs); plus what went in of the last
+    turn with files (the response's dsbd_files)."""
+    built = attachments.chat_prompt(messages, attachments.Window.of(engine, params))
+    last = built.last
     if last is None:
-        return messages, None
-    out = [{"role": m["role"], "content": attachments.render(m["content"], m["attachments"])}
-           if m.get("attachments") and i != last else {"role": m["role"], "content": m["content"]}
-           for i, m in enumerate(messages)]
-    files = messages[last]["attachments"]
-    tok = engine.tokenizer
-    plan, budget = attachments.fit(messages[last]["content"], files, rest=len(engine.encode(out)),
-                                   reserve=attachments.answer_reserve(params), n_ctx=engine.n_ctx,
-                                   count=lambda text: len(tok.encode(text)))
-    out[last] = {"role": out[last]["role"], "content": attachments.render(messages[last]["content"], files,
-                                                                          plan.parts)}
+        return built.messages, None
+    files, plan, budget = messages[last]["attachments"], built.plans[last], built.budgets[last]
     info = {"message": last, "files": [{"name": a.name, "size": a.size, "kind": a.kind} for a in files],
             "retrieved": plan.retrieved, "tokens": plan.tokens, "budget": {
                 "files": budget.files, "history": budget.history, "answer": budget.answer, "n_ctx": budget.n_ctx},
             "parts": None if plan.parts is None else [p.cite() for p in plan.parts]}
-    return out, info
+    return built.messages, info
 
 
 def _prompts(engine, prompt) -> list[list[int]]:

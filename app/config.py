@@ -36,11 +36,6 @@ class Mode:
         """Target KV rows for W beams."""
         return w if self.keeps_rows else 1
 
-    def tree_tokens(self, draft_beams: int, gamma: int, lookup_nodes: int = 0) -> int:
-        """Context cells one iteration's forest needs beyond the committed tokens (1: the next token): W_S drafts
-        and the lookup nodes of each of gamma layers."""
-        return (draft_beams + (lookup_nodes if self.forest else 0)) * gamma + 1 if self.uses_draft else 1
-
     def target_tokens(self, w: int, draft_beams: int, gamma: int) -> tuple[int, list[int]]:
         """(tokens one target pass scores, tokens scored by each draft pass) for one iteration."""
         roots = w if self.keeps_rows or (self.beams and not self.uses_draft) else 1

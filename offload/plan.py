@@ -45,6 +45,12 @@ if TYPE_CHECKING:
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
+def tree_tokens(nodes_per_layer: int, gamma: int) -> int:
+    """Context cells one iteration's forest takes beyond the committed tokens: `nodes_per_layer` (W_S drafts, plus
+    any lookup nodes) in each of gamma layers, and the next token's."""
+    return nodes_per_layer * gamma + 1
+
+
 @dataclass(frozen=True)
 class ModeShape:
     """A decoding mode as memory sees it: plain facts, no decoding logic (app/engine/planning.py builds one
@@ -55,9 +61,16 @@ class ModeShape:
     drafts: bool  # a draft model runs, and its tree (W_S x gamma tokens) rides on the target's pass
     # the same decoding carrying one row: the fix to offer when W rows do not fit
     memory_twin: "ModeShape | None" = None
+    lookups: bool = False  # its forest layers may hold lookup nodes beside the drafts
 
     def rows(self, beams: int) -> int:
         return beams if self.keeps_rows else 1
+
+    def tree_tokens(self, draft_beams: int, gamma: int, lookup_nodes: int = 0) -> int:
+        """Context cells one iteration's forest needs beyond the committed tokens (1 without drafts: the next
+        token's)."""
+        per_layer = draft_beams + (lookup_nodes if self.lookups else 0) if self.drafts else 0
+        return tree_tokens(per_layer, gamma)
 
 
 SMALLER_QUANTS = (("Q5_K_M", 5.7), ("Q4_K_M", 4.85), ("Q3_K_M", 3.9), ("Q2_K", 3.35))  # typical bits/weight
@@ -190,9 +203,10 @@ class PlanRequest:
             raise PlanError(f"gamma must be between 0 and {self.gamma_limit}, got {self.gamma}")
         if self.ring < 1:
             raise PlanError(f"ring must be >= 1, got {self.ring}")
-        if self.context < ws * self.gamma + 2:
-            raise PlanError(f"context {self.context} cannot hold even the draft tree (W_S x gamma + 1 = "
-                            f"{ws * self.gamma + 1}) plus a token")
+        tree = tree_tokens(ws, self.gamma)
+        if self.context < tree + 1:
+            raise PlanError(f"context {self.context} cannot hold even the draft tree (W_S x gamma + 1 = {tree}) plus "
+                            "a token")
         return replace(self, draft_beams=ws)
 
 
@@ -286,12 +300,13 @@ class _Held:
 
 
 def _activations(m: _Held, *, rows: int, ctx: int, tree: int, elem: int) -> int:
-    """Largest forward's transient bytes (estimate): scores + mask, QKV/MLP activations, logits."""
+    """Largest forward's transient bytes (estimate): scores + mask, QKV/MLP activations, logits. `tree`: the
+    forest's cells (tree_tokens), so each row's next token and the forest's nodes make rows + tree - 1 outputs."""
     g, chunk = m.geo, min(m.rt.batch, ctx)
     if m.rt.unified_kv:
-        shapes = [(1, chunk, rows + tree)]  # (rows, queries, outputs): one ubatch over the unified cache
+        shapes = [(1, chunk, rows + tree - 1)]  # (rows, queries, outputs): one ubatch over the unified cache
     else:
-        shapes = [(1, chunk, 0), (rows, 1 + tree, rows + tree)]  # a prompt chunk; each row's suffix and tree
+        shapes = [(1, chunk, 0), (rows, tree, rows + tree - 1)]  # a prompt chunk; each row's suffix and tree
     worst = 0
     for r, q, outputs in shapes:
         scores = r * q * ctx * (g.n_heads * 4 + 1)  # [rows, heads, q, ctx] float32 worst case + bool mask
@@ -410,7 +425,7 @@ def _try(tgt: "ModelGeometry", dft: "ModelGeometry | None", req: PlanRequest, bu
     ws = req.draft_beams + (w - req.beams)  # keep W_S - W when trying other widths
     rows = shape.rows(w)
     uses_draft = shape.drafts and dft is not None
-    tree = ws * req.gamma if uses_draft else 0
+    tree = tree_tokens(ws if uses_draft else 0, req.gamma)
     held = [_Held.of(tgt, "target", RUNTIMES[req.target_backend], dtype=req.dtype, kv_type=req.kv_type)]
     if uses_draft:
         held.append(_Held.of(dft, "draft", RUNTIMES[req.draft_backend], dtype=req.dtype, kv_type=req.kv_type))
@@ -441,7 +456,7 @@ def _slow_bytes(t: _Try) -> int:
 def max_context(tgt, dft, req: PlanRequest, budget: Budget, shape: ModeShape, *, beams: int | None = None) -> int:
     """Largest context (a multiple of 256 above 512) for `shape` that fits; 0 when even the smallest does not."""
     ws = req.draft_beams + ((beams or req.beams) - req.beams)
-    lo = ws * req.gamma + 2 if shape.drafts else 2
+    lo = shape.tree_tokens(ws, req.gamma) + 1  # the forest and one committed token
     hi = tgt.n_ctx_train if dft is None or not shape.drafts else min(tgt.n_ctx_train, dft.n_ctx_train)
     hi = max(hi, lo)
     if not _try(tgt, dft, req, budget, shape, context=lo, beams=beams).fits:
@@ -627,7 +642,7 @@ def plan_hosts(geo: "ModelGeometry", workers: "list[tuple[str, int]]", *, contex
     remote = max(0, n - max(0, host_layers))
     held = _Held.of(geo, "target", RUNTIMES["llamacpp"], dtype="float32", kv_type=kv_type)  # RPC is llama.cpp's
     kv_layer = rows * context * held.kv_token_layer
-    act = _activations(held, rows=rows, ctx=context, tree=0, elem=4)
+    act = _activations(held, rows=rows, ctx=context, tree=tree_tokens(0, 0), elem=4)
     total = float(sum(max(f, 1) for _, f in workers)) or 1.0
     share = [remote * max(f, 1) / total for _, f in workers]
     if share:

@@ -89,13 +89,9 @@ class ContextPlan:
 def answer_reserve(params) -> int:
     """Tokens an answer with these DecodeParams needs beyond the prompt: the answer, the decoder's forest (auto:
     the largest any mode it may pick would need) and a small margin."""
-    from app.config import MODE_FACTS
+    from app.engine.planning import tree_tokens  # lazy: reading files needs no engine
 
-    ws = params.draft_beams if params.draft_beams is not None else params.beams + 1
-    facts = [MODE_FACTS[params.mode]] if MODE_FACTS[params.mode].concrete else \
-        [f for f in MODE_FACTS.values() if f.concrete]
-    tree = max(f.tree_tokens(ws, params.gamma, params.lookup_nodes) for f in facts)
-    return params.max_new_tokens + tree + ANSWER_MARGIN
+    return params.max_new_tokens + tree_tokens(params) + ANSWER_MARGIN
 
 
 def fit(question: str, files: Sequence[Attachment], *, rest: int, reserve: int, n_ctx: int,

@@ -29,9 +29,12 @@ class Part:
         return f"{self.name}" if self.whole else f"{self.name}:{self.start}-{self.end}"
 
 
-def _fence(text: str) -> str:
+def fenced(text: str, info: str = "") -> str:
+    """`text` (less its trailing newlines) in a Markdown code fence none of its lines can close: three backticks,
+    or one more than its longest run of them; `info` after the opening fence (a language)."""
     longest = max((len(m) for m in re.findall(r"`{3,}", text)), default=2)
-    return "`" * max(3, longest + 1)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}{info}\n{text.rstrip(chr(10))}\n{fence}"
 
 
 def language(name: str) -> str:
@@ -40,10 +43,8 @@ def language(name: str) -> str:
 
 def render_whole(a: Attachment) -> str:
     """A whole file: a header naming it (size, lines) and its text in a fence no line of it can close."""
-    fence = _fence(a.text)
     n = len(a.lines)
-    return (f"File {a.name} ({human_size(a.size)}, {n} line{'s' * (n != 1)}):\n"
-            f"{fence}{language(a.name)}\n{a.text.rstrip(chr(10))}\n{fence}")
+    return f"File {a.name} ({human_size(a.size)}, {n} line{'s' * (n != 1)}):\n{fenced(a.text, language(a.name))}"
 
 
 def render_part(a: Attachment, part: Part) -> str:
@@ -51,8 +52,7 @@ def render_part(a: Attachment, part: Part) -> str:
     lines = a.lines[part.start - 1:part.end]
     width = len(str(part.end))
     body = "\n".join(f"{i:>{width}}| {line}" for i, line in enumerate(lines, part.start))
-    fence = _fence(body)
-    return f"From {a.name}, lines {part.start}-{part.end} of {len(a.lines)}:\n{fence}\n{body}\n{fence}"
+    return f"From {a.name}, lines {part.start}-{part.end} of {len(a.lines)}:\n{fenced(body)}"
 
 
 RETRIEVAL_NOTE = ("Only the passages below of the attached files fit in the context. Answer from them and cite "

@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import re
 import threading
 import time
 from typing import Iterator, NamedTuple
@@ -131,9 +130,7 @@ def files_line(m: dict) -> str:
 def diff_markdown(diffs: list[dict]) -> str:
     out = []
     for d in diffs:
-        fence = "`" * max(3, 1 + max((len(x) for x in re.findall(r"`{3,}", d["diff"])), default=0))
-        out.append(f"**Changes to `{d['name']}`** (+{d['added']} −{d['removed']}):\n{fence}diff\n"
-                   f"{d['diff'].rstrip(chr(10))}\n{fence}")
+        out.append(f"**Changes to `{d['name']}`** (+{d['added']} −{d['removed']}):\n{att.fenced(d['diff'], 'diff')}")
     return "\n\n" + "\n\n".join(out) if out else ""
 
 

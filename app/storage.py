@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from backends.base import atomic_write  # noqa: F401  (the data folder's writes; re-exported)
+from offload.plan import format_bytes
 
 from app.attachments.rendering import fenced
 
@@ -253,7 +254,7 @@ def to_markdown(chat: dict) -> str:
     for m in chat["messages"]:
         out += [f"**{'You' if m['role'] == 'user' else 'Assistant'}:**", "", m["content"], ""]
         for f in m.get("attachments") or []:
-            out += [f"<details><summary>📎 {f['name']} ({f.get('size', len(f['text'].encode()))} bytes)</summary>",
+            out += [f"<details><summary>📎 {f['name']} ({format_bytes(f.get('size', len(f['text'].encode())))})</summary>",
                     "", fenced(f["text"]), "", "</details>", ""]
         st = m.get("stats") or {}
         if m["role"] == "assistant" and st:

@@ -99,13 +99,13 @@ def parse_size(text: str | int) -> int:
     return int(float(number) * base**power)
 
 
-def fmt_bytes(n: int | float) -> str:
-    n = float(n)
-    if abs(n) >= GiB:
-        return f"{n / GiB:.2f} GiB"
-    if abs(n) >= MiB:
-        return f"{n / MiB:.0f} MiB"
-    return f"{n / KiB:.0f} KiB"
+def format_bytes(n: int | float) -> str:
+    """A size as people read it, in the binary units parse_size reads back: 512 B, 1.5 KiB, 93.8 MiB, 1.50 GiB. The
+    one way the app writes a size: of a file, a model, memory."""
+    for unit, size, digits in (("GiB", GiB, 2), ("MiB", MiB, 1), ("KiB", KiB, 1)):
+        if abs(n) >= size:
+            return f"{n / size:.{digits}f} {unit}"
+    return f"{int(n)} B"
 
 
 # ---------------------------------------------------------------- inputs
@@ -495,13 +495,13 @@ def plan(target: "ModelGeometry", draft: "ModelGeometry | None", request: PlanRe
     b = full.target.kv_bytes_per_token
     notes = []
     if len(tries) > 1 and chosen.shape != req.full:
-        why = (f"would read {fmt_bytes(_slow_bytes(full))} of weights per pass outside VRAM ({chosen.shape.name}: "
-               f"{fmt_bytes(_slow_bytes(chosen))})" if full.fits else
-               f"needs {fmt_bytes(full.vram)} VRAM / {fmt_bytes(full.ram)} RAM")
+        why = (f"would read {format_bytes(_slow_bytes(full))} of weights per pass outside VRAM ({chosen.shape.name}: "
+               f"{format_bytes(_slow_bytes(chosen))})" if full.fits else
+               f"needs {format_bytes(full.vram)} VRAM / {format_bytes(full.ram)} RAM")
         notes.append(f"{req.full.name} full mode {why}; memory-reduced mode carries one beam between iterations")
     if chosen.target.streamed_layers:
         notes.append(f"{chosen.target.streamed_layers} target layers stream from pinned RAM every pass "
-                     f"({fmt_bytes(chosen.target.h2d_bytes)} per pass)")
+                     f"({format_bytes(chosen.target.h2d_bytes)} per pass)")
     split = [p for p in (chosen.target, chosen.draft) if p is not None and p.n_gpu_layers is not None]
     if split and budget.has_gpu:
         notes.append(f"{RUNTIMES[split[0].runtime].label}: load " + " and ".join(
@@ -526,18 +526,18 @@ def _no_fit_message(tgt, dft, req: PlanRequest, budget: Budget, tries: list[_Try
     t = tries[-1]  # the least demanding mode we tried
     short = []
     if t.vram > budget.vram_avail:
-        short.append(f"{fmt_bytes(t.vram)} VRAM but {fmt_bytes(budget.vram_avail)} is usable "
-                     f"({fmt_bytes(budget.vram)} - {fmt_bytes(budget.vram_reserve)} reserve)")
+        short.append(f"{format_bytes(t.vram)} VRAM but {format_bytes(budget.vram_avail)} is usable "
+                     f"({format_bytes(budget.vram)} - {format_bytes(budget.vram_reserve)} reserve)")
     if t.ram > budget.ram_avail:
-        short.append(f"{fmt_bytes(t.ram)} RAM but {fmt_bytes(budget.ram_avail)} is usable "
-                     f"({fmt_bytes(budget.ram)} - {fmt_bytes(budget.ram_reserve)} reserve)")
+        short.append(f"{format_bytes(t.ram)} RAM but {format_bytes(budget.ram_avail)} is usable "
+                     f"({format_bytes(budget.ram)} - {format_bytes(budget.ram_reserve)} reserve)")
     head = (f"{' / '.join(x.shape.name for x in tries)} at context {req.context}, W={req.beams}, "
             f"W_S={req.draft_beams}, gamma={req.gamma} does not fit: {t.shape.name} needs {' and '.join(short)}")
     fixes = []
     twin = req.shapes[0].memory_twin if len(req.shapes) == 1 else None
     if twin is not None and dft is not None and (mem := _try(tgt, dft, req, budget, twin)).fits:
-        fixes.append(f"memory-reduced mode --mode {twin.name} (target KV {fmt_bytes(mem.target.kv_bytes)} "
-                     f"instead of {fmt_bytes(t.target.kv_bytes)})")
+        fixes.append(f"memory-reduced mode --mode {twin.name} (target KV {format_bytes(mem.target.kv_bytes)} "
+                     f"instead of {format_bytes(t.target.kv_bytes)})")
     for s in dict.fromkeys(x.shape for x in reversed(tries)):
         if (c := max_context(tgt, dft, req, budget, s)) > 0:
             fixes.append(f"a smaller context: --context {c} (the largest that fits {s.name})")
@@ -546,8 +546,8 @@ def _no_fit_message(tgt, dft, req: PlanRequest, budget: Budget, tries: list[_Try
         fixes.append(f"fewer beams: --beams {w}")
     fixes += _smaller_weights(tgt, dft, req, budget, t.shape)
     if not fixes:
-        need = [f"{fmt_bytes(t.vram - budget.vram_avail)} more VRAM" if t.vram > budget.vram_avail else "",
-                f"{fmt_bytes(t.ram - budget.ram_avail)} more RAM" if t.ram > budget.ram_avail else ""]
+        need = [f"{format_bytes(t.vram - budget.vram_avail)} more VRAM" if t.vram > budget.vram_avail else "",
+                f"{format_bytes(t.ram - budget.ram_avail)} more RAM" if t.ram > budget.ram_avail else ""]
         return (f"{head}. Free {' and '.join(x for x in need if x)}: no smaller context, beam count, mode, "
                 "dtype or quant fits")
     return head + ". To make it fit, use " + "; or ".join(fixes)
@@ -572,8 +572,8 @@ def _smaller_weights(tgt, dft, req: PlanRequest, budget: Budget, shape: ModeShap
             small = geo.with_bits_per_weight(bpw, quant)
             pair = (small, dft) if role == "target" else (tgt, small)
             if _try(*pair, req, budget, shape).fits:
-                out.append(f"a {quant} quant of the {role} (~{fmt_bytes(small.weight_bytes)} instead of "
-                           f"{fmt_bytes(geo.weight_bytes)} at {geo.quant})")
+                out.append(f"a {quant} quant of the {role} (~{format_bytes(small.weight_bytes)} instead of "
+                           f"{format_bytes(geo.weight_bytes)} at {geo.quant})")
                 break
     return out
 
@@ -581,9 +581,9 @@ def _smaller_weights(tgt, dft, req: PlanRequest, budget: Budget, shape: ModeShap
 def format_plan(p: Plan) -> str:
     """A human-readable table of the plan."""
     b = p.budget
-    gpu = (f"VRAM {fmt_bytes(b.vram)} (usable {fmt_bytes(b.vram_avail)})" if b.has_gpu else "no GPU")
+    gpu = (f"VRAM {format_bytes(b.vram)} (usable {format_bytes(b.vram_avail)})" if b.has_gpu else "no GPU")
     lines = [
-        f"budget ({b.source}): {gpu}, RAM {fmt_bytes(b.ram)} (usable {fmt_bytes(b.ram_avail)})",
+        f"budget ({b.source}): {gpu}, RAM {format_bytes(b.ram)} (usable {format_bytes(b.ram_avail)})",
         f"request: context {p.context}, W={p.beams}, W_S={p.draft_beams}, gamma={p.gamma}",
         f"mode: {p.mode}" + ("" if p.dsbd_full_fits is None else
                              f"  (dsbd full mode {'fits' if p.dsbd_full_fits else 'does not fit'})"),
@@ -595,17 +595,17 @@ def format_plan(p: Plan) -> str:
     for pl in filter(None, (p.target, p.draft)):
         rows.append((f"{pl.role}: {pl.name}"[:50], pl.runtime, str(pl.n_layers), str(pl.gpu_layers),
                      f"{pl.streamed_layers}" + (f" (ring {pl.ring})" if pl.ring else ""), str(pl.cpu_layers),
-                     "-" if pl.n_gpu_layers is None else str(pl.n_gpu_layers), fmt_bytes(pl.weight_gpu_bytes),
-                     fmt_bytes(pl.kv_bytes), fmt_bytes(pl.kv_gpu_bytes), fmt_bytes(pl.vram_bytes),
-                     fmt_bytes(pl.ram_bytes)))
-    rows.append(("total", "", "", "", "", "", "", "", "", "", fmt_bytes(p.vram_bytes), fmt_bytes(p.ram_bytes)))
+                     "-" if pl.n_gpu_layers is None else str(pl.n_gpu_layers), format_bytes(pl.weight_gpu_bytes),
+                     format_bytes(pl.kv_bytes), format_bytes(pl.kv_gpu_bytes), format_bytes(pl.vram_bytes),
+                     format_bytes(pl.ram_bytes)))
+    rows.append(("total", "", "", "", "", "", "", "", "", "", format_bytes(p.vram_bytes), format_bytes(p.ram_bytes)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     kv_b = p.target.kv_bytes_per_token
     lines += [
         "",
-        f"target KV: b = {fmt_bytes(kv_b)}/token/row; full mode b*W*context = {fmt_bytes(p.kv_full_bytes)}, "
-        f"memory mode b*context = {fmt_bytes(p.kv_mem_bytes)}",
+        f"target KV: b = {format_bytes(kv_b)}/token/row; full mode b*W*context = {format_bytes(p.kv_full_bytes)}, "
+        f"memory mode b*context = {format_bytes(p.kv_mem_bytes)}",
         f"max beams (full mode, context {p.context}): {p.max_beams}",
         f"max context ({p.mode}, W={p.beams}): {p.max_context}",
     ]
@@ -670,8 +670,8 @@ def plan_hosts(geo: "ModelGeometry", workers: "list[tuple[str, int]]", *, contex
 
 def format_hosts(shares) -> str:
     head = ("machine", "layers", "weights", "KV", "needs", "free", "fits")
-    body = [(s.host, "-" if s.first_layer is None else f"{s.first_layer}-{s.last_layer}", fmt_bytes(s.weight_bytes),
-             fmt_bytes(s.kv_bytes), fmt_bytes(s.need_bytes), fmt_bytes(s.free_bytes), "yes" if s.fits else "NO")
+    body = [(s.host, "-" if s.first_layer is None else f"{s.first_layer}-{s.last_layer}", format_bytes(s.weight_bytes),
+             format_bytes(s.kv_bytes), format_bytes(s.need_bytes), format_bytes(s.free_bytes), "yes" if s.fits else "NO")
             for s in shares]
     widths = [max(len(r[i]) for r in (head, *body)) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in (head, *body)]

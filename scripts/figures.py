@@ -19,6 +19,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from offload.plan import format_bytes  # noqa: E402  (the app's one size format)
+
 MEASURED = ROOT / "docs" / "measurements"
 README = ROOT / "README.md"
 PRESETS = ROOT / "assets" / "presets.json"
@@ -319,7 +323,7 @@ def table() -> str:
         ("Requantized draft (`--draft-quant q4_0-head`, qwen-coder)", dc["on"],
          f"{dc['ratio']} the draft pass cost at 4-5 tokens, acceptance proxy {dc['before']:.3f} -> "
          f"{dc['after']:.3f}", "draft-cost.md"),
-        (f"A {f['bytes'] // 1024} KB attachment ({f['tokens']:,} tokens): the match source's prompt index", f["on"],
+        (f"A {format_bytes(f['bytes'])} attachment ({f['tokens']:,} tokens): the match source's prompt index", f["on"],
          f"{f['match_index_s']:.3f} s (the plain n-gram table {f['match_index_plain_s']:.3f} s in the same run); "
          f"tokenizing it {f['tokenize_s']:.3f} s, retrieving passages {f['retrieval_s']:.2f} s", "attachments.md"),
         ("Loading the qwen-coder pair (files assembled, a fresh process), and the first answer after a 3 s pause: "

@@ -111,7 +111,7 @@ def test_size_limits_per_file_and_after_extraction():
 def test_size_is_checked_before_a_path_is_read(tmp_path):
     p = tmp_path / "big.log"
     p.write_bytes(b"y" * 2048)
-    with pytest.raises(FileTooLarge, match=r"big.log is 2.0 KB: files can be at most 1.0 KB"):
+    with pytest.raises(FileTooLarge, match=r"big.log is 2.0 KiB: files can be at most 1.0 KiB"):
         att.read_path(p, Limits(max_bytes=1024))
 
 

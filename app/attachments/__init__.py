@@ -13,7 +13,7 @@ from app.attachments.diffs import DIFF_MIN_RATIO, FileDiff, code_blocks, diffs
 from app.attachments.reading import (LIMITS, MAX_FILE_BYTES, MAX_FILES, MAX_PDF_PAGES, MAX_TEXT_CHARS, Attachment,
                                      AttachmentError, BinaryFile, EmptyFile, FileTooLarge, Limits, PdfWithoutText,
                                      TooManyFiles, UnreadableFile, UnsupportedEncoding, check_count, clean_name,
-                                     from_bytes, human_size, read_path, read_paths, unique_names)
+                                     format_bytes, from_bytes, read_path, read_paths, unique_names)
 from app.attachments.rendering import RETRIEVAL_NOTE, Part, fenced, language, render, render_part, render_whole
 from app.attachments.retrieval import (ANSWER_MARGIN, BM25, CHUNK_CHARS, CHUNK_LINES, Budget, ContextPlan,
                                        answer_reserve, chunks, estimate_tokens, fit, plan_context, terms)
@@ -25,5 +25,5 @@ __all__ = ["Attachment", "AttachmentError", "TooManyFiles", "FileTooLarge", "Emp
            "DIFF_MIN_RATIO", "RETRIEVAL_NOTE", "Part", "Budget", "ContextPlan", "BM25", "FileDiff", "from_bytes",
            "read_path", "read_paths", "check_count", "fenced", "render", "render_whole", "render_part", "language",
            "plan_context", "fit", "answer_reserve", "chunks", "terms", "diffs", "code_blocks", "estimate_tokens",
-           "human_size", "clean_name", "unique_names", "message_files", "chat_prompt", "ChatPrompt", "Window",
+           "format_bytes", "clean_name", "unique_names", "message_files", "chat_prompt", "ChatPrompt", "Window",
            "task_prompt", "task_files"]

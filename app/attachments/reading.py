@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from offload.plan import format_bytes
+
 MAX_FILE_BYTES = 4 * 1024 * 1024  # per file as uploaded (a PDF's size; text files are far smaller in practice)
 MAX_TEXT_CHARS = 400_000  # per file after extraction (~100k tokens: more than any local context holds whole)
 MAX_FILES = 8  # per message
@@ -97,12 +99,6 @@ class Attachment:
                    kind=str(d.get("kind", "text")), encoding=str(d.get("encoding", "utf-8")))
 
 
-def human_size(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    return f"{n / 1024:.1f} KB" if n < 1024 * 1024 else f"{n / 1024 / 1024:.1f} MB"
-
-
 def clean_name(name: str) -> str:
     """The file's own name (no folders a client sent along), printable, at most 120 characters."""
     base = re.split(r"[\\/]", str(name or ""))[-1]
@@ -125,8 +121,8 @@ def read_path(path: str | Path, limits: Limits = LIMITS, *, name: str | None = N
         if not p.is_file():
             raise UnreadableFile(shown, f"{shown} is not a file")
         if size > limits.max_bytes:
-            raise FileTooLarge(shown, f"{shown} is {human_size(size)}: files can be at most "
-                                      f"{human_size(limits.max_bytes)}; attach the part that matters")
+            raise FileTooLarge(shown, f"{shown} is {format_bytes(size)}: files can be at most "
+                                      f"{format_bytes(limits.max_bytes)}; attach the part that matters")
         data = p.read_bytes()
     except FileNotFoundError:
         raise UnreadableFile(shown, f"{shown}: no such file") from None
@@ -147,8 +143,8 @@ def from_bytes(name: str, data: bytes, limits: Limits = LIMITS) -> Attachment:
     """Bytes of a file called `name` -> Attachment: PDF through its text layer, text through its encoding."""
     name = clean_name(name)
     if len(data) > limits.max_bytes:
-        raise FileTooLarge(name, f"{name} is {human_size(len(data))}: files can be at most "
-                                 f"{human_size(limits.max_bytes)}; attach the part that matters")
+        raise FileTooLarge(name, f"{name} is {format_bytes(len(data))}: files can be at most "
+                                 f"{format_bytes(limits.max_bytes)}; attach the part that matters")
     if not data:
         raise EmptyFile(name, f"{name} is empty")
     if data[:5] == b"%PDF-":

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from app.attachments.reading import Attachment, human_size
+from app.attachments.reading import Attachment, format_bytes
 
 _LANG = {".py": "python", ".js": "javascript", ".ts": "typescript", ".json": "json", ".md": "markdown",
          ".csv": "csv", ".html": "html", ".css": "css", ".sh": "bash", ".c": "c", ".h": "c", ".cpp": "cpp",
@@ -44,7 +44,7 @@ def language(name: str) -> str:
 def render_whole(a: Attachment) -> str:
     """A whole file: a header naming it (size, lines) and its text in a fence no line of it can close."""
     n = len(a.lines)
-    return f"File {a.name} ({human_size(a.size)}, {n} line{'s' * (n != 1)}):\n{fenced(a.text, language(a.name))}"
+    return f"File {a.name} ({format_bytes(a.size)}, {n} line{'s' * (n != 1)}):\n{fenced(a.text, language(a.name))}"
 
 
 def render_part(a: Attachment, part: Part) -> str:

@@ -23,10 +23,10 @@ from backends.registry import ModelSpec
 from app.engine.timing import TIMED, cost_profile
 from offload.cost import CostProfile, ModeStats, PlanReport, datasheet, project
 from offload.geometry import ModelGeometry, read_geometry
-from offload.plan import GiB, Budget, ModeShape, Plan, PlanError, PlanRequest, fmt_bytes, parse_size, plan
+from offload.plan import GiB, Budget, ModeShape, Plan, PlanError, PlanRequest, format_bytes, parse_size, plan
 
-__all__ = ["Budget", "Fit", "PlanError", "PlanRequest", "budget_for", "fit", "geometries", "hub_fits", "library_fits",
-           "parse_size", "plan_for", "plan_models", "plan_request", "shape", "tree_tokens"]
+__all__ = ["Budget", "Fit", "PlanError", "PlanRequest", "budget_for", "fit", "format_bytes", "geometries", "hub_fits",
+           "library_fits", "parse_size", "plan_for", "plan_models", "plan_request", "shape", "tree_tokens"]
 
 # The mode whose fit and most beams a plan reports, and auto's first choice (beside its memory twin): full-mode
 # DSBD with a draft, beam sampling without one.
@@ -273,9 +273,9 @@ def fit(target: ModelGeometry, draft: ModelGeometry | None = None, *, context: i
         badge = "offload"
     t = p.target
     where = (f"target {t.gpu_layers}/{t.n_layers} layers on the GPU" if b.has_gpu else "everything on the CPU")
-    vram = f"{fmt_bytes(p.vram_bytes)} VRAM of {fmt_bytes(b.vram_avail)} usable, " if b.has_gpu else ""
-    detail = f"{p.mode} at context {context}: {where}; needs {vram}{fmt_bytes(p.ram_bytes)} RAM of " \
-             f"{fmt_bytes(b.ram_avail)} usable"
+    vram = f"{format_bytes(p.vram_bytes)} VRAM of {format_bytes(b.vram_avail)} usable, " if b.has_gpu else ""
+    detail = f"{p.mode} at context {context}: {where}; needs {vram}{format_bytes(p.ram_bytes)} RAM of " \
+             f"{format_bytes(b.ram_avail)} usable"
     return Fit(badge, FIT_LABELS[badge], detail, p.vram_bytes, p.ram_bytes)
 
 

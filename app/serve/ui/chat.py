@@ -122,7 +122,7 @@ def files_line(m: dict) -> str:
             what = "whole"
         else:
             what = f"lines {', '.join(used[a.name])}" if a.name in used else "not used"
-        chips.append(f"📎 `{a.name}` · {att.human_size(a.size)} · {what}")
+        chips.append(f"📎 `{a.name}` · {att.format_bytes(a.size)} · {what}")
     head = f"*{plan.describe(files)}*  \n" if plan is not None else ""
     return "\n\n" + head + "  \n".join(chips)
 
@@ -210,7 +210,7 @@ class ChatUI:
         if not paths:
             return ""
         read = self.read_files(paths)
-        lines = [f"📎 `{a.name}` · {att.human_size(a.size)} · {tokens:,} tokens" if isinstance(a, att.Attachment)
+        lines = [f"📎 `{a.name}` · {att.format_bytes(a.size)} · {tokens:,} tokens" if isinstance(a, att.Attachment)
                  else f"⚠️ {a} (it will not be sent: remove it)" for a, tokens in read]
         files = att.unique_names([a for a, _ in read if isinstance(a, att.Attachment)])
         if len(paths) > att.MAX_FILES:

@@ -1,4 +1,5 @@
-"""The README's measured figures and the presets' descriptions, written from the JSON in docs/measurements.
+"""The README's measured figures and the presets' descriptions, written from the JSON in docs/measurements; and
+the README's glossary of the knobs, written from app/config.py's KNOBS (each knob's meaning is stated there once).
 
     python scripts/figures.py           # rewrites the README's figure regions and assets/presets.json
     python scripts/figures.py --check   # exits 1 and prints the difference where they disagree with the JSON
@@ -21,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from app.config import KNOBS, DecodeParams  # noqa: E402
 from offload.plan import format_bytes  # noqa: E402  (the app's one size format)
 
 MEASURED = ROOT / "docs" / "measurements"
@@ -341,6 +343,22 @@ def table() -> str:
     return "\n".join(lines) + "\n"
 
 
+def knobs() -> str:
+    """The glossary of the knobs: flag, meaning (with what only the README adds) and default, from KNOBS."""
+    defaults = DecodeParams()
+    lines = ["| knob | CLI flag | meaning | default |", "|---|---|---|---|"]
+    for field, k in KNOBS.items():
+        arg = k.arg or "|".join(k.choices or ())
+        flag = f"`{k.flag}{' ' + arg if arg else ''}`" + (f" {k.note}" if k.note else "")
+        meaning = f"{k.meaning}. {k.more}" if k.more else k.meaning
+        default = k.default
+        if default is None:
+            value = getattr(defaults, field)
+            default = ",".join(value) if isinstance(value, tuple) else str(value)
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in (k.name, flag, meaning, default)) + " |")
+    return "\n".join(lines) + "\n"
+
+
 # The presets' descriptions: settings figures from the preset itself, measured ones from the JSON.
 DESCRIPTIONS = {
     "Fast": "dsbd-mem, {beams} beams, forest sized per iteration: one beam carried between iterations, the smallest "
@@ -362,7 +380,7 @@ def presets() -> str:
 
 
 def render_readme(text: str) -> str:
-    for name, body in (("expect", expect()), ("table", table())):
+    for name, body in (("expect", expect()), ("table", table()), ("knobs", knobs())):
         pattern = re.compile(rf"(<!-- figures:{name} -->\n).*?(<!-- /figures:{name} -->)", re.S)
         if not pattern.search(text):
             raise ValueError(f"README.md has no figures:{name} region")

@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from backends.base import BackendError
 
 from app import attachments
-from app.config import API_MODES, MODE_FACTS, ConfigError, DecodeParams
+from app.config import API_MODES, KNOBS, MODE_FACTS, ConfigError, DecodeParams
 from app.decoding import derive_seed
 from app.engine.interface import NoModelLoaded, PromptTooLong
 from app.prompt import ChatError
@@ -49,25 +49,30 @@ _POLL_S = 0.25  # how often a request waiting for events checks whether its clie
 
 
 # -- request bodies (unknown OpenAI fields are ignored; unknown `dsbd` fields are errors) ----------------
+def _knob(field: str) -> Any:
+    """An optional setting, described as app.config.KNOBS states it (the docs at /v1/docs show it)."""
+    return Field(None, description=KNOBS[field].plain)
+
+
 class DsbdOptions(BaseModel):
     """The `dsbd` extension: decoding mode and its settings (names as in DecodeParams)."""
 
     model_config = ConfigDict(extra="forbid")
-    mode: str | None = None
-    beams: int | None = None
-    draft_beams: int | None = None
-    gamma: int | None = None
-    threshold: float | None = None
-    min_beams: int | None = None
-    select: str | None = None
-    top_k: int | None = None
-    length_penalty: float | None = None
-    quality: str | None = None  # mode "auto": fast | beam | dynamic
-    forest: str | None = None  # dsbd / dsbd-mem: fixed | adaptive (cost-aware gamma and W_S per iteration)
-    unique_paths: bool | None = None  # false: score repeated sequences again (same answers, more work)
-    replacement: str | None = None  # dsbd / dsbd-mem: with (beam-sample-repl's law) | without (beam-sample's)
-    lookup_nodes: int | None = None  # dsbd / dsbd-mem: the most lookup nodes per layer
-    lookup_sources: list[str] | None = None  # dsbd / dsbd-mem: draft | match | recycled
+    mode: str | None = Field(None, description=f"the decoding mode: {', '.join(MODE_FACTS)}")
+    beams: int | None = _knob("beams")
+    draft_beams: int | None = _knob("draft_beams")
+    gamma: int | None = _knob("gamma")
+    threshold: float | None = _knob("threshold")
+    min_beams: int | None = _knob("min_beams")
+    select: str | None = _knob("select")
+    top_k: int | None = _knob("top_k")
+    length_penalty: float | None = _knob("length_penalty")
+    quality: str | None = _knob("quality")
+    forest: str | None = _knob("forest")
+    unique_paths: bool | None = _knob("unique_paths")
+    replacement: str | None = _knob("replacement")
+    lookup_nodes: int | None = _knob("lookup_nodes")
+    lookup_sources: list[str] | None = _knob("lookup_sources")
 
 
 class _Sampling(BaseModel):

@@ -29,7 +29,7 @@ from typing import Annotated, Any, AsyncIterator, Callable, Literal
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -49,30 +49,15 @@ _POLL_S = 0.25  # how often a request waiting for events checks whether its clie
 
 
 # -- request bodies (unknown OpenAI fields are ignored; unknown `dsbd` fields are errors) ----------------
-def _knob(field: str) -> Any:
-    """An optional setting, described as app.config.KNOBS states it (the docs at /v1/docs show it)."""
-    return Field(None, description=KNOBS[field].plain)
-
-
-class DsbdOptions(BaseModel):
-    """The `dsbd` extension: decoding mode and its settings (names as in DecodeParams)."""
-
-    model_config = ConfigDict(extra="forbid")
-    mode: str | None = Field(None, description=f"the decoding mode: {', '.join(MODE_FACTS)}")
-    beams: int | None = _knob("beams")
-    draft_beams: int | None = _knob("draft_beams")
-    gamma: int | None = _knob("gamma")
-    threshold: float | None = _knob("threshold")
-    min_beams: int | None = _knob("min_beams")
-    select: str | None = _knob("select")
-    top_k: int | None = _knob("top_k")
-    length_penalty: float | None = _knob("length_penalty")
-    quality: str | None = _knob("quality")
-    forest: str | None = _knob("forest")
-    unique_paths: bool | None = _knob("unique_paths")
-    replacement: str | None = _knob("replacement")
-    lookup_nodes: int | None = _knob("lookup_nodes")
-    lookup_sources: list[str] | None = _knob("lookup_sources")
+# Each setting described as app.config.KNOBS states it (the docs at /v1/docs show it).
+_OPTIONS = {"beams": int, "draft_beams": int, "gamma": int, "threshold": float, "min_beams": int, "select": str,
+            "top_k": int, "length_penalty": float, "quality": str, "forest": str, "unique_paths": bool,
+            "replacement": str, "lookup_nodes": int, "lookup_sources": list[str]}
+DsbdOptions = create_model(
+    "DsbdOptions", __config__=ConfigDict(extra="forbid"),
+    __doc__="The `dsbd` extension: decoding mode and its settings (names as in DecodeParams).",
+    mode=(str | None, Field(None, description=f"the decoding mode: {', '.join(MODE_FACTS)}")),
+    **{name: (kind | None, Field(None, description=KNOBS[name].plain)) for name, kind in _OPTIONS.items()})
 
 
 class _Sampling(BaseModel):

@@ -254,8 +254,8 @@ def to_markdown(chat: dict) -> str:
     for m in chat["messages"]:
         out += [f"**{'You' if m['role'] == 'user' else 'Assistant'}:**", "", m["content"], ""]
         for f in m.get("attachments") or []:
-            out += [f"<details><summary>📎 {f['name']} ({format_bytes(f.get('size', len(f['text'].encode())))})</summary>",
-                    "", fenced(f["text"]), "", "</details>", ""]
+            size = format_bytes(f.get("size", len(f["text"].encode())))
+            out += [f"<details><summary>📎 {f['name']} ({size})</summary>", "", fenced(f["text"]), "", "</details>", ""]
         st = m.get("stats") or {}
         if m["role"] == "assistant" and st:
             tps = st.get("tokens_per_s")

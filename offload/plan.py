@@ -670,9 +670,9 @@ def plan_hosts(geo: "ModelGeometry", workers: "list[tuple[str, int]]", *, contex
 
 def format_hosts(shares) -> str:
     head = ("machine", "layers", "weights", "KV", "needs", "free", "fits")
-    body = [(s.host, "-" if s.first_layer is None else f"{s.first_layer}-{s.last_layer}", format_bytes(s.weight_bytes),
-             format_bytes(s.kv_bytes), format_bytes(s.need_bytes), format_bytes(s.free_bytes), "yes" if s.fits else "NO")
-            for s in shares]
+    body = [(s.host, "-" if s.first_layer is None else f"{s.first_layer}-{s.last_layer}",
+             *(format_bytes(n) for n in (s.weight_bytes, s.kv_bytes, s.need_bytes, s.free_bytes)),
+             "yes" if s.fits else "NO") for s in shares]
     widths = [max(len(r[i]) for r in (head, *body)) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in (head, *body)]
     return "\n".join(["per machine (target over RPC workers; the output head and the draft stay here):", *lines])

@@ -90,7 +90,8 @@ def test_search_download_pick_a_draft_load_with_stages_and_chat(tmp_path, monkey
 
             # 4. the draft list: compatible files first
             notes = wait_text(page, "#models-draft-notes", r"2 compatible file")
-            pick(page, "#models-draft", "✓ SmolLM2-135M-Instruct-Q4_1 · Q4_1 · 93.8 MiB · 1.0x")  # the preset's file
+            # the preset's file
+            pick(page, "#models-draft", "✓ SmolLM2-135M-Instruct-Q4_1 · Q4_1 · 93.8 MiB · 1.0x")
             page.fill("#models-ctx input", "1024")
             page.press("#models-ctx input", "Tab")
             page.get_by_text("Memory plan of this load").click()  # closed unless the plan warns

@@ -31,9 +31,8 @@ class Window:
         """The window of a loaded engine for an answer with these DecodeParams; `encode` (messages -> token ids)
         when the prompt is not the engine's chat template (the CLI's --raw)."""
         encode = engine.encode if encode is None else encode
-        tok = engine.tokenizer
         return cls(n_ctx=engine.n_ctx, reserve=answer_reserve(params), measure=lambda messages: len(encode(messages)),
-                   count=lambda text: len(tok.encode(text)))
+                   count=lambda text: len(engine.tokenizer.encode(text)))
 
 
 @dataclass(frozen=True)

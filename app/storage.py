@@ -18,6 +18,9 @@ import time
 from pathlib import Path
 
 from backends.base import atomic_write  # noqa: F401  (the data folder's writes; re-exported)
+from offload.plan import format_bytes
+
+from app.attachments.rendering import fenced
 
 ENV_VAR = "DSBD_CHAT_DATA"
 APP_NAME = "dsbd-chat"
@@ -251,9 +254,8 @@ def to_markdown(chat: dict) -> str:
     for m in chat["messages"]:
         out += [f"**{'You' if m['role'] == 'user' else 'Assistant'}:**", "", m["content"], ""]
         for f in m.get("attachments") or []:
-            fence = "`" * max(3, 1 + max((len(r) for r in re.findall(r"`{3,}", f["text"])), default=0))
-            out += [f"<details><summary>📎 {f['name']} ({f.get('size', len(f['text'].encode()))} bytes)</summary>",
-                    "", fence, f["text"].rstrip("\n"), fence, "", "</details>", ""]
+            size = format_bytes(f.get("size", len(f["text"].encode())))
+            out += [f"<details><summary>📎 {f['name']} ({size})</summary>", "", fenced(f["text"]), "", "</details>", ""]
         st = m.get("stats") or {}
         if m["role"] == "assistant" and st:
             tps = st.get("tokens_per_s")

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Mapping
 
-from offload.plan import Budget, GiB, Placement, PlanError, PlanRequest, plan
+from offload.plan import Budget, Placement, PlanError, PlanRequest, format_bytes, plan
 
 if TYPE_CHECKING:
     from offload.geometry import ModelGeometry
@@ -340,7 +340,7 @@ class PlanReport:
 
     def format(self) -> str:
         def one(role, g):
-            return f"{role} {g.name} ({g.quant}, {g.n_layers} layers, {g.weight_bytes / GiB:.2f} GiB)"
+            return f"{role} {g.name} ({g.quant}, {g.n_layers} layers, {format_bytes(g.weight_bytes)})"
 
         lines = ["; ".join(one(r, g) for r, g in (("target", self.target), ("draft", self.draft)) if g is not None),
                  self.plan.format()]

@@ -45,6 +45,12 @@ if TYPE_CHECKING:
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
+def tree_tokens(nodes_per_layer: int, gamma: int) -> int:
+    """Context cells one iteration's forest takes beyond the committed tokens: `nodes_per_layer` (W_S drafts, plus
+    any lookup nodes) in each of gamma layers, and the next token's."""
+    return nodes_per_layer * gamma + 1
+
+
 @dataclass(frozen=True)
 class ModeShape:
     """A decoding mode as memory sees it: plain facts, no decoding logic (app/engine/planning.py builds one
@@ -55,9 +61,16 @@ class ModeShape:
     drafts: bool  # a draft model runs, and its tree (W_S x gamma tokens) rides on the target's pass
     # the same decoding carrying one row: the fix to offer when W rows do not fit
     memory_twin: "ModeShape | None" = None
+    lookups: bool = False  # its forest layers may hold lookup nodes beside the drafts
 
     def rows(self, beams: int) -> int:
         return beams if self.keeps_rows else 1
+
+    def tree_tokens(self, draft_beams: int, gamma: int, lookup_nodes: int = 0) -> int:
+        """Context cells one iteration's forest needs beyond the committed tokens (1 without drafts: the next
+        token's)."""
+        per_layer = draft_beams + (lookup_nodes if self.lookups else 0) if self.drafts else 0
+        return tree_tokens(per_layer, gamma)
 
 
 SMALLER_QUANTS = (("Q5_K_M", 5.7), ("Q4_K_M", 4.85), ("Q3_K_M", 3.9), ("Q2_K", 3.35))  # typical bits/weight
@@ -86,13 +99,13 @@ def parse_size(text: str | int) -> int:
     return int(float(number) * base**power)
 
 
-def fmt_bytes(n: int | float) -> str:
-    n = float(n)
-    if abs(n) >= GiB:
-        return f"{n / GiB:.2f} GiB"
-    if abs(n) >= MiB:
-        return f"{n / MiB:.0f} MiB"
-    return f"{n / KiB:.0f} KiB"
+def format_bytes(n: int | float) -> str:
+    """A size as people read it, in the binary units parse_size reads back: 512 B, 1.5 KiB, 93.8 MiB, 1.50 GiB. The
+    one way the app writes a size: of a file, a model, memory."""
+    for unit, size, digits in (("GiB", GiB, 2), ("MiB", MiB, 1), ("KiB", KiB, 1)):
+        if abs(n) >= size:
+            return f"{n / size:.{digits}f} {unit}"
+    return f"{int(n)} B"
 
 
 # ---------------------------------------------------------------- inputs
@@ -190,9 +203,10 @@ class PlanRequest:
             raise PlanError(f"gamma must be between 0 and {self.gamma_limit}, got {self.gamma}")
         if self.ring < 1:
             raise PlanError(f"ring must be >= 1, got {self.ring}")
-        if self.context < ws * self.gamma + 2:
-            raise PlanError(f"context {self.context} cannot hold even the draft tree (W_S x gamma + 1 = "
-                            f"{ws * self.gamma + 1}) plus a token")
+        tree = tree_tokens(ws, self.gamma)
+        if self.context < tree + 1:
+            raise PlanError(f"context {self.context} cannot hold even the draft tree (W_S x gamma + 1 = {tree}) plus "
+                            "a token")
         return replace(self, draft_beams=ws)
 
 
@@ -286,12 +300,13 @@ class _Held:
 
 
 def _activations(m: _Held, *, rows: int, ctx: int, tree: int, elem: int) -> int:
-    """Largest forward's transient bytes (estimate): scores + mask, QKV/MLP activations, logits."""
+    """Largest forward's transient bytes (estimate): scores + mask, QKV/MLP activations, logits. `tree`: the
+    forest's cells (tree_tokens), so each row's next token and the forest's nodes make rows + tree - 1 outputs."""
     g, chunk = m.geo, min(m.rt.batch, ctx)
     if m.rt.unified_kv:
-        shapes = [(1, chunk, rows + tree)]  # (rows, queries, outputs): one ubatch over the unified cache
+        shapes = [(1, chunk, rows + tree - 1)]  # (rows, queries, outputs): one ubatch over the unified cache
     else:
-        shapes = [(1, chunk, 0), (rows, 1 + tree, rows + tree)]  # a prompt chunk; each row's suffix and tree
+        shapes = [(1, chunk, 0), (rows, tree, rows + tree - 1)]  # a prompt chunk; each row's suffix and tree
     worst = 0
     for r, q, outputs in shapes:
         scores = r * q * ctx * (g.n_heads * 4 + 1)  # [rows, heads, q, ctx] float32 worst case + bool mask
@@ -410,7 +425,7 @@ def _try(tgt: "ModelGeometry", dft: "ModelGeometry | None", req: PlanRequest, bu
     ws = req.draft_beams + (w - req.beams)  # keep W_S - W when trying other widths
     rows = shape.rows(w)
     uses_draft = shape.drafts and dft is not None
-    tree = ws * req.gamma if uses_draft else 0
+    tree = tree_tokens(ws if uses_draft else 0, req.gamma)
     held = [_Held.of(tgt, "target", RUNTIMES[req.target_backend], dtype=req.dtype, kv_type=req.kv_type)]
     if uses_draft:
         held.append(_Held.of(dft, "draft", RUNTIMES[req.draft_backend], dtype=req.dtype, kv_type=req.kv_type))
@@ -441,7 +456,7 @@ def _slow_bytes(t: _Try) -> int:
 def max_context(tgt, dft, req: PlanRequest, budget: Budget, shape: ModeShape, *, beams: int | None = None) -> int:
     """Largest context (a multiple of 256 above 512) for `shape` that fits; 0 when even the smallest does not."""
     ws = req.draft_beams + ((beams or req.beams) - req.beams)
-    lo = ws * req.gamma + 2 if shape.drafts else 2
+    lo = shape.tree_tokens(ws, req.gamma) + 1  # the forest and one committed token
     hi = tgt.n_ctx_train if dft is None or not shape.drafts else min(tgt.n_ctx_train, dft.n_ctx_train)
     hi = max(hi, lo)
     if not _try(tgt, dft, req, budget, shape, context=lo, beams=beams).fits:
@@ -480,13 +495,13 @@ def plan(target: "ModelGeometry", draft: "ModelGeometry | None", request: PlanRe
     b = full.target.kv_bytes_per_token
     notes = []
     if len(tries) > 1 and chosen.shape != req.full:
-        why = (f"would read {fmt_bytes(_slow_bytes(full))} of weights per pass outside VRAM ({chosen.shape.name}: "
-               f"{fmt_bytes(_slow_bytes(chosen))})" if full.fits else
-               f"needs {fmt_bytes(full.vram)} VRAM / {fmt_bytes(full.ram)} RAM")
+        why = (f"would read {format_bytes(_slow_bytes(full))} of weights per pass outside VRAM ({chosen.shape.name}: "
+               f"{format_bytes(_slow_bytes(chosen))})" if full.fits else
+               f"needs {format_bytes(full.vram)} VRAM / {format_bytes(full.ram)} RAM")
         notes.append(f"{req.full.name} full mode {why}; memory-reduced mode carries one beam between iterations")
     if chosen.target.streamed_layers:
         notes.append(f"{chosen.target.streamed_layers} target layers stream from pinned RAM every pass "
-                     f"({fmt_bytes(chosen.target.h2d_bytes)} per pass)")
+                     f"({format_bytes(chosen.target.h2d_bytes)} per pass)")
     split = [p for p in (chosen.target, chosen.draft) if p is not None and p.n_gpu_layers is not None]
     if split and budget.has_gpu:
         notes.append(f"{RUNTIMES[split[0].runtime].label}: load " + " and ".join(
@@ -511,18 +526,18 @@ def _no_fit_message(tgt, dft, req: PlanRequest, budget: Budget, tries: list[_Try
     t = tries[-1]  # the least demanding mode we tried
     short = []
     if t.vram > budget.vram_avail:
-        short.append(f"{fmt_bytes(t.vram)} VRAM but {fmt_bytes(budget.vram_avail)} is usable "
-                     f"({fmt_bytes(budget.vram)} - {fmt_bytes(budget.vram_reserve)} reserve)")
+        short.append(f"{format_bytes(t.vram)} VRAM but {format_bytes(budget.vram_avail)} is usable "
+                     f"({format_bytes(budget.vram)} - {format_bytes(budget.vram_reserve)} reserve)")
     if t.ram > budget.ram_avail:
-        short.append(f"{fmt_bytes(t.ram)} RAM but {fmt_bytes(budget.ram_avail)} is usable "
-                     f"({fmt_bytes(budget.ram)} - {fmt_bytes(budget.ram_reserve)} reserve)")
+        short.append(f"{format_bytes(t.ram)} RAM but {format_bytes(budget.ram_avail)} is usable "
+                     f"({format_bytes(budget.ram)} - {format_bytes(budget.ram_reserve)} reserve)")
     head = (f"{' / '.join(x.shape.name for x in tries)} at context {req.context}, W={req.beams}, "
             f"W_S={req.draft_beams}, gamma={req.gamma} does not fit: {t.shape.name} needs {' and '.join(short)}")
     fixes = []
     twin = req.shapes[0].memory_twin if len(req.shapes) == 1 else None
     if twin is not None and dft is not None and (mem := _try(tgt, dft, req, budget, twin)).fits:
-        fixes.append(f"memory-reduced mode --mode {twin.name} (target KV {fmt_bytes(mem.target.kv_bytes)} "
-                     f"instead of {fmt_bytes(t.target.kv_bytes)})")
+        fixes.append(f"memory-reduced mode --mode {twin.name} (target KV {format_bytes(mem.target.kv_bytes)} "
+                     f"instead of {format_bytes(t.target.kv_bytes)})")
     for s in dict.fromkeys(x.shape for x in reversed(tries)):
         if (c := max_context(tgt, dft, req, budget, s)) > 0:
             fixes.append(f"a smaller context: --context {c} (the largest that fits {s.name})")
@@ -531,8 +546,8 @@ def _no_fit_message(tgt, dft, req: PlanRequest, budget: Budget, tries: list[_Try
         fixes.append(f"fewer beams: --beams {w}")
     fixes += _smaller_weights(tgt, dft, req, budget, t.shape)
     if not fixes:
-        need = [f"{fmt_bytes(t.vram - budget.vram_avail)} more VRAM" if t.vram > budget.vram_avail else "",
-                f"{fmt_bytes(t.ram - budget.ram_avail)} more RAM" if t.ram > budget.ram_avail else ""]
+        need = [f"{format_bytes(t.vram - budget.vram_avail)} more VRAM" if t.vram > budget.vram_avail else "",
+                f"{format_bytes(t.ram - budget.ram_avail)} more RAM" if t.ram > budget.ram_avail else ""]
         return (f"{head}. Free {' and '.join(x for x in need if x)}: no smaller context, beam count, mode, "
                 "dtype or quant fits")
     return head + ". To make it fit, use " + "; or ".join(fixes)
@@ -557,8 +572,8 @@ def _smaller_weights(tgt, dft, req: PlanRequest, budget: Budget, shape: ModeShap
             small = geo.with_bits_per_weight(bpw, quant)
             pair = (small, dft) if role == "target" else (tgt, small)
             if _try(*pair, req, budget, shape).fits:
-                out.append(f"a {quant} quant of the {role} (~{fmt_bytes(small.weight_bytes)} instead of "
-                           f"{fmt_bytes(geo.weight_bytes)} at {geo.quant})")
+                out.append(f"a {quant} quant of the {role} (~{format_bytes(small.weight_bytes)} instead of "
+                           f"{format_bytes(geo.weight_bytes)} at {geo.quant})")
                 break
     return out
 
@@ -566,9 +581,9 @@ def _smaller_weights(tgt, dft, req: PlanRequest, budget: Budget, shape: ModeShap
 def format_plan(p: Plan) -> str:
     """A human-readable table of the plan."""
     b = p.budget
-    gpu = (f"VRAM {fmt_bytes(b.vram)} (usable {fmt_bytes(b.vram_avail)})" if b.has_gpu else "no GPU")
+    gpu = (f"VRAM {format_bytes(b.vram)} (usable {format_bytes(b.vram_avail)})" if b.has_gpu else "no GPU")
     lines = [
-        f"budget ({b.source}): {gpu}, RAM {fmt_bytes(b.ram)} (usable {fmt_bytes(b.ram_avail)})",
+        f"budget ({b.source}): {gpu}, RAM {format_bytes(b.ram)} (usable {format_bytes(b.ram_avail)})",
         f"request: context {p.context}, W={p.beams}, W_S={p.draft_beams}, gamma={p.gamma}",
         f"mode: {p.mode}" + ("" if p.dsbd_full_fits is None else
                              f"  (dsbd full mode {'fits' if p.dsbd_full_fits else 'does not fit'})"),
@@ -580,17 +595,17 @@ def format_plan(p: Plan) -> str:
     for pl in filter(None, (p.target, p.draft)):
         rows.append((f"{pl.role}: {pl.name}"[:50], pl.runtime, str(pl.n_layers), str(pl.gpu_layers),
                      f"{pl.streamed_layers}" + (f" (ring {pl.ring})" if pl.ring else ""), str(pl.cpu_layers),
-                     "-" if pl.n_gpu_layers is None else str(pl.n_gpu_layers), fmt_bytes(pl.weight_gpu_bytes),
-                     fmt_bytes(pl.kv_bytes), fmt_bytes(pl.kv_gpu_bytes), fmt_bytes(pl.vram_bytes),
-                     fmt_bytes(pl.ram_bytes)))
-    rows.append(("total", "", "", "", "", "", "", "", "", "", fmt_bytes(p.vram_bytes), fmt_bytes(p.ram_bytes)))
+                     "-" if pl.n_gpu_layers is None else str(pl.n_gpu_layers), format_bytes(pl.weight_gpu_bytes),
+                     format_bytes(pl.kv_bytes), format_bytes(pl.kv_gpu_bytes), format_bytes(pl.vram_bytes),
+                     format_bytes(pl.ram_bytes)))
+    rows.append(("total", "", "", "", "", "", "", "", "", "", format_bytes(p.vram_bytes), format_bytes(p.ram_bytes)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     kv_b = p.target.kv_bytes_per_token
     lines += [
         "",
-        f"target KV: b = {fmt_bytes(kv_b)}/token/row; full mode b*W*context = {fmt_bytes(p.kv_full_bytes)}, "
-        f"memory mode b*context = {fmt_bytes(p.kv_mem_bytes)}",
+        f"target KV: b = {format_bytes(kv_b)}/token/row; full mode b*W*context = {format_bytes(p.kv_full_bytes)}, "
+        f"memory mode b*context = {format_bytes(p.kv_mem_bytes)}",
         f"max beams (full mode, context {p.context}): {p.max_beams}",
         f"max context ({p.mode}, W={p.beams}): {p.max_context}",
     ]
@@ -627,7 +642,7 @@ def plan_hosts(geo: "ModelGeometry", workers: "list[tuple[str, int]]", *, contex
     remote = max(0, n - max(0, host_layers))
     held = _Held.of(geo, "target", RUNTIMES["llamacpp"], dtype="float32", kv_type=kv_type)  # RPC is llama.cpp's
     kv_layer = rows * context * held.kv_token_layer
-    act = _activations(held, rows=rows, ctx=context, tree=0, elem=4)
+    act = _activations(held, rows=rows, ctx=context, tree=tree_tokens(0, 0), elem=4)
     total = float(sum(max(f, 1) for _, f in workers)) or 1.0
     share = [remote * max(f, 1) / total for _, f in workers]
     if share:
@@ -655,9 +670,9 @@ def plan_hosts(geo: "ModelGeometry", workers: "list[tuple[str, int]]", *, contex
 
 def format_hosts(shares) -> str:
     head = ("machine", "layers", "weights", "KV", "needs", "free", "fits")
-    body = [(s.host, "-" if s.first_layer is None else f"{s.first_layer}-{s.last_layer}", fmt_bytes(s.weight_bytes),
-             fmt_bytes(s.kv_bytes), fmt_bytes(s.need_bytes), fmt_bytes(s.free_bytes), "yes" if s.fits else "NO")
-            for s in shares]
+    body = [(s.host, "-" if s.first_layer is None else f"{s.first_layer}-{s.last_layer}",
+             *(format_bytes(n) for n in (s.weight_bytes, s.kv_bytes, s.need_bytes, s.free_bytes)),
+             "yes" if s.fits else "NO") for s in shares]
     widths = [max(len(r[i]) for r in (head, *body)) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in (head, *body)]
     return "\n".join(["per machine (target over RPC workers; the output head and the draft stay here):", *lines])

@@ -1,4 +1,5 @@
-"""The README's measured figures and the presets' descriptions, written from the JSON in docs/measurements.
+"""The README's measured figures and the presets' descriptions, written from the JSON in docs/measurements; and
+the README's glossary of the knobs, written from app/config.py's KNOBS (each knob's meaning is stated there once).
 
     python scripts/figures.py           # rewrites the README's figure regions and assets/presets.json
     python scripts/figures.py --check   # exits 1 and prints the difference where they disagree with the JSON
@@ -19,6 +20,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from app.config import KNOBS, DecodeParams  # noqa: E402
+from offload.plan import format_bytes  # noqa: E402  (the app's one size format)
+
 MEASURED = ROOT / "docs" / "measurements"
 README = ROOT / "README.md"
 PRESETS = ROOT / "assets" / "presets.json"
@@ -319,7 +325,7 @@ def table() -> str:
         ("Requantized draft (`--draft-quant q4_0-head`, qwen-coder)", dc["on"],
          f"{dc['ratio']} the draft pass cost at 4-5 tokens, acceptance proxy {dc['before']:.3f} -> "
          f"{dc['after']:.3f}", "draft-cost.md"),
-        (f"A {f['bytes'] // 1024} KB attachment ({f['tokens']:,} tokens): the match source's prompt index", f["on"],
+        (f"A {format_bytes(f['bytes'])} attachment ({f['tokens']:,} tokens): the match source's prompt index", f["on"],
          f"{f['match_index_s']:.3f} s (the plain n-gram table {f['match_index_plain_s']:.3f} s in the same run); "
          f"tokenizing it {f['tokenize_s']:.3f} s, retrieving passages {f['retrieval_s']:.2f} s", "attachments.md"),
         ("Loading the qwen-coder pair (files assembled, a fresh process), and the first answer after a 3 s pause: "
@@ -334,6 +340,22 @@ def table() -> str:
     ]
     lines = ["| what | machine | result | report |", "|---|---|---|---|"]
     lines += [f"| {w} | {m.removeprefix('measured on a ')} | {res} | {link(rep)} |" for w, m, res, rep in rows]
+    return "\n".join(lines) + "\n"
+
+
+def knobs() -> str:
+    """The glossary of the knobs: flag, meaning (with what only the README adds) and default, from KNOBS."""
+    defaults = DecodeParams()
+    lines = ["| knob | CLI flag | meaning | default |", "|---|---|---|---|"]
+    for field, k in KNOBS.items():
+        arg = k.arg or "|".join(k.choices or ())
+        flag = f"`{k.flag}{' ' + arg if arg else ''}`" + (f" {k.note}" if k.note else "")
+        meaning = f"{k.meaning}. {k.more}" if k.more else k.meaning
+        default = k.default
+        if default is None:
+            value = getattr(defaults, field)
+            default = ",".join(value) if isinstance(value, tuple) else str(value)
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in (k.name, flag, meaning, default)) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -358,7 +380,7 @@ def presets() -> str:
 
 
 def render_readme(text: str) -> str:
-    for name, body in (("expect", expect()), ("table", table())):
+    for name, body in (("expect", expect()), ("table", table()), ("knobs", knobs())):
         pattern = re.compile(rf"(<!-- figures:{name} -->\n).*?(<!-- /figures:{name} -->)", re.S)
         if not pattern.search(text):
             raise ValueError(f"README.md has no figures:{name} region")

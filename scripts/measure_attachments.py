@@ -86,8 +86,7 @@ def main() -> None:
                                                               [f], 3000, lambda s: len(tok.encode(s))), a.runs)
     out["retrieval_parts"] = [p.cite() for p in plan.parts]
     rewritten = f.text.replace("def ", "def  ", 20)
-    fence = "`" * 12  # longer than any fence inside the file
-    out["diff_s"], d = timed(lambda: att.diffs(f"{fence}\n{rewritten}\n{fence}", [f]), a.runs)
+    out["diff_s"], d = timed(lambda: att.diffs(att.fenced(rewritten), [f]), a.runs)
     out["diff_changed_lines"] = d[0].added if d else 0
     model.close()
     emit(out | {"machine": machine()}, a.json)

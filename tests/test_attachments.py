@@ -111,7 +111,7 @@ def test_size_limits_per_file_and_after_extraction():
 def test_size_is_checked_before_a_path_is_read(tmp_path):
     p = tmp_path / "big.log"
     p.write_bytes(b"y" * 2048)
-    with pytest.raises(FileTooLarge, match=r"big.log is 2.0 KB: files can be at most 1.0 KB"):
+    with pytest.raises(FileTooLarge, match=r"big.log is 2.0 KiB: files can be at most 1.0 KiB"):
         att.read_path(p, Limits(max_bytes=1024))
 
 
@@ -265,7 +265,7 @@ def test_history_round_trip_and_exports(tmp_path):
     store.save(chat)
     again = store.load(chat["id"])
     assert att.message_files(again["messages"][0]) == [a]
-    assert att.message_content(again["messages"][0]) == att.render("fix it", [a])
+    assert att.chat_prompt(again["messages"]).messages[0]["content"] == att.render("fix it", [a])
     md = to_markdown(again)
     assert "📎 calc.py" in md and "return a - b" in md
     assert json.loads(store.export(again, "json").read_text())["messages"][0]["attachments"][0]["name"] == "calc.py"

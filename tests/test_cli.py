@@ -27,6 +27,18 @@ def test_invalid_combinations_fail_before_loading(capsys, args, message):
     assert "missing-model" not in err
 
 
+def test_each_flag_says_what_the_glossary_says(capsys):
+    import re
+
+    from app.config import KNOBS
+
+    with pytest.raises(SystemExit):
+        main(["generate", "-h"])
+    text = re.sub(r"\s+", "", capsys.readouterr().out)  # as argparse wraps it
+    for k in KNOBS.values():
+        assert k.flag in text and re.sub(r"\s+", "", k.help) in text, k.flag
+
+
 def test_missing_model_file_is_one_clear_line(capsys):
     rc = main(["generate", "--prompt", "hi", "--target", "missing-model.gguf"])
     err = capsys.readouterr().err.strip()

@@ -43,3 +43,16 @@ def test_claim_rule(figures):
     data["summary"]["bq"]["drafted_iterations"] = 0.2
     assert figures.speed(data, "bq", "beam-sample") == "1.50x beam sampling's speed"
     assert figures.speed(data, "bal", "beam-sample").endswith("(a different law)")
+
+
+def test_the_glossary_states_every_setting_once(figures):
+    """Each DecodeParams field (the mode aside: the README's modes table) has its one row in app.config.KNOBS,
+    which the README's glossary, the CLI's help, the settings panel and the API schema all read."""
+    from dataclasses import fields
+
+    from app.config import KNOBS, DecodeParams
+
+    settings = {f.name for f in fields(DecodeParams)} - {"mode"}
+    assert settings <= set(KNOBS) and set(KNOBS) - settings == {"cost_profile"}  # a model setting, on the CLI
+    glossary = figures.knobs()
+    assert all(f"| {k.name} | `{k.flag}" in glossary for k in KNOBS.values())

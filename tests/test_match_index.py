@@ -94,7 +94,8 @@ def _words(text):
 
 
 def test_blocks_propose_what_one_plain_table_does_on_real_text():
-    text = (ROOT / "README.md").read_text(encoding="utf-8") + (ROOT / "app" / "attachments.py").read_text("utf-8")
+    code = sorted((ROOT / "app" / "attachments").glob("*.py"))
+    text = (ROOT / "README.md").read_text(encoding="utf-8") + "".join(p.read_text("utf-8") for p in code)
     rng = random.Random(3)
     for ids in (list(text.encode()[:60_000]), _words(text)):  # bytes (many repeats) and words
         answer = ids[-500:-300]  # an answer copying a stretch of the prompt, added as beams would be

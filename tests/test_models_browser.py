@@ -71,7 +71,7 @@ def test_search_download_pick_a_draft_load_with_stages_and_chat(tmp_path, monkey
             # 2. Downloads: the queue until the file is complete
             open_view(page, "Downloads")
             wait_text(page, "#hub-queue", r"\bdone\b")
-            assert "98 MB / 98 MB" in page.inner_text("#hub-queue")
+            assert "93.8 MiB / 93.8 MiB" in page.inner_text("#hub-queue")
             downloaded = paths["cache"] / "hub" / REPO / FILE
             assert downloaded.read_bytes() == data
             fits(page, "Downloads")
@@ -90,7 +90,8 @@ def test_search_download_pick_a_draft_load_with_stages_and_chat(tmp_path, monkey
 
             # 4. the draft list: compatible files first
             notes = wait_text(page, "#models-draft-notes", r"2 compatible file")
-            pick(page, "#models-draft", "✓ SmolLM2-135M-Instruct-Q4_1 · Q4_1 · 98 MB · 1.0x")  # the preset's file
+            # the preset's file
+            pick(page, "#models-draft", "✓ SmolLM2-135M-Instruct-Q4_1 · Q4_1 · 93.8 MiB · 1.0x")
             page.fill("#models-ctx input", "1024")
             page.press("#models-ctx input", "Tab")
             page.get_by_text("Memory plan of this load").click()  # closed unless the plan warns

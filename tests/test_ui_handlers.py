@@ -309,6 +309,16 @@ def test_per_mode_parameter_visibility(mode, shown, hidden):
     assert all(ups[k]["visible"] == vis[k] for k in FIELDS)
 
 
+def test_each_knob_is_labelled_and_explained_as_the_glossary_says():
+    from app.config import KNOBS
+    from app.serve.ui.settings import DecodingPanel
+
+    with gr.Blocks():
+        w = DecodingPanel().widgets
+    for name in set(FIELDS) & set(KNOBS):
+        assert (w[name].label, w[name].info) == (KNOBS[name].label, KNOBS[name].plain), name
+
+
 def test_every_mode_has_a_visibility_rule():
     assert {m: visibility(m)["mode"] for m in MODES} == {m: True for m in MODES}
 

@@ -11,8 +11,7 @@ import sys
 import threading
 
 from app.cli.models import add_models_parser, cmd_models
-from app.config import (ACCEPTANCE_PRIOR, FOREST_POLICIES, LOOKUP_SOURCES, MODES, QUALITY_LEVELS, REPLACEMENTS,
-                        WARP, ConfigError, DecodeParams)
+from app.config import ACCEPTANCE_PRIOR, KNOBS, MODES, WARP, ConfigError, DecodeParams
 from app.engine.timing import TIMED, cost_profile, profile_names
 from backends.host import keep_freed_rows, rpc_endpoints
 from backends.registry import BACKENDS, DTYPES, ModelSpec
@@ -43,14 +42,19 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
                    help="spread the target's layers over llama.cpp RPC workers (started there with `dsbd-chat "
                         "rpc-worker`); the output head and the draft stay on this machine; --n-gpu-layers then "
                         "counts the layers on the workers (default: all)")
-    g.add_argument("--cost-profile", default=TIMED, metavar="NAME",
-                   help=f"the machine passes are priced for (adaptive DSBD forests, auto mode, plan's and bench's "
-                        f"projections): {', '.join(profile_names())}, or a curves .json file; default: this "
-                        f"machine's timed passes. rtx4090-*: curves from published llama.cpp figures; the others: "
-                        f"datasheets, priced per placement")
+    _knob(g, "cost_profile", default=TIMED, metavar="NAME",
+          extra=f"; one of {', '.join(profile_names())} (rtx4090-*: curves from published llama.cpp figures; the "
+                "others: datasheets, priced per placement), or a curves .json file")
     g.add_argument("--llama-extra-bufts", choices=("auto", "on", "off"), default="auto",
                    help="llama.cpp weight repack (AMX and others); auto: $DSBD_CHAT_LLAMA_EXTRA_BUFTS, else a "
                         "cached one-time probe that turns it off where it crashes (AMX CPUs)")
+
+
+def _knob(g, field: str, *, extra: str = "", **kw) -> None:
+    """A setting's flag, its help the meaning app.config.KNOBS states (and `extra`, what only the CLI knows)."""
+    k = KNOBS[field]
+    g.add_argument(k.flag, help=(k.help + extra).replace("%", "%%"), **({"choices": k.choices} if k.choices else {}),
+                   **kw)
 
 
 def _decode_args(ap: argparse.ArgumentParser) -> None:
@@ -58,37 +62,14 @@ def _decode_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("decoding")
     g.add_argument("--mode", choices=MODES, default=d.mode,
                    help="auto: the fastest setting of --quality, from timed passes and measured acceptance")
-    g.add_argument("--quality", choices=QUALITY_LEVELS, default=d.quality,
-                   help="auto only: fast = sample/sps, beam = beam-sample/dsbd (W_min >= 2), dynamic = dsbd with W_min = W")
-    g.add_argument("--max-tokens", type=int, default=d.max_new_tokens)
-    g.add_argument("--temperature", type=float, default=d.temperature)
-    g.add_argument("--top-k", type=int, default=d.top_k, help="0 = off; counts (beam, token) pairs")
-    g.add_argument("--top-p", type=float, default=d.top_p)
-    g.add_argument("--beams", type=int, default=d.beams, help="W: beams carried between steps")
-    g.add_argument("--draft-beams", type=int, default=d.draft_beams, help="W_S: drafts per forest layer (default W+1)")
-    g.add_argument("--gamma", type=int, default=d.gamma, help="draft depth per iteration")
-    g.add_argument("--threshold", type=float, default=d.threshold, help="t: dynamic-width threshold in [0, 1]")
-    g.add_argument("--min-beams", type=int, default=d.min_beams, help="W_min: smallest layer width")
-    g.add_argument("--select", choices=("best", "sample"), default=d.select, help="dsbd-mem: carried beam")
-    g.add_argument("--forest", choices=FOREST_POLICIES, default=d.forest,
-                   help="dsbd / dsbd-mem: fixed gamma and W_S, or adaptive: per iteration gamma in 0..--gamma and "
-                        "W_S in W..--draft-beams, sized to the timed pass costs (times the passes on first use)")
-    g.add_argument("--replacement", choices=REPLACEMENTS, default=d.replacement,
-                   help="dsbd / dsbd-mem: drafts drawn with replacement reproduce beam-sample-repl; without "
-                        "replacement reproduce beam-sample (conventional beam sampling)")
-    g.add_argument("--lookup-nodes", type=int, default=d.lookup_nodes,
-                   help="dsbd / dsbd-mem: the most lookup nodes per layer: a layer whose every output is already a "
-                        "forest node passes")
-    g.add_argument("--lookup-sources", default=",".join(d.lookup_sources), metavar="SOURCE[,SOURCE...]",
-                   help=f"dsbd / dsbd-mem: where lookup nodes come from: {', '.join(LOOKUP_SOURCES)} (draft: the draft "
-                        "model's likeliest undrawn pairs; match: continuations of the text in the prompt and the "
-                        "beams; recycled: the target's own successors from earlier passes); dsbd without a draft "
-                        "model uses match and recycled nodes alone")
-    g.add_argument("--length-penalty", type=float, default=d.length_penalty)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--no-unique-paths", dest="unique_paths", action="store_false",
-                   help="score every forest entry, repeats included (same answers, more work; for comparisons)")
+    for field, kind in (("quality", str), ("max_new_tokens", int), ("temperature", float), ("top_k", int),
+                        ("top_p", float), ("beams", int), ("draft_beams", int), ("gamma", int), ("threshold", float),
+                        ("min_beams", int), ("select", str), ("forest", str), ("replacement", str),
+                        ("lookup_nodes", int), ("length_penalty", float), ("seed", int)):
+        _knob(g, field, type=kind, default=getattr(d, field))
+    _knob(g, "lookup_sources", default=",".join(d.lookup_sources), metavar="SOURCE[,SOURCE...]")
+    _knob(g, "stop", action="append", default=[])
+    _knob(g, "unique_paths", dest="unique_paths", action="store_false")
 
 
 def _given_warp(a) -> tuple[str, ...]:
@@ -162,18 +143,19 @@ def cmd_generate(a) -> int:
     try:
         tok = engine.tokenizer
 
-        def encode(question: str) -> list[int]:
-            if a.raw:
-                return ([tok.bos_id] if tok.add_bos and tok.bos_id is not None else []) + tok.encode(question)
-            return engine.encode(([{"role": "system", "content": a.system}] if a.system else []) +
-                                 [{"role": "user", "content": question}])
+        def encode(messages: list[dict]) -> list[int]:
+            if a.raw:  # no chat template: the user turn's text alone
+                return ([tok.bos_id] if tok.add_bos and tok.bos_id is not None else []) + tok.encode(
+                    messages[-1]["content"])
+            return engine.encode(messages)
 
-        prompt = encode(a.prompt)
+        chat = ([{"role": "system", "content": a.system}] if a.system else []) + [
+            {"role": "user", "content": a.prompt, "attachments": files}]
+        built = attachments.chat_prompt(chat, attachments.Window.of(engine, params, encode=encode))
         if files:  # whole when they fit, else the passages the prompt needs (said on stderr)
-            plan, budget = attachments.fit(a.prompt, files, rest=len(prompt), reserve=attachments.answer_reserve(
-                params), n_ctx=engine.n_ctx, count=lambda text: len(tok.encode(text)))
-            print(f"dsbd-chat: {budget.line()}; {plan.describe(files)}", file=sys.stderr)
-            prompt = encode(attachments.render(a.prompt, files, plan.parts))
+            print(f"dsbd-chat: {built.budgets[built.last].line()}; {built.plans[built.last].describe(files)}",
+                  file=sys.stderr)
+        prompt = encode(built.messages)
         if a.n == 1 and not a.json:  # stream to the terminal
             shown = ""
             for i, ev in enumerate(engine.generate(prompt, params)):
@@ -525,9 +507,8 @@ def _plan_parser(sub) -> None:
     plan.add_argument("--mode", choices=MODES, default="auto",
                       help="decoding mode to plan for; auto: dsbd or dsbd-mem, whichever keeps more weights in "
                            "VRAM (beam-sample without a draft)")
-    plan.add_argument("--beams", type=int, default=DecodeParams.beams, help="W: beams carried between steps")
-    plan.add_argument("--draft-beams", type=int, default=None, help="W_S: drafts per forest layer (default W+1)")
-    plan.add_argument("--gamma", type=int, default=DecodeParams.gamma, help="draft depth per iteration")
+    for field in ("beams", "draft_beams", "gamma"):
+        _knob(plan, field, type=int, default=getattr(DecodeParams, field))
     plan.add_argument("--vram", help="GPU memory to use, e.g. 8GiB, 8GB, 512MiB; 0 = CPU only (default: free VRAM)")
     plan.add_argument("--ram", help="host memory to use (default: available RAM)")
     plan.add_argument("--reserve", default="512MiB", help="VRAM kept free for the CUDA context and allocator")

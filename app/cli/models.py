@@ -124,7 +124,7 @@ def _models_list(a) -> int:
     print(f"CPU: {cpu['cpu']}; {cpu['llama_weight_repack']}")
     if workers:
         print("with --rpc: target layers on " + "; ".join(
-            f"{w['endpoint']} {w['device']} ({w['free'] / 2**30:.1f} GiB free of {w['total'] / 2**30:.1f})"
+            f"{w['endpoint']} {w['device']} ({_size(w['free'])} free of {_size(w['total'])})"
             for w in workers) + "; the target's output head, embeddings and the draft on this machine")
     return 0
 

@@ -28,6 +28,7 @@ from app.decoding.lookups import CorpusIndex
 from app.decoding.metrics import Metrics
 from app.engine.interface import Event, ModelEngine, NoModelLoaded, PromptTooLong
 from app.engine.learned import Learned, entry_key, model_key
+from app.engine.planning import tree_tokens
 from app.engine.timing import CAL_POINTS, TIMED, PassCosts, cached_costs, cost_profile
 from app.prompt import ChatError, encode_chat
 from backends.modelfiles.progress import LoadTracker, tracking
@@ -478,7 +479,7 @@ class Engine(ModelEngine):
         if params.mode == "auto":
             params, auto = self._pick(params)
         params, notice = self._resolve(params)
-        tree = MODE_FACTS[params.mode].tree_tokens(params.draft_beams, params.gamma, params.lookup_nodes)
+        tree = tree_tokens(params)
         if len(prompt) + params.max_new_tokens + tree > self.n_ctx:
             raise PromptTooLong(prompt=len(prompt), max_new=params.max_new_tokens, tree=tree, n_ctx=self.n_ctx)
         # Adaptive forests price each iteration with the pass costs (the first use times them). While another
@@ -543,7 +544,7 @@ class Engine(ModelEngine):
         facts = MODE_FACTS[params.mode]
         rows = facts.rows(params.beams)
         # Rows of a unified cache share the prompt but each holds its own answer (worst case).
-        tree = facts.tree_tokens(params.draft_beams, params.gamma, params.lookup_nodes)
+        tree = tree_tokens(params)
         cells = len(prompt) + rows * params.max_new_tokens + tree
         with self.lock:
             if cancel is not None and cancel.is_set():  # cancelled while waiting for the lock

@@ -23,10 +23,10 @@ from backends.registry import ModelSpec
 from app.engine.timing import TIMED, cost_profile
 from offload.cost import CostProfile, ModeStats, PlanReport, datasheet, project
 from offload.geometry import ModelGeometry, read_geometry
-from offload.plan import GiB, Budget, ModeShape, Plan, PlanError, PlanRequest, fmt_bytes, parse_size, plan
+from offload.plan import GiB, Budget, ModeShape, Plan, PlanError, PlanRequest, format_bytes, parse_size, plan
 
-__all__ = ["Budget", "Fit", "PlanError", "PlanRequest", "budget_for", "fit", "geometries", "hub_fits", "library_fits",
-           "parse_size", "plan_for", "plan_models", "plan_request", "shape"]
+__all__ = ["Budget", "Fit", "PlanError", "PlanRequest", "budget_for", "fit", "format_bytes", "geometries", "hub_fits",
+           "library_fits", "parse_size", "plan_for", "plan_models", "plan_request", "shape", "tree_tokens"]
 
 # The mode whose fit and most beams a plan reports, and auto's first choice (beside its memory twin): full-mode
 # DSBD with a draft, beam sampling without one.
@@ -38,7 +38,16 @@ def shape(mode: str) -> ModeShape:
     """A mode as the planner sees it, read from its row of MODE_FACTS."""
     f = MODE_FACTS[mode]
     return ModeShape(mode, keeps_rows=f.keeps_rows, drafts=f.uses_draft,
-                 memory_twin=shape(f.memory_twin) if f.memory_twin else None)
+                     memory_twin=shape(f.memory_twin) if f.memory_twin else None, lookups=f.forest)
+
+
+def tree_tokens(params: DecodeParams) -> int:
+    """Context cells one iteration's forest needs with these settings beyond the committed tokens (auto: the most
+    any mode it may pick needs; W_S unset: W + 1)."""
+    f = MODE_FACTS[params.mode]
+    modes = [params.mode] if f.concrete else [m for m, g in MODE_FACTS.items() if g.concrete]
+    ws = params.beams + 1 if params.draft_beams is None else params.draft_beams
+    return max(shape(m).tree_tokens(ws, params.gamma, params.lookup_nodes) for m in modes)
 
 
 def _shapes(mode: str, full: ModeShape) -> tuple[ModeShape, ...]:
@@ -264,9 +273,9 @@ def fit(target: ModelGeometry, draft: ModelGeometry | None = None, *, context: i
         badge = "offload"
     t = p.target
     where = (f"target {t.gpu_layers}/{t.n_layers} layers on the GPU" if b.has_gpu else "everything on the CPU")
-    vram = f"{fmt_bytes(p.vram_bytes)} VRAM of {fmt_bytes(b.vram_avail)} usable, " if b.has_gpu else ""
-    detail = f"{p.mode} at context {context}: {where}; needs {vram}{fmt_bytes(p.ram_bytes)} RAM of " \
-             f"{fmt_bytes(b.ram_avail)} usable"
+    vram = f"{format_bytes(p.vram_bytes)} VRAM of {format_bytes(b.vram_avail)} usable, " if b.has_gpu else ""
+    detail = f"{p.mode} at context {context}: {where}; needs {vram}{format_bytes(p.ram_bytes)} RAM of " \
+             f"{format_bytes(b.ram_avail)} usable"
     return Fit(badge, FIT_LABELS[badge], detail, p.vram_bytes, p.ram_bytes)
 
 

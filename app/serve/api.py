@@ -29,14 +29,14 @@ from typing import Annotated, Any, AsyncIterator, Callable, Literal
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backends.base import BackendError
 
 from app import attachments
-from app.config import API_MODES, MODE_FACTS, ConfigError, DecodeParams
+from app.config import API_MODES, KNOBS, MODE_FACTS, ConfigError, DecodeParams
 from app.decoding import derive_seed
 from app.engine.interface import NoModelLoaded, PromptTooLong
 from app.prompt import ChatError
@@ -49,25 +49,15 @@ _POLL_S = 0.25  # how often a request waiting for events checks whether its clie
 
 
 # -- request bodies (unknown OpenAI fields are ignored; unknown `dsbd` fields are errors) ----------------
-class DsbdOptions(BaseModel):
-    """The `dsbd` extension: decoding mode and its settings (names as in DecodeParams)."""
-
-    model_config = ConfigDict(extra="forbid")
-    mode: str | None = None
-    beams: int | None = None
-    draft_beams: int | None = None
-    gamma: int | None = None
-    threshold: float | None = None
-    min_beams: int | None = None
-    select: str | None = None
-    top_k: int | None = None
-    length_penalty: float | None = None
-    quality: str | None = None  # mode "auto": fast | beam | dynamic
-    forest: str | None = None  # dsbd / dsbd-mem: fixed | adaptive (cost-aware gamma and W_S per iteration)
-    unique_paths: bool | None = None  # false: score repeated sequences again (same answers, more work)
-    replacement: str | None = None  # dsbd / dsbd-mem: with (beam-sample-repl's law) | without (beam-sample's)
-    lookup_nodes: int | None = None  # dsbd / dsbd-mem: the most lookup nodes per layer
-    lookup_sources: list[str] | None = None  # dsbd / dsbd-mem: draft | match | recycled
+# Each setting described as app.config.KNOBS states it (the docs at /v1/docs show it).
+_OPTIONS = {"beams": int, "draft_beams": int, "gamma": int, "threshold": float, "min_beams": int, "select": str,
+            "top_k": int, "length_penalty": float, "quality": str, "forest": str, "unique_paths": bool,
+            "replacement": str, "lookup_nodes": int, "lookup_sources": list[str]}
+DsbdOptions = create_model(
+    "DsbdOptions", __config__=ConfigDict(extra="forbid"),
+    __doc__="The `dsbd` extension: decoding mode and its settings (names as in DecodeParams).",
+    mode=(str | None, Field(None, description=f"the decoding mode: {', '.join(MODE_FACTS)}")),
+    **{name: (kind | None, Field(None, description=KNOBS[name].plain)) for name, kind in _OPTIONS.items()})
 
 
 class _Sampling(BaseModel):
@@ -236,26 +226,19 @@ def _file_part(f: FileData, param: str) -> attachments.Attachment:
 
 
 def _with_files(engine, messages: list[dict], params: DecodeParams) -> tuple[list[dict], dict | None]:
-    """Messages as the model sees them: every file rendered into its turn, the last turn's files whole when they
-    fit the context, else the passages its text needs (BM25); plus what went in (the response's dsbd_files)."""
-    last = max((i for i, m in enumerate(messages) if m.get("attachments")), default=None)
+    """Messages as the model sees them, every turn's files rendered into it as the chat sends them (whole when
+    they fit the context left before that turn, else the passages its text needs); plus what went in of the last
+    turn with files (the response's dsbd_files)."""
+    built = attachments.chat_prompt(messages, attachments.Window.of(engine, params))
+    last = built.last
     if last is None:
-        return messages, None
-    out = [{"role": m["role"], "content": attachments.render(m["content"], m["attachments"])}
-           if m.get("attachments") and i != last else {"role": m["role"], "content": m["content"]}
-           for i, m in enumerate(messages)]
-    files = messages[last]["attachments"]
-    tok = engine.tokenizer
-    plan, budget = attachments.fit(messages[last]["content"], files, rest=len(engine.encode(out)),
-                                   reserve=attachments.answer_reserve(params), n_ctx=engine.n_ctx,
-                                   count=lambda text: len(tok.encode(text)))
-    out[last] = {"role": out[last]["role"], "content": attachments.render(messages[last]["content"], files,
-                                                                          plan.parts)}
+        return built.messages, None
+    files, plan, budget = messages[last]["attachments"], built.plans[last], built.budgets[last]
     info = {"message": last, "files": [{"name": a.name, "size": a.size, "kind": a.kind} for a in files],
             "retrieved": plan.retrieved, "tokens": plan.tokens, "budget": {
                 "files": budget.files, "history": budget.history, "answer": budget.answer, "n_ctx": budget.n_ctx},
             "parts": None if plan.parts is None else [p.cite() for p in plan.parts]}
-    return out, info
+    return built.messages, info
 
 
 def _prompts(engine, prompt) -> list[list[int]]:

@@ -49,6 +49,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable
 
 from offload.gguf_header import HeaderTruncated, parse_header, shard_of
+from offload.plan import format_bytes
 from backends.base import ModelNotFound, RegistryError, atomic_write
 from backends.modelfiles.presets import cache_dir, downloaded_file
 
@@ -194,7 +195,7 @@ class CancelPlan:
     def describe(self) -> str:
         head = "cancelled" if self.cancelled else "cancel"
         return (f"{head} {self.job.filename} from {self.job.repo}: "
-                f"{'deleted' if self.cancelled else 'deletes'} {self.bytes_lost / 1e6:,.0f} MB downloaded so far")
+                f"{'deleted' if self.cancelled else 'deletes'} {format_bytes(self.bytes_lost)} downloaded so far")
 
 
 # ---------------------------------------------------------------- the Hub, errors
@@ -498,8 +499,8 @@ def _check_space(folder: Path, need: int, filename: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(folder).free
     if free < need + DISK_MARGIN:
-        raise NotEnoughSpace(f"not enough disk space for {filename}: it needs {need / 1e9:.2f} GB more and "
-                             f"{free / 1e9:.2f} GB are free in {folder}; free some space, or set DSBD_CHAT_CACHE to "
+        raise NotEnoughSpace(f"not enough disk space for {filename}: it needs {format_bytes(need)} more and "
+                             f"{format_bytes(free)} are free in {folder}; free some space, or set DSBD_CHAT_CACHE to "
                              "a folder on a larger disk")
 
 
@@ -591,8 +592,8 @@ class _Transfer:
         except Exception as e:  # noqa: BLE001 (classified)
             err = _hub_error(e, what, repo=repo, filename=filename)
             if answered and _transport_error(e):
-                err = HubError(f"connection lost: {filename} stopped at {self.done / 1e6:,.1f} of "
-                               f"{self.remote.size / 1e6:,.1f} MB "
+                err = HubError(f"connection lost: {filename} stopped at {format_bytes(self.done)} of "
+                               f"{format_bytes(self.remote.size)} "
                                f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); start the download again "
                                "to continue from there")
             raise err from e
@@ -602,7 +603,7 @@ class _Transfer:
         filename, size, done = self.filename, self.remote.size, self.done
         if stop is not None and stop.is_set() and done < size:
             self.tick("paused", force=True)
-            raise DownloadStopped(f"{filename} paused at {done / 1e6:,.0f} of {size / 1e6:,.0f} MB; resume to "
+            raise DownloadStopped(f"{filename} paused at {format_bytes(done)} of {format_bytes(size)}; resume to "
                                   "continue")
         if done != size:
             raise HubError(f"{filename}: the connection ended at {done:,} of {size:,} bytes; start the download "

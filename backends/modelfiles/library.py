@@ -47,6 +47,7 @@ from offload.gguf_header import GGUFHeader, metadata_card, read_header, shard_of
 from backends.modelfiles.presets import cache_dir, list_models
 from backends.tokenizer import HeaderVocab, VocabFingerprint, header_fingerprint, load_tokenizer, vocab_differences
 from offload.errors import BadModelFile
+from offload.plan import format_bytes  # noqa: F401  (the one size format; the Models tab's)
 
 RECORD_VERSION = 1  # bump when the cached per-file record changes shape
 IDEAL_RATIO = (1 / 20, 1 / 4)  # draft size / target size where speculative decoding pays best
@@ -194,13 +195,6 @@ class DraftAdvice:
 
 
 # ---------------------------------------------------------------- small helpers
-
-
-def format_bytes(n: int | float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}" if unit == "GB" else f"{n / size:.0f} {unit}"
-    return f"{int(n)} B"
 
 
 def format_params(n: int | None) -> str | None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backends.base import ModelNotFound, RegistryError
+from offload.plan import format_bytes
 
 _BLOCK = 1 << 20  # 1 MiB reads: large enough to stream at disk speed, small enough for a smooth bar
 
@@ -214,8 +215,8 @@ def _assemble(parts: list[Path], f: ModelFile, dest: Path) -> None:
     free = shutil.disk_usage(dest.parent).free
     if free < need:
         raise RegistryError(
-            f"not enough disk space in {dest.parent} to assemble {f.filename}: need {need / 1e9:.2f} GB, "
-            f"have {free / 1e9:.2f} GB; free some space or set DSBD_CHAT_CACHE to another folder"
+            f"not enough disk space in {dest.parent} to assemble {f.filename}: need {format_bytes(need)}, "
+            f"have {format_bytes(free)}; free some space or set DSBD_CHAT_CACHE to another folder"
         )
     # Same folder as dest so os.replace is an atomic rename; a crash leaves only a dot-temp file.
     fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
@@ -314,7 +315,7 @@ def format_models_table(rows: list[dict]) -> str:
     """Plain-text table of `list_models()` rows, with install hints for anything missing."""
     head = ("preset", "role", "model", "size", "status", "location")
     body = [
-        (r["preset"], r["role"], r["name"], f"{r['size'] / 1e6:,.0f} MB", r["status"], r["location"])
+        (r["preset"], r["role"], r["name"], format_bytes(r['size']), r["status"], r["location"])
         for r in rows
     ]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]

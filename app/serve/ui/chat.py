@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import re
 import threading
 import time
 from typing import Iterator, NamedTuple
@@ -75,12 +74,16 @@ def skip_view(**changes) -> ChatView:
     return ChatView(**({f: gr.skip() for f in ChatView._fields} | changes))
 
 
-def prompt_messages(chat: dict) -> list[dict]:
+def turns_in_context(chat: dict | None, system: str) -> list[dict]:
+    """The system prompt and the turns of `chat` the model sees (from `context_from` on), as stored."""
+    sys_msg = [{"role": "system", "content": system}] if (system or "").strip() else []
+    return sys_msg + (chat["messages"][chat.get("context_from", 0):] if chat is not None else [])
+
+
+def prompt_messages(chat: dict, window: att.Window | None = None) -> list[dict]:
     """What the model sees: the system prompt and the turns from `context_from` on, each user turn with its files
     (whole, or the passages chosen when it was sent)."""
-    sys_msg = [{"role": "system", "content": chat["system"]}] if chat.get("system", "").strip() else []
-    turns = chat["messages"][chat.get("context_from", 0):]
-    return sys_msg + [{"role": m["role"], "content": att.message_content(m)} for m in turns]
+    return att.chat_prompt(turns_in_context(chat, chat.get("system", "")), window).messages
 
 
 def context_files(chat: dict | None) -> list[att.Attachment]:
@@ -119,7 +122,7 @@ def files_line(m: dict) -> str:
             what = "whole"
         else:
             what = f"lines {', '.join(used[a.name])}" if a.name in used else "not used"
-        chips.append(f"📎 `{a.name}` · {att.human_size(a.size)} · {what}")
+        chips.append(f"📎 `{a.name}` · {att.format_bytes(a.size)} · {what}")
     head = f"*{plan.describe(files)}*  \n" if plan is not None else ""
     return "\n\n" + head + "  \n".join(chips)
 
@@ -127,9 +130,7 @@ def files_line(m: dict) -> str:
 def diff_markdown(diffs: list[dict]) -> str:
     out = []
     for d in diffs:
-        fence = "`" * max(3, 1 + max((len(x) for x in re.findall(r"`{3,}", d["diff"])), default=0))
-        out.append(f"**Changes to `{d['name']}`** (+{d['added']} −{d['removed']}):\n{fence}diff\n"
-                   f"{d['diff'].rstrip(chr(10))}\n{fence}")
+        out.append(f"**Changes to `{d['name']}`** (+{d['added']} −{d['removed']}):\n{att.fenced(d['diff'], 'diff')}")
     return "\n\n" + "\n\n".join(out) if out else ""
 
 
@@ -182,22 +183,26 @@ class ChatUI:
             out.append(self._read[key])
         return out
 
+    def measure(self, messages: list[dict]) -> int:
+        """Tokens of chat messages as the loaded model's template renders them (estimated without a model)."""
+        try:
+            return len(self.engine.encode(messages))
+        except (NoModelLoaded, AttributeError, ValueError):
+            return sum(att.estimate_tokens(m["content"]) + 4 for m in messages)
+
+    @property
+    def n_ctx(self) -> int:
+        return int(getattr(self.engine, "n_ctx", 4096) or 4096)
+
+    def window(self, params) -> att.Window:
+        """The context a turn's files are fitted into for an answer with these DecodeParams."""
+        return att.Window(n_ctx=self.n_ctx, reserve=att.answer_reserve(params), measure=self.measure,
+                          count=self.count)
+
     def _history_tokens(self, chat: dict | None, system: str, text: str) -> int:
         """Tokens of the prompt without the new files: system prompt, the turns in context, the new text."""
-        base = prompt_messages(chat) if chat is not None else []
-        if chat is None and (system or "").strip():
-            base = [{"role": "system", "content": system}]
-        msgs = base + [{"role": "user", "content": text}]
-        try:
-            return len(self.engine.encode(msgs))
-        except (NoModelLoaded, AttributeError, ValueError):
-            return sum(att.estimate_tokens(m["content"]) + 4 for m in msgs)
-
-    def _fit(self, session: Session, system: str, settings: dict, text: str, files: list[att.Attachment]):
-        params = params_from(settings)
-        return att.fit(text, files, rest=self._history_tokens(session.chat, system, text),
-                       reserve=att.answer_reserve(params), n_ctx=int(getattr(self.engine, "n_ctx", 4096) or 4096),
-                       count=self.count)
+        turns = att.chat_prompt(turns_in_context(chat, system)).messages
+        return self.measure(turns + [{"role": "user", "content": text}])
 
     def preview(self, session: Session, box, system: str, *values) -> str:
         """The message box's files as chips (name, size, tokens; errors named) and the context budget."""
@@ -205,7 +210,7 @@ class ChatUI:
         if not paths:
             return ""
         read = self.read_files(paths)
-        lines = [f"📎 `{a.name}` · {att.human_size(a.size)} · {tokens:,} tokens" if isinstance(a, att.Attachment)
+        lines = [f"📎 `{a.name}` · {att.format_bytes(a.size)} · {tokens:,} tokens" if isinstance(a, att.Attachment)
                  else f"⚠️ {a} (it will not be sent: remove it)" for a, tokens in read]
         files = att.unique_names([a for a, _ in read if isinstance(a, att.Attachment)])
         if len(paths) > att.MAX_FILES:
@@ -215,7 +220,7 @@ class ChatUI:
                 budget = att.Budget(files=sum(t for a, t in read if isinstance(a, att.Attachment)),
                                     history=self._history_tokens(session.chat, system, text),
                                     answer=att.answer_reserve(params_from(settings_from_values(*values))),
-                                    n_ctx=int(getattr(self.engine, "n_ctx", 4096) or 4096))
+                                    n_ctx=self.n_ctx)
                 lines.append(budget.line())
             except (ConfigError, ValueError) as e:
                 lines.append(f"Context budget unknown: {e}")
@@ -308,12 +313,14 @@ class ChatUI:
             session.chat["context_from"] = min(session.chat.get("context_from", 0), last)
         session.editing = False
         message = {"role": "user", "content": text}
-        if files:
+        if files:  # fitted now, against the turns before it, and kept: later turns never change it
+            message["attachments"] = [a.as_dict() for a in files]
+            turns = turns_in_context(session.chat, system) + [message]
             try:
-                plan, _ = self._fit(session, system, settings, text, files)
+                plan = att.chat_prompt(turns, self.window(params_from(settings))).plans[len(turns) - 1]
             except (ConfigError, ValueError) as e:
                 return self.view(session, status=f"Not sent: {e}")
-            message |= {"attachments": [a.as_dict() for a in files], "context": plan.as_dict()}
+            message["context"] = plan.as_dict()
         chat = self._ensure_chat(session, system, settings)
         chat["messages"].append(message)
         session.pending, session.error, session.too_long, session.auto_drop = True, None, False, False
@@ -430,7 +437,7 @@ class ChatUI:
         while True:
             stream = None
             try:
-                stream = iter(self.engine.chat(prompt_messages(chat), params, cancel=cancel))
+                stream = iter(self.engine.chat(prompt_messages(chat, self.window(params)), params, cancel=cancel))
                 return stream, next(stream, None), dropped
             except PromptTooLong:
                 if stream is not None and hasattr(stream, "close"):

@@ -12,20 +12,13 @@ import gradio as gr
 
 from app.config import LOOKUP_SOURCES, MACHINES
 from app.config import load_presets as config_presets
-from app.config import FOREST_POLICIES, REPLACEMENTS, MAX_BEAMS, MAX_GAMMA, MODE_FACTS, MODES, QUALITY_LEVELS, UI_PRESET, DecodeParams
+from app.config import (FOREST_POLICIES, KNOBS, MAX_BEAMS, MAX_GAMMA, MODE_FACTS, MODES, QUALITY_LEVELS, REPLACEMENTS,
+                        SELECTS, UI_PRESET, DecodeParams)
 
 ASSETS = Path(__file__).resolve().parents[3] / "assets"
 FIELDS = ("preset", "mode", "quality", "max_new_tokens", "seed", "temperature", "top_k", "top_p", "beams",
           "draft_beams", "gamma", "threshold", "min_beams", "select", "length_penalty", "forest", "replacement",
           "lookup_nodes", "lookup_sources")
-QUALITY_INFO = "fast: sample / sps · beam: beam-sample / dsbd with ≥ 2 beams · dynamic: dsbd, W beams every step"
-FOREST_INFO = ("fixed: γ and W_S as set · adaptive: each iteration picks γ ≤ the slider (0 = no draft) and "
-               "W ≤ W_S ≤ the slider for the most steps per second (times the passes on first use)")
-REPLACEMENT_INFO = ("with: DSBD reproduces beam-sample-repl (beam sampling with replacement) · without: it reproduces "
-                    "beam-sample (conventional beam sampling: no two beams alike)")
-LOOKUP_INFO = "the most extra forest nodes per layer: more layers pass, a larger pass"
-SOURCES_INFO = ("draft: the draft model's likeliest undrawn pairs · match: continuations of the text in the "
-                "conversation and the beams · recycled: the model's own earlier predictions (no draft pass)")
 _INTS = ("max_new_tokens", "top_k", "beams", "draft_beams", "gamma", "min_beams", "lookup_nodes")
 _FLOATS = ("temperature", "top_p", "threshold", "length_penalty")
 CUSTOM = "Custom"
@@ -151,42 +144,32 @@ class DecodingPanel:
         s = default_settings() | (settings or {})
         vis = visibility(s["mode"])
         self.presets = load_presets()
-        v = {k: {"visible": vis[k]} for k in FIELDS}
+        # each knob's label and info as app.config.KNOBS states them
+        v = {k: {"visible": vis[k]} | ({"label": KNOBS[k].label, "info": KNOBS[k].plain} if k in KNOBS else {})
+             for k in FIELDS}
         w = {
             "preset": gr.Radio([*self.presets, CUSTOM], value=s["preset"], label="Preset",
                                info=self._preset_info(s["preset"]), elem_id="preset", **v["preset"]),
             "mode": gr.Dropdown(list(MODES), value=s["mode"], label="Decoding mode", elem_id="mode", **v["mode"]),
-            "quality": gr.Radio(list(QUALITY_LEVELS), value=s["quality"], label="Auto: quality level",
-                                info=QUALITY_INFO, elem_id="quality", **v["quality"]),
-            "max_new_tokens": gr.Slider(1, 2048, value=s["max_new_tokens"], step=1, label="Max new tokens",
-                                        **v["max_new_tokens"]),
-            "seed": gr.Number(value=_seed_widget(s.get("seed")), precision=0, label="Seed (-1 = random)", minimum=-1,
-                              **v["seed"]),
-            "temperature": gr.Slider(0.05, 2.0, value=s["temperature"], step=0.05, label="Temperature T",
-                                     **v["temperature"]),
-            "top_k": gr.Slider(0, 200, value=s["top_k"], step=1, label="Top-k (0 = off)", **v["top_k"]),
-            "top_p": gr.Slider(0.05, 1.0, value=s["top_p"], step=0.01, label="Top-p (1 = off)", **v["top_p"]),
-            "beams": gr.Slider(1, MAX_BEAMS, value=s["beams"], step=1, label="Beams W", **v["beams"]),
-            "draft_beams": gr.Slider(0, 4 * MAX_BEAMS, value=s["draft_beams"] or 0, step=1,
-                                     label="Draft beams W_S (0 = W+1)", **v["draft_beams"]),
-            "gamma": gr.Slider(0, MAX_GAMMA, value=s["gamma"], step=1, label="Draft length γ", **v["gamma"]),
-            "threshold": gr.Slider(0.0, 1.0, value=s["threshold"], step=0.01, label="Width threshold t",
-                                   **v["threshold"]),
-            "min_beams": gr.Slider(1, MAX_BEAMS, value=s["min_beams"], step=1, label="Min beams W_min",
-                                   **v["min_beams"]),
-            "select": gr.Radio(["best", "sample"], value=s["select"], label="Carry between iterations",
-                               **v["select"]),
-            "length_penalty": gr.Slider(0.0, 2.0, value=s["length_penalty"], step=0.1, label="Length penalty λ",
-                                        **v["length_penalty"]),
-            "forest": gr.Radio(list(FOREST_POLICIES), value=s["forest"], label="Forest size",
-                               info=FOREST_INFO, elem_id="forest", **v["forest"]),
-            "replacement": gr.Radio(list(REPLACEMENTS), value=s["replacement"], label="Drafts drawn",
-                                    info=REPLACEMENT_INFO, elem_id="replacement", **v["replacement"]),
-            "lookup_nodes": gr.Slider(0, 16, value=s["lookup_nodes"], step=1, label="Lookup nodes per layer",
-                                      info=LOOKUP_INFO, **v["lookup_nodes"]),
+            "quality": gr.Radio(list(QUALITY_LEVELS), value=s["quality"], elem_id="quality", **v["quality"]),
+            "max_new_tokens": gr.Slider(1, 2048, value=s["max_new_tokens"], step=1, **v["max_new_tokens"]),
+            "seed": gr.Number(value=_seed_widget(s.get("seed")), precision=0, minimum=-1, **v["seed"]),
+            "temperature": gr.Slider(0.05, 2.0, value=s["temperature"], step=0.05, **v["temperature"]),
+            "top_k": gr.Slider(0, 200, value=s["top_k"], step=1, **v["top_k"]),
+            "top_p": gr.Slider(0.05, 1.0, value=s["top_p"], step=0.01, **v["top_p"]),
+            "beams": gr.Slider(1, MAX_BEAMS, value=s["beams"], step=1, **v["beams"]),
+            "draft_beams": gr.Slider(0, 4 * MAX_BEAMS, value=s["draft_beams"] or 0, step=1, **v["draft_beams"]),
+            "gamma": gr.Slider(0, MAX_GAMMA, value=s["gamma"], step=1, **v["gamma"]),
+            "threshold": gr.Slider(0.0, 1.0, value=s["threshold"], step=0.01, **v["threshold"]),
+            "min_beams": gr.Slider(1, MAX_BEAMS, value=s["min_beams"], step=1, **v["min_beams"]),
+            "select": gr.Radio(list(SELECTS), value=s["select"], **v["select"]),
+            "length_penalty": gr.Slider(0.0, 2.0, value=s["length_penalty"], step=0.1, **v["length_penalty"]),
+            "forest": gr.Radio(list(FOREST_POLICIES), value=s["forest"], elem_id="forest", **v["forest"]),
+            "replacement": gr.Radio(list(REPLACEMENTS), value=s["replacement"], elem_id="replacement",
+                                    **v["replacement"]),
+            "lookup_nodes": gr.Slider(0, 16, value=s["lookup_nodes"], step=1, **v["lookup_nodes"]),
             "lookup_sources": gr.CheckboxGroup(list(LOOKUP_SOURCES), value=list(s["lookup_sources"]),
-                                               label="Lookup nodes from", info=SOURCES_INFO, elem_id="lookup-sources",
-                                               **v["lookup_sources"]),
+                                               elem_id="lookup-sources", **v["lookup_sources"]),
         }
         self.widgets = w
         self.components = [w[k] for k in FIELDS]

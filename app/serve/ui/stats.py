@@ -6,8 +6,7 @@ import sys
 
 import psutil
 
-_MiB = 1 << 20
-_GiB = 1 << 30
+from app.engine.planning import format_bytes
 
 
 def _num(v, fmt: str, unit: str = "") -> str:
@@ -15,9 +14,7 @@ def _num(v, fmt: str, unit: str = "") -> str:
 
 
 def _bytes(n) -> str:
-    if not isinstance(n, (int, float)) or n <= 0:
-        return "–"
-    return f"{n / _GiB:.2f} GiB" if n >= _GiB else f"{n / _MiB:.1f} MiB"
+    return format_bytes(n) if isinstance(n, (int, float)) and n > 0 else "–"
 
 
 def memory_line() -> str:

@@ -21,6 +21,14 @@ SHAPES = [(ws, wl) for ws in (1, 2, 3) for wl in range(1, ws + 1)]
 BACKENDS = {"numpy": rowmath.NumpyRows(), "torch-float64": rowmath.make("torch-float64")}
 
 
+@pytest.fixture(params=["torch", "compiled"])
+def fast(request):
+    """The float32 backends: torch on the CPU, and the compiled kernels (the CPU default) where numba runs."""
+    if request.param == "compiled":
+        pytest.importorskip("numba", reason="the compiled kernels need numba")
+    return rowmath.make(request.param)
+
+
 def torch_law(tm, p: Joint, n_rows: int):
     """p as a torch dense law: rows of log p with row scores log(row mass), so p_beam = p."""
     table = np.zeros((n_rows, p.vocab))
@@ -156,9 +164,9 @@ def qwen_pair():
 
 @pytest.mark.parametrize("warp", [Warp(), Warp(0.7), Warp(1.0, top_k=20), Warp(0.7, top_p=0.9),
                                   Warp(0.8, top_k=50, top_p=0.95)], ids=str)
-def test_float32_torch_draws_the_references_keys_on_qwen_sized_rows(qwen_pair, warp):
+def test_float32_backends_draw_the_references_keys_on_qwen_sized_rows(qwen_pair, warp, fast):
     x, _, scores = qwen_pair
-    ref, tm = rowmath.NumpyRows(), rowmath.make("torch")
+    ref, tm = rowmath.NumpyRows(), fast
     pr, pt = ref.law(ref.rows(x), scores, warp), tm.law(tm.rows(x), scores, warp)
     assert len(pr) == len(pt)
     keys = pr.keys
@@ -176,7 +184,7 @@ def test_float32_torch_draws_the_references_keys_on_qwen_sized_rows(qwen_pair, w
     assert list(ref.law(ref.rows(x), dead, warp).top(12)) == list(tm.law(tm.rows(x), dead, warp).top(12))
 
 
-def test_normalisers_are_the_references_on_every_kind_of_row():
+def test_normalisers_are_the_references_on_every_kind_of_row(fast):
     """One normaliser per row from the rows' softmax (its largest cell gives the shift): the reference's log-probs
     within float32 rounding for far-off, flat, masked, one-cell and Qwen-sized rows; the same where a row with
     no finite cell sends the whole set down the plain exp path; and a law on those exponentials (T = 1) or on the
@@ -189,7 +197,7 @@ def test_normalisers_are_the_references_on_every_kind_of_row():
     x[4, rng.integers(0, 151936, 100_000)] = -np.inf  # masked ids
     x[5] = -np.inf
     x[5, 17] = 2.5  # one cell
-    ref, tm = rowmath.NumpyRows(), rowmath.make("torch")
+    ref, tm = rowmath.NumpyRows(), fast
     dead = np.full((1, 151936), -np.inf, np.float32)
     for rows in (x, np.concatenate([x, dead])):
         a, b = ref.rows(rows), tm.rows(rows)
@@ -287,10 +295,10 @@ def test_a_head_holds_every_cell_its_need_reaches():
 
 
 @pytest.mark.parametrize("without", [False, True], ids=["with", "without"])
-def test_float32_torch_verifies_as_the_reference_on_qwen_sized_rows(qwen_pair, without):
+def test_float32_backends_verify_as_the_reference_on_qwen_sized_rows(qwen_pair, without, fast):
     """The same drafts and seeds give the same accepted drafts, corrections and fills; alpha within 1e-6."""
     x, y, scores = qwen_pair
-    ref, tm = rowmath.NumpyRows(), rowmath.make("torch")
+    ref, tm = rowmath.NumpyRows(), fast
     pr, pt = ref.law(ref.rows(x), scores, Warp()), tm.law(tm.rows(x), scores, Warp())
     qr, qt = ref.law(ref.rows(y), scores, Warp()), tm.law(tm.rows(y), scores, Warp())
     one = [[0], [1], [2], [3]]
@@ -325,7 +333,7 @@ def test_vectorised_width_law_equals_the_textbook_table():
 def test_an_unknown_backend_is_a_clear_error_and_auto_runs():
     with pytest.raises(ValueError, match="unknown row-math backend 'gpu'"):
         rowmath.make("gpu")
-    assert rowmath.make("auto").name in ("torch-cpu", "numpy")
+    assert rowmath.make("auto").name in ("compiled", "torch-cpu", "numpy")
 
 
 def test_a_cuda_backend_without_cuda_falls_back_to_the_reference_at_once(monkeypatch, caplog):

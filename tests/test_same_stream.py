@@ -29,9 +29,11 @@ def tiny(tiny_gguf_path):
     model.close()
 
 
-@pytest.fixture(autouse=True, params=["torch", "numpy"])
+@pytest.fixture(autouse=True, params=["compiled", "torch", "numpy"])
 def backend(request):
-    """Both row-math backends: the production torch path (float32) and the reference."""
+    """Every row-math backend: the CPU default (compiled kernels), torch (float32) and the reference."""
+    if request.param == "compiled":
+        pytest.importorskip("numba", reason="the compiled kernels need numba")
     before = rowmath.backend()
     rowmath.use(rowmath.make(request.param))
     yield request.param

@@ -1,6 +1,7 @@
 """The compiled row kernels (app/decoding/rowmath/kernels.py) against the torch backend's passes on this CPU:
-ms per call on cold Qwen-sized rows (151,936), numba at 1 and 2 threads, torch at 1 and 2 threads, and the kernels'
-compile and cache-load times. No model needed; a few minutes on 2 cores.
+ms per call on cold Qwen-sized rows (151,936), numba at 1 and 2 threads, torch at 1 and 2 threads; beside them the
+norms design not taken (every row split by blocks), the cost of one call under each numba threading layer, and the
+kernels' compile and cache-load times. No model needed; a few minutes on 2 cores.
 
     python scripts/measure_kernels.py [--rows 1 4 16 24 64] [--calls 60] [--pool-gb 1.1] [--json F]
 
@@ -27,6 +28,7 @@ import numpy as np
 import _common  # noqa: F401  (the repository on sys.path)
 
 V = 151_936
+CDF_BLOCK_CELLS = 4096
 KERNELS = "app.decoding.rowmath.kernels"
 
 
@@ -62,6 +64,36 @@ def compile_times() -> dict:
             run = subprocess.run([sys.executable, __file__, "--warm-only"], env=env, capture_output=True, text=True,
                                  check=True)
             out[label] = json.loads(run.stdout.strip().splitlines()[-1])
+    return out
+
+
+def call_costs() -> dict:
+    """This process, its threading layer: median us of norms on one row in cache, of 4,096 cells and of 151,936."""
+    import numba
+
+    k = load_kernels()
+    k.warm()
+    out = {"layer": numba.threading_layer()}
+    for size in (CDF_BLOCK_CELLS, V):
+        x = np.random.default_rng(0).normal(0, 2, (1, size)).astype(np.float32)
+        e, eb = np.empty_like(x), np.empty((1, k.blocks(size)))
+        times = []
+        for _ in range(3000):
+            t0 = time.perf_counter()
+            k.norms(x, e, eb)
+            times.append(time.perf_counter() - t0)
+        out[f"norms 1 x {size} us"] = round(float(np.median(times)) * 1e6, 2)
+    return out
+
+
+def layers() -> list[dict]:
+    """`call_costs` under each threading layer (OpenMP also with passive waiting), each in a fresh process."""
+    out = []
+    for env in ({"NUMBA_THREADING_LAYER": "omp"}, {"NUMBA_THREADING_LAYER": "omp", "OMP_WAIT_POLICY": "passive"},
+                {"NUMBA_THREADING_LAYER": "workqueue"}):
+        run = subprocess.run([sys.executable, __file__, "--call-costs"], env=dict(os.environ, **env),
+                             capture_output=True, text=True, check=True)
+        out.append(env | json.loads(run.stdout.strip().splitlines()[-1]))
     return out
 
 
@@ -135,9 +167,10 @@ def main() -> None:
     ap.add_argument("--quiet-s", type=float, default=30.0)
     ap.add_argument("--json")
     ap.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--call-costs", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.warm_only:
-        print(json.dumps(warm_times()))
+    if a.warm_only or a.call_costs:
+        print(json.dumps(warm_times() if a.warm_only else call_costs()))
         return
 
     import numba
@@ -145,7 +178,8 @@ def main() -> None:
 
     from app.decoding import rowmath
 
-    out: dict = {"machine": _common.machine(), "load_before": os.getloadavg(), "compile": compile_times()}
+    out: dict = {"machine": _common.machine(), "load_before": os.getloadavg(), "compile": compile_times(),
+                 "layers": layers()}
     k = load_kernels()
     k.warm()
     tr = rowmath.TorchRows("cpu")
@@ -166,6 +200,8 @@ def main() -> None:
         e, eb = np.empty((n, V), np.float32), np.empty((n, k.blocks(V)))
         res = timed({"kernel_1t": (numba_threads(1), lambda x: k.norms(x, e, eb)),
                      "kernel_2t": (numba_threads(2), lambda x: k.norms(x, e, eb)),
+                     # the design not taken: every row split by blocks, two parallel passes over all rows
+                     "blocks_only_2t": (numba_threads(2), lambda x: k._norms(k._input(x, 2), e, eb, len(x) + 1)),
                      "torch_1t": (torch_threads(1), lambda x: tr._norms(torch.from_numpy(x))),
                      "torch_2t": (torch_threads(2), lambda x: tr._norms(torch.from_numpy(x)))}, pool, n, a.calls)
         row = {"rows": n, "idle_before": idle} | {f"{m}_ms": v[0] for m, v in res.items()} | {

@@ -1,0 +1,460 @@
+"""Compiled CPU row kernels: the host row math's passes over float32 logits, each in one compiled call on every core.
+
+    m = norms(x, e, eb)                     # e = exp(x - m), eb its block sums: lse = m + log(eb.sum(1))
+    exp_blocks(x, shift, inv_t, e, eb)      # e = exp((x - shift) / T) and its block sums
+    block_sums(flat, out)                   # float64 sums of a flat float32 array's blocks
+    scaled(e, scale, out)                   # out = e * scale_row, flat: a law's normalised cells
+    total = residual_blocks(p, q, s, out)   # the block sums and total of u = max(p - s q, 0), u not stored
+    residual_cells(p, q, s, lo, hi)         # u's cells lo..hi, bit for bit those residual_blocks summed
+
+Layout: cells are float32; sums are float64, over consecutive CDF_BLOCK-cell blocks of each row (a row's last
+block short), the blocks the inverse-CDF draws read. Inputs are C-contiguous arrays (converted if not); outputs are
+arrays the caller owns and reuses, checked, never reallocated.
+
+Exactness: exp is a float32 polynomial within ~1 ulp (relative error < 1e-7) of the float64 exp of the same float32
+argument; -inf gives 0, and so do arguments below ln(2^-126) (results under float32's smallest normal number).
+Logits must be finite or -inf; nothing then yields NaN. Sums are float64 in any order of addition, so a row's
+log-sum-exp is within ~1e-7 of the float64 one. No `fastmath=True`: it lets LLVM assume there are no infinities.
+
+Threads: each call splits its rows, or their blocks, over numba's threads, so one row uses every core (`numba.set_num_threads`
+in the calling thread lowers the count). Calls from several Python threads take turns on one lock. `warm()`
+compiles or loads every kernel from numba's cache; call it off the answer's path. Without numba this module raises
+ImportError on import; `available()` says whether the kernels compiled and passed a check.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from app.decoding.sampling import CDF_BLOCK
+
+try:
+    import numba
+    from llvmlite import ir
+    from numba import njit, prange, types
+    from numba.extending import intrinsic
+except ImportError as e:  # the one place a missing numba shows: callers fall back to the reference
+    raise ImportError(f"the compiled row kernels need numba: {e}") from e
+
+
+def _layer() -> str:
+    """OpenMP where numba's OpenMP pool loads, else workqueue (always present). On a 2-vCPU VM a norms call on
+    4,096 cells took 10 us under OpenMP and 330 us under workqueue (190 us under OpenMP told to wait passively):
+    waking a sleeping thread costs that much there, and OpenMP's workers spin a moment between calls instead."""
+    try:
+        from numba.np.ufunc import omppool  # noqa: F401
+    except ImportError:
+        return "workqueue"
+    return "omp"
+
+
+def _choose_layer() -> None:
+    """Set numba's threading layer unless the environment (NUMBA_THREADING_LAYER) or an earlier parallel call did."""
+    try:
+        numba.threading_layer()  # raises until a first parallel call has started a layer
+    except ValueError:
+        if numba.config.THREADING_LAYER == "default":
+            numba.config.THREADING_LAYER = _layer()
+
+
+_choose_layer()
+
+# One parallel call at a time: two would oversubscribe the cores, and workqueue aborts the process on them.
+_LOCK = threading.Lock()
+
+# Sums may be reordered (vectorised); cells never see these flags (see _exp, _residual).
+_SUMS = {"reassoc", "contract", "nsz", "arcp"}
+
+# ----------------------------------------------------------------------------------------- float32 bit tricks
+
+_I32 = ir.IntType(32)
+
+
+def _flip(builder, bits):
+    """Sign-magnitude to two's complement order: flip the magnitude bits of negatives (an involution)."""
+    mask = builder.and_(builder.ashr(bits, ir.Constant(_I32, 31)), ir.Constant(_I32, 0x7FFFFFFF))
+    return builder.xor(bits, mask)
+
+
+@intrinsic
+def _order_key(typingctx, x):
+    """A float32 as an int32 whose signed order is the floats' order: an integer max vectorises, a float max
+    does not in numba (NaN rules)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _flip(builder, builder.bitcast(args[0], _I32))
+
+    return types.int32(types.float32), codegen
+
+
+@intrinsic
+def _key_value(typingctx, k):
+    """The float32 whose `_order_key` is k."""
+    if k != types.int32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(_flip(builder, args[0]), ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+@intrinsic
+def _pow2(typingctx, t):
+    """2^n for t = n + 1.5 * 2^23, n an integer in [-126, 127]: n sits in t's low mantissa bits, so
+    (bits(t) - bits(1.5 * 2^23) + 127) << 23 is 2^n's exponent field."""
+    if t != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        bits = builder.add(builder.bitcast(args[0], _I32), ir.Constant(_I32, 127 - 0x4B400000))
+        return builder.bitcast(builder.shl(bits, ir.Constant(_I32, 23)), ir.FloatType())
+
+    return types.float32(types.float32), codegen
+
+
+# ------------------------------------------------------------------------------------------------ float32 exp
+
+_F = np.float32
+_ZERO, _ONE = _F(0.0), _F(1.0)
+_LOG2E = _F(1.4426950408889634)
+_LN2_HI = _F(0.693359375)  # ln 2 in 9 bits: n * _LN2_HI is exact for |n| < 2^15
+_LN2_LO = _F(-2.12194440e-4)  # ln 2 - _LN2_HI
+_ROUND = _F(12582912.0)  # 1.5 * 2^23: adding it rounds a float32 below 2^22 to an integer
+_FLOOR = _F(-87.33654)  # ln(2^-126): below it the result is no normal float32
+# e^r = 1 + r + r^2 q(r) on |r| <= ln(2) / 2, q a degree-4 minimax fit in relative error (3.9e-9)
+_Q0, _Q1, _Q2, _Q3, _Q4 = _F(4.9999988e-01), _F(1.6666518e-01), _F(4.1669488e-02), _F(8.36891e-03), _F(1.3753952e-03)
+
+
+@njit(fastmath={"contract"}, cache=True)
+def _exp(d):
+    """exp(d) in float32, within ~1 ulp: d = n ln2 + r (Cody-Waite, |r| <= ln2 / 2), a degree-6 polynomial for
+    e^r, 2^n from the bits. -inf and d < ln(2^-126) give 0; d <= 88 is exact, larger d overflows to inf.
+    Contraction (FMA) only: reassociation would add 1 + r before the small terms and lose bits."""
+    c = max(d, _FLOOR)
+    t = c * _LOG2E + _ROUND
+    n = t - _ROUND
+    r = (c - n * _LN2_HI) - n * _LN2_LO
+    q = (((_Q4 * r + _Q3) * r + _Q2) * r + _Q1) * r + _Q0
+    y = (q * (r * r) + r) + _ONE
+    return y * _pow2(t) if d >= _FLOOR else _ZERO
+
+
+@njit(fastmath={"contract"}, cache=True)
+def _exp_at(x, shift, inv_t):
+    """exp((x - shift) * inv_t), the argument rounded as float32 arithmetic does (no FMA can form: sub, then mul)."""
+    return _exp((x - shift) * inv_t)
+
+
+@njit(fastmath={"contract"}, cache=True)
+def _exp_less(x, shift):
+    """exp(x - shift)."""
+    return _exp(x - shift)
+
+
+@njit(fastmath=False, cache=True)
+def _residual(p, q, s):
+    """max(p - s q, 0) in float32: a product then a difference, each rounded, as numpy computes it. fastmath=False
+    explicitly: a helper left unset inherits its first caller's flags, and contraction would fuse an FMA."""
+    return max(p - s * q, _ZERO)
+
+
+# ------------------------------------------------------------------------------------------------ block passes
+
+@njit(cache=True)
+def _span(k, nb, size):
+    """Task k's (row, first cell, end) in rows of nb blocks: the parallel index may be unsigned, and numba types
+    unsigned with signed arithmetic as float."""
+    k = np.int64(k)
+    r, j = k // nb, k % nb
+    return r, j * CDF_BLOCK, min((j + 1) * CDF_BLOCK, size)
+
+
+# Each loop below runs over whole arrays (slices) from index 0: with a range(lo, hi) LLVM cannot rule out
+# negative indices, numba's wraparound makes the addresses non-affine, and the loop turns into gathers and scatters.
+
+@njit(fastmath=_SUMS, cache=True)
+def _max_key(x):
+    k = np.int32(-2147483648)
+    for i in range(x.size):
+        k = max(k, _order_key(x[i]))
+    return k
+
+
+@njit(cache=True)
+def _max_of(key):
+    """A row max from its order key: 0 where no cell is finite (an all -inf row)."""
+    top = _key_value(key)
+    return top if np.isfinite(top) else _ZERO
+
+
+@njit(fastmath=_SUMS, cache=True)
+def _exp_sum(x, shift, inv_t, e):
+    """e = exp((x - shift) * inv_t) and its float64 sum (at inv_t = 1 no product: exactly exp(x - shift))."""
+    s = 0.0
+    if inv_t == _ONE:
+        for i in range(x.size):
+            v = _exp_less(x[i], shift)
+            e[i] = v
+            s += v
+    else:
+        for i in range(x.size):
+            v = _exp_at(x[i], shift, inv_t)
+            e[i] = v
+            s += v
+    return s
+
+
+@njit(fastmath=_SUMS, cache=True)
+def _row_norm(x, e, eb):
+    """One row on one thread: its max, then exp and block sums with the row still in this core's cache."""
+    m = _max_of(_max_key(x))
+    for j in range(eb.size):
+        lo, hi = j * CDF_BLOCK, min((j + 1) * CDF_BLOCK, x.size)
+        eb[j] = _exp_sum(x[lo:hi], m, _ONE, e[lo:hi])
+    return m
+
+
+@njit(parallel=True, fastmath=_SUMS, cache=True)
+def _norms(x, e, eb, threads):
+    """Whole rows per thread while every thread has one; the rows left over (fewer than the threads) split by
+    blocks in two parallel passes, block maxima then exp, so that one row still uses every core. (The caller
+    passes the thread count: a kernel that asks numba for it cannot be cached.)"""
+    n, size = x.shape
+    nb = eb.shape[1]
+    m = np.zeros(n)
+    whole = n - n % threads
+    if whole:
+        for r in prange(whole):
+            m[r] = _row_norm(x[r], e[r], eb[r])
+    left = n - whole
+    if left:
+        keys = np.empty((left, nb), np.int32)
+        for k in prange(left * nb):
+            r, lo, hi = _span(k, nb, size)
+            keys[r, k % nb] = _max_key(x[whole + r, lo:hi])
+        for r in range(left):
+            m[whole + r] = _max_of(keys[r].max())
+        for k in prange(left * nb):
+            r, lo, hi = _span(k, nb, size)
+            row = whole + r
+            eb[row, k % nb] = _exp_sum(x[row, lo:hi], _F(m[row]), _ONE, e[row, lo:hi])
+    return m
+
+
+@njit(parallel=True, fastmath=_SUMS, cache=True)
+def _exp_blocks(x, shift, inv_t, e, eb):
+    n, size = x.shape
+    nb = eb.shape[1]
+    for k in prange(n * nb):
+        r, lo, hi = _span(k, nb, size)
+        eb[r, k % nb] = _exp_sum(x[r, lo:hi], _F(shift[r]), inv_t, e[r, lo:hi])
+
+
+@njit(fastmath=_SUMS, cache=True)
+def _sum(x):
+    s = 0.0
+    for i in range(x.size):
+        s += x[i]
+    return s
+
+
+@njit(parallel=True, fastmath=_SUMS, cache=True)
+def _block_sums(flat, out):
+    for j in prange(out.size):
+        out[j] = _sum(flat[j * CDF_BLOCK:(j + 1) * CDF_BLOCK])
+
+
+@njit(fastmath=_SUMS, cache=True)
+def _scale(e, c, out):
+    for i in range(e.size):
+        out[i] = e[i] * c
+
+
+@njit(parallel=True, fastmath=_SUMS, cache=True)
+def _scaled(e, scale, out):
+    n, size = e.shape
+    nb = (size + CDF_BLOCK - 1) // CDF_BLOCK
+    for k in prange(n * nb):
+        r, lo, hi = _span(k, nb, size)
+        _scale(e[r, lo:hi], _F(scale[r]), out[r, lo:hi])
+
+
+@njit(fastmath=_SUMS, cache=True)
+def _residual_sum(p, q, s):
+    acc = 0.0
+    for i in range(p.size):
+        acc += _residual(p[i], q[i], s)
+    return acc
+
+
+@njit(parallel=True, fastmath=_SUMS, cache=True)
+def _residual_blocks(p, q, s, out):
+    for j in prange(out.size):
+        lo, hi = j * CDF_BLOCK, (j + 1) * CDF_BLOCK
+        out[j] = _residual_sum(p[lo:hi], q[lo:hi], s)
+    return out.sum()
+
+
+@njit(cache=True)
+def _residual_cells(p, q, s):
+    out = np.empty(p.size)
+    for i in range(p.size):
+        out[i] = _residual(p[i], q[i], s)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------- the API
+
+def blocks(size: int) -> int:
+    """Blocks of CDF_BLOCK cells in `size` cells (the last one short)."""
+    return -(-size // CDF_BLOCK)
+
+
+def _input(a, ndim: int) -> np.ndarray:
+    """a as a C-contiguous float32 array, read-only (one compiled variant per kernel, whatever the caller's flags)."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if a.ndim != ndim:
+        raise ValueError(f"expected a {ndim}-d array, got shape {a.shape}")
+    a = a.view()
+    a.flags.writeable = False
+    return a
+
+
+def _output(a: np.ndarray, dtype, shape: tuple[int, ...], name: str) -> None:
+    if not (isinstance(a, np.ndarray) and a.dtype == dtype and a.shape == shape and a.flags.c_contiguous
+            and a.flags.writeable):
+        got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+        raise ValueError(f"{name} must be a writable C-contiguous {np.dtype(dtype)} array of shape {shape}, got {got}")
+
+
+def _row_scalars(a, n: int) -> np.ndarray:
+    a = np.ascontiguousarray(a, dtype=np.float64).reshape(-1)
+    if a.size != n:
+        raise ValueError(f"expected {n} per-row values, got {a.size}")
+    a = a.view()
+    a.flags.writeable = False
+    return a
+
+
+def norms(x, e_out: np.ndarray, eb_out: np.ndarray) -> np.ndarray:
+    """Each row's max m (float64 [n]; 0 for a row with no finite cell), e = exp(x - float32(m)) into e_out
+    (float32 [n, V]) and e's float64 block sums into eb_out ([n, blocks(V)]): lse = m + log(eb_out.sum(1)).
+
+    Two passes over a row, the second from cache: its max (an integer max of order keys), then exp and the sums.
+    The max must come first: e is exp(x - m) as float32 computes it, not a running sum rescaled. Each thread takes
+    whole rows while there are rows for all; the rest are split by blocks, so one row still uses every core."""
+    x = _input(x, 2)
+    n, size = x.shape
+    _output(e_out, np.float32, (n, size), "e_out")
+    _output(eb_out, np.float64, (n, blocks(size)), "eb_out")
+    with _LOCK:
+        return _norms(x, e_out, eb_out, numba.get_num_threads())
+
+
+def exp_blocks(x, shift, inv_t: float, e_out: np.ndarray, eb_out: np.ndarray) -> None:
+    """e = exp((x - float32(shift_r)) * float32(inv_t)) into e_out (float32 [n, V]) and its float64 block sums into
+    eb_out ([n, blocks(V)]); a temperature law passes shift = the row max and inv_t = 1 / T."""
+    x = _input(x, 2)
+    n, size = x.shape
+    _output(e_out, np.float32, (n, size), "e_out")
+    _output(eb_out, np.float64, (n, blocks(size)), "eb_out")
+    with _LOCK:
+        _exp_blocks(x, _row_scalars(shift, n), _F(inv_t), e_out, eb_out)
+
+
+def block_sums(flat, out: np.ndarray) -> np.ndarray:
+    """Float64 sums of a flat float32 array's consecutive CDF_BLOCK-cell blocks (the last short) into out."""
+    flat = _input(flat, 1)
+    _output(out, np.float64, (blocks(flat.size),), "out")
+    with _LOCK:
+        _block_sums(flat, out)
+    return out
+
+
+def scaled(e, scale, out: np.ndarray) -> np.ndarray:
+    """out[r * V + t] = e[r, t] * float32(scale[r]), float32, flat [n * V]: a law's cells from e and each row's
+    float64 scale, rounded once as the product of two float32 numbers."""
+    e = _input(e, 2)
+    n, size = e.shape
+    _output(out, np.float32, (n * size,), "out")
+    with _LOCK:
+        _scaled(e, _row_scalars(scale, n), out.reshape(n, size))
+    return out
+
+
+def residual_blocks(p, q, s: float, out: np.ndarray) -> float:
+    """The float64 block sums (into out, [blocks(N)]) and total of u = max(p - float32(s) * q, 0) over flat float32
+    p and q [N], in one pass that stores no cell: the residual chain's mass M(s) and the blocks a draw from u
+    reads. Cells are computed as `residual_cells` computes them."""
+    p, q = _input(p, 1), _input(q, 1)
+    if p.size != q.size:
+        raise ValueError(f"p and q differ in size: {p.size} and {q.size}")
+    _output(out, np.float64, (blocks(p.size),), "out")
+    with _LOCK:
+        return float(_residual_blocks(p, q, _F(s), out))
+
+
+def residual_cells(p, q, s: float, lo: int, hi: int) -> np.ndarray:
+    """u = max(p - float32(s) * q, 0) on cells lo..hi, float32 arithmetic (a product, then a difference, each
+    rounded: numpy's float32 result bit for bit), as float64: one block for an inverse-CDF scan."""
+    p, q = _input(p, 1), _input(q, 1)
+    if not 0 <= lo <= hi <= min(p.size, q.size):
+        raise ValueError(f"cells {lo}..{hi} outside 0..{min(p.size, q.size)}")
+    return _residual_cells(p[lo:hi], q[lo:hi], _F(s))
+
+
+# ----------------------------------------------------------------------------------------- warm-up and status
+
+_STATUS: list = []  # [(ok, reason, seconds)] once warm() has run
+_WARMING = threading.Lock()
+
+
+def warm() -> tuple[bool, str, float]:
+    """Compile (or load from numba's cache) every kernel on small arrays and check them against numpy:
+    (ok, reason if not, seconds). Runs once; later calls return the first result."""
+    with _WARMING:
+        if not _STATUS:
+            t0 = time.perf_counter()
+            try:
+                _check()
+                _STATUS.append((True, "", time.perf_counter() - t0))
+            except Exception as e:  # noqa: BLE001 - any compile or check failure means "use the reference"
+                _STATUS.append((False, f"{type(e).__name__}: {e}", time.perf_counter() - t0))
+        return _STATUS[0]
+
+
+def available() -> tuple[bool, str]:
+    """(whether the kernels compiled and passed their check, why not): warms them first if no one has."""
+    ok, reason, _ = warm()
+    return ok, reason
+
+
+def _check() -> None:
+    """Every kernel once, with the types the callers pass, against numpy at float32 tolerance."""
+    x = np.linspace(-30.0, 5.0, 2 * (CDF_BLOCK + 5), dtype=np.float32).reshape(2, -1)
+    x[1, 7] = -np.inf
+    x64 = x.astype(np.float64)
+    n, size = x.shape
+    e, eb = np.empty_like(x), np.empty((n, blocks(size)))
+    m = norms(x, e, eb)
+    _close(m, x.max(1))
+    _close(e, np.exp(x64 - m[:, None]))
+    _close(eb.sum(1), np.exp(x64 - m[:, None]).sum(1))
+    exp_blocks(x, m, 1.25, e, eb)
+    _close(e, np.exp((x64 - m[:, None]) * 1.25))
+    flat = scaled(e, np.array([0.5, 2.0]), np.empty(n * size, np.float32))
+    _close(flat, (e * np.array([[0.5], [2.0]])).ravel())
+    _close(block_sums(flat, np.empty(blocks(flat.size))).sum(), flat.sum(dtype=np.float64))
+    p, q = flat / flat.sum(), flat[::-1] / flat.sum()
+    _close(residual_blocks(p, q, 0.5, np.empty(blocks(p.size))), residual_cells(p, q, 0.5, 0, p.size).sum())
+
+
+def _close(got, want) -> None:
+    if not np.allclose(got, want, rtol=1e-5, atol=1e-30):
+        raise ArithmeticError(f"a compiled row kernel disagrees with numpy: {got} against {want}")

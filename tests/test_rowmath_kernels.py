@@ -1,0 +1,236 @@
+"""The compiled row kernels (app/decoding/rowmath/kernels.py) against float64 numpy: exp within 2 float32 ulps of
+the float64 exp of the same float32 argument, block sums and log-sum-exp within 1e-6, residual cells bit for bit
+numpy's float32 formula, no NaN; on Qwen-sized rows and odd sizes, with -inf masks and extreme logits; two Python
+threads at once; a reassociated exp (the flag the kernels refuse) fails the tolerance."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba", reason="numba is not installed: the compiled row kernels are optional")
+
+from app.decoding.sampling import CDF_BLOCK  # noqa: E402
+
+
+def _load():
+    """kernels.py by its path (a module rowmath.py may stand where the package will), under the name the package
+    gives it: numba's cache records the module's name, and a cache written under another name fails to load."""
+    name = "app.decoding.rowmath.kernels"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parents[1] / "app" / "decoding" / "rowmath" / "kernels.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+K = _load()
+QWEN = 151_936
+SIZES = [QWEN, 5_000, 8_192, 1_000]  # many blocks, a short last block, whole blocks only, one short block
+TINY = float(np.finfo(np.float32).tiny)
+
+
+def logits(size: int, seed: int = 0) -> np.ndarray:
+    """Rows as the decoders meet them: peaked LLM-like, -inf masked (all, some), huge, tiny, ties, a wide spread."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(0, 2, (8, size)).astype(np.float32)
+    x[0, rng.integers(0, size, 8)] += 14
+    x[1] = -np.inf
+    x[2, rng.random(size) < 0.5] = -np.inf
+    x[2, 0] = -np.inf
+    x[3] *= np.float32(1e30)
+    x[4] *= np.float32(1e-30)
+    x[5] = 3.0
+    x[6] = rng.uniform(-200, 0, size).astype(np.float32)  # below ln(2^-126) of the max: cells under float32's normals
+    x[7] = rng.normal(0, 2, size).astype(np.float32) * 50
+    return x
+
+
+def within_ulps(got: np.ndarray, want: np.ndarray, ulps: float = 2.0) -> np.ndarray:
+    """got (float32) within `ulps` float32 ulps of the float64 want; under float32's smallest normal, 0 to it."""
+    spacing = np.spacing(want.astype(np.float32)).astype(np.float64)
+    normal = want >= TINY
+    return np.where(normal, np.abs(got - want) <= ulps * spacing, (got >= 0) & (got <= TINY))
+
+
+def block_sums64(cells: np.ndarray) -> np.ndarray:
+    """Float64 sums of each row's consecutive CDF_BLOCK-cell blocks."""
+    return np.add.reduceat(cells.astype(np.float64), np.arange(0, cells.shape[-1], CDF_BLOCK), axis=-1)
+
+
+def sums_close(got: np.ndarray, want: np.ndarray) -> bool:
+    """Block sums within 1e-6, give or take the cells flushed to 0 (each under float32's smallest normal)."""
+    return bool(np.all(np.abs(got - want) <= 1e-6 * want + CDF_BLOCK * TINY))
+
+
+def close(got, want, rtol: float = 1e-6) -> bool:
+    return bool(np.all(np.abs(np.asarray(got) - want) <= rtol * np.abs(want)))
+
+
+def test_available():
+    assert K.available() == (True, "")
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_norms(size):
+    x = logits(size)
+    e, eb = np.full(x.shape, np.nan, np.float32), np.full((x.shape[0], K.blocks(size)), np.nan)
+    m = K.norms(x, e, eb)
+    top = x.max(axis=1).astype(np.float64)
+    assert np.array_equal(m, np.where(np.isfinite(top), top, 0.0))
+    want = np.exp((x - m.astype(np.float32)[:, None]).astype(np.float64))  # float32 argument, float64 exp
+    assert within_ulps(e, want).all()
+    assert (e[1] == 0).all() and (e[2][x[2] == -np.inf] == 0).all()
+    assert sums_close(eb, block_sums64(want))
+    with np.errstate(divide="ignore"):
+        lse = m + np.log(eb.sum(axis=1))
+        ref = m + np.log(np.exp(x.astype(np.float64) - m[:, None]).sum(axis=1))  # float64 throughout
+    assert lse[1] == ref[1] == -np.inf
+    finite = np.isfinite(ref)
+    assert (np.abs(lse[finite] - ref[finite]) <= 1e-6 * np.maximum(1.0, np.abs(ref[finite]))).all()
+    assert not np.isnan(e).any() and not np.isnan(eb).any() and not np.isnan(m).any()
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_exp_blocks(size, temperature):
+    x = logits(size, seed=1)
+    top = x.max(axis=1).astype(np.float64)
+    shift = np.where(np.isfinite(top), top, 0.0)
+    e, eb = np.full(x.shape, np.nan, np.float32), np.full((x.shape[0], K.blocks(size)), np.nan)
+    K.exp_blocks(x, shift, 1.0 / temperature, e, eb)
+    arg = (x - shift.astype(np.float32)[:, None]) * np.float32(1.0 / temperature)  # float32, as the kernel rounds it
+    want = np.exp(arg.astype(np.float64))
+    assert within_ulps(e, want).all()
+    assert sums_close(eb, block_sums64(want))
+    assert not np.isnan(e).any() and not np.isnan(eb).any()
+
+
+@pytest.mark.parametrize("size", [QWEN * 3, 4 * CDF_BLOCK, 100])
+def test_block_sums(size):
+    flat = np.random.default_rng(2).exponential(1.0, size).astype(np.float32)
+    out = K.block_sums(flat, np.empty(K.blocks(size)))
+    assert close(out, block_sums64(flat), rtol=1e-12)
+
+
+@pytest.mark.parametrize("size", [QWEN, 5_000, 1_000])
+def test_scaled(size):
+    e = np.random.default_rng(3).random((3, size), dtype=np.float32)
+    scale = np.array([1e-3, 1.0 / 3.0, 0.0])
+    out = K.scaled(e, scale, np.empty(e.size, np.float32))
+    assert np.array_equal(out, (e * scale.astype(np.float32)[:, None]).ravel())  # float32 products, bit for bit
+
+
+def laws(size: int, seed: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """Normalised float32 laws p, q over the same cells, q a noisy p with zeros where p has mass and the reverse."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(0, 2, size)
+    p = np.exp(x - x.max())
+    q = np.exp(x + rng.normal(0, 1, size) - x.max())
+    p[rng.random(size) < 0.1] = 0.0
+    q[rng.random(size) < 0.1] = 0.0
+    return (p / p.sum()).astype(np.float32), (q / q.sum()).astype(np.float32)
+
+
+@pytest.mark.parametrize("size", [4 * QWEN, 5_000, 1_000])
+@pytest.mark.parametrize("s", [0.0, 0.5, 1.0, 1.7, 1e3])
+def test_residual(size, s):
+    p, q = laws(size)
+    out = np.full(K.blocks(size), np.nan)
+    total = K.residual_blocks(p, q, s, out)
+    want = np.maximum(p - np.float32(s) * q, np.float32(0)).astype(np.float64)  # numpy's float32 formula
+    cells = [K.residual_cells(p, q, s, lo, min(lo + CDF_BLOCK, size)) for lo in range(0, size, CDF_BLOCK)]
+    assert np.array_equal(np.concatenate(cells), want)  # bit for bit
+    assert close(out, np.array([c.sum() for c in cells]), rtol=1e-12)
+    assert close(total, want.sum(), rtol=1e-12) and close(total, out.sum(), rtol=1e-12)
+    assert not np.isnan(out).any()
+    if s == 0.0:
+        assert close(total, p.sum(dtype=np.float64), rtol=1e-12)
+
+
+def test_one_and_two_threads_agree():
+    """The split over threads changes which core does a block, not the arithmetic: results are bit for bit equal."""
+    import numba
+
+    x = logits(QWEN)
+    runs = []
+    for threads in (1, numba.config.NUMBA_NUM_THREADS):
+        numba.set_num_threads(threads)
+        e, eb = np.empty_like(x), np.empty((x.shape[0], K.blocks(QWEN)))
+        m = K.norms(x, e, eb)
+        runs.append((m, e, eb))
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    for a, b in zip(*runs):
+        assert np.array_equal(a, b)
+
+
+def test_two_python_threads_at_once():
+    """Parallel kernels called from two Python threads at once (bounded) give each caller its own right answer."""
+    xs = [logits(QWEN // 4, seed=s) for s in (5, 6)]
+    expected = []
+    for x in xs:
+        e, eb = np.empty_like(x), np.empty((x.shape[0], K.blocks(x.shape[1])))
+        expected.append((K.norms(x, e, eb), e, eb))
+    bad: list[str] = []
+    start = threading.Barrier(2)
+
+    def work(i: int) -> None:
+        x = xs[i]
+        e, eb = np.empty_like(x), np.empty_like(expected[i][2])
+        flat, sums = np.empty(x.size, np.float32), np.empty(K.blocks(x.size))
+        start.wait()
+        for _ in range(150):
+            m = K.norms(x, e, eb)
+            K.scaled(e, np.full(x.shape[0], 0.5), flat)
+            K.block_sums(flat, sums)
+            if not (np.array_equal(m, expected[i][0]) and np.array_equal(e, expected[i][1])
+                    and np.array_equal(eb, expected[i][2])):
+                bad.append(f"thread {i}")
+                return
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and bad == []
+
+
+def test_outputs_are_checked():
+    x = np.zeros((2, 5_000), np.float32)
+    with pytest.raises(ValueError, match="eb_out"):
+        K.norms(x, np.empty_like(x), np.empty((2, 1)))
+    with pytest.raises(ValueError, match="e_out"):
+        K.norms(x, np.empty((2, 5_000)), np.empty((2, 2)))  # float64 cells
+    e = np.empty((2, 5_000), np.float32)
+    K.norms(x[:, ::-1], e, np.empty((2, 2)))  # a strided input is copied, not refused
+    assert (e == 1).all()
+
+
+def test_reassociated_exp_fails():
+    """Negative control: the same exp compiled with the sums' flags (reassociation) breaks the rounding trick and
+    misses the 2-ulp tolerance by far, so the tolerance and the refusal of those flags both matter."""
+    from numba import njit
+
+    loose = njit(fastmath=K._SUMS)(K._exp.py_func)
+
+    @njit
+    def apply(f, d, out):
+        for i in range(d.size):
+            out[i] = f(d[i])
+
+    d = -np.random.default_rng(7).uniform(0, 87, 100_000).astype(np.float32)
+    want = np.exp(d.astype(np.float64))
+    good, bad = np.empty_like(d), np.empty_like(d)
+    apply(K._exp, d, good)
+    apply(loose, d, bad)
+    assert within_ulps(good, want).all()
+    assert not within_ulps(bad, want).all()

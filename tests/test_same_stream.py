@@ -1,4 +1,4 @@
-"""Same stream (spec §16.9): a DSBD iteration that builds no forest is the plain mode's step, drawing from the
+"""Same stream (spec §16.10): a DSBD iteration that builds no forest is the plain mode's step, drawing from the
 same generator, so a seeded forest mode whose policy never drafts returns the plain mode's answer token for token,
 on the real tiny model and its runtime."""
 

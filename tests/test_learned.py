@@ -26,13 +26,24 @@ def counts() -> Acceptance:
     a.layer_runs[(1, 4)] = [2.0, 5.0]
     a.cache_runs[(2, 4, 1)] = [1.0, 3.0]
     a.distinct[(1, 4)] = [14.0, 5.0]
-    a.verify[4] = [0.1, 5.0]
     return a
 
 
 def test_acceptance_survives_json_exactly():
     a = counts()
     assert acceptance_from_json(json.loads(json.dumps(acceptance_to_json(a)))) == a
+
+
+def test_a_store_written_with_verifier_timings_still_loads(tmp_path):
+    """An older version also stored the verifier's seconds per layer ("verify"); such an entry loads, the
+    timings are dropped, and storing again no longer writes them."""
+    old = acceptance_to_json(counts()) | {"verify": {"4": [0.1, 5.0]}}
+    path = tmp_path / "k.json"
+    path.write_text(json.dumps({"key": {"when": 1.0, "acceptance": old}}))
+    store = Learned(path)
+    assert store.acceptance("key") == counts()
+    store.store("key", acceptance=store.acceptance("key"))
+    assert "verify" not in json.loads(path.read_text())["key"]["acceptance"]
 
 
 def test_store_is_bounded_and_keeps_the_most_recent(tmp_path, monkeypatch):

@@ -561,7 +561,6 @@ class _Run:
                                 passed=o.passed, by_cache=o.passed and not o.by_drafts,
                                 distinct=len({n.content for n in layer.drafts}),
                                 lookups=sum(n.source == "draft" for n in layer.lookups))
-            # no verify_s: a timing in the choice would make a seeded answer depend on the machine's load
         if self.builder is not None and not layer.drafts and any(n.candidate for n in layer.lookups):
             self.builder.settle_layer(l, o.passed)  # model-free nodes alone decided this layer
 

@@ -31,9 +31,9 @@ from backends.base import ROOT, AcceptedPath, ContentKeys, Context, Forest
 
 from ..config import MODE_FACTS, ConfigError, DecodeParams
 from . import Step, rng_streams
-from .baselines import pad_vocab, warp_of
 from .beams import Beam, Pool, Stopper, common_prefix, final_choice
 from .forest_policy import ForestPolicy, decoder_costs, lookup_layer_cost
+from .inputs import pad_vocab, warp_of
 from .lookups import Builder, LookupBudget
 from . import rowmath
 from .metrics import Metrics

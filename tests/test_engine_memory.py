@@ -11,7 +11,7 @@ from backends.registry import ModelSpec
 from app.engine.engine import Engine
 from backends.base import BackendError
 from backends.base import OutOfMemory as OutOfMemoryError
-from app.engine.planning import Budget, PlanError, plan_for
+from app.engine.planning import MemoryBudget, PlanError, plan_for
 
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 TINY = ModelSpec(source="tiny", n_ctx=1024)
@@ -29,14 +29,14 @@ def test_plan_that_cannot_fit_refuses_before_loading(tiny_gguf_path, monkeypatch
 
     monkeypatch.setattr(registry, "load_model", lambda *a, **k: pytest.fail("weights were loaded"))
     with pytest.raises(PlanError, match=r"does not fit: dsbd-mem needs \d+ MiB RAM but 64 MiB is usable"):
-        Engine.load(TINY, TINY, budget=Budget(vram=0, ram=64 << 20, ram_reserve=0))
+        Engine.load(TINY, TINY, budget=MemoryBudget(vram=0, ram=64 << 20, ram_reserve=0))
 
 
 def test_full_dsbd_switches_to_memory_mode_when_its_kv_does_not_fit(tiny_gguf_path):
     params = DecodeParams(mode="dsbd")
-    full = plan_for(TINY, TINY, params, mode="dsbd", budget=Budget(vram=0, ram=1 << 40, ram_reserve=0))
-    mem = plan_for(TINY, TINY, params, mode="dsbd-mem", budget=Budget(vram=0, ram=1 << 40, ram_reserve=0))
-    between = Budget(vram=0, ram=(full.ram_bytes + mem.ram_bytes) // 2, ram_reserve=0)
+    full = plan_for(TINY, TINY, params, mode="dsbd", budget=MemoryBudget(vram=0, ram=1 << 40, ram_reserve=0))
+    mem = plan_for(TINY, TINY, params, mode="dsbd-mem", budget=MemoryBudget(vram=0, ram=1 << 40, ram_reserve=0))
+    between = MemoryBudget(vram=0, ram=(full.ram_bytes + mem.ram_bytes) // 2, ram_reserve=0)
     engine = Engine.load(TINY, TINY, budget=between)
     try:
         assert engine.plan.mode == "dsbd-mem" and engine.plan.max_beams < 4

@@ -16,7 +16,7 @@ from app.engine.learned import Learned, acceptance_from_json, acceptance_to_json
 from app.engine.planning import plan_for
 from app.engine.timing import CAL_POINTS, CostCurve, cost_profile, profile_names
 from offload.cost import datasheet, pass_cost
-from offload.plan import GiB, Budget
+from offload.plan import GiB, MemoryBudget
 from backends.registry import ModelSpec
 
 
@@ -172,7 +172,7 @@ def test_an_engine_prices_forests_with_a_named_profile_without_timing(tiny_gguf_
         # A datasheet prices the same two models by the roofline of where a plan puts them in its VRAM.
         assert e.use_cost_profile("rtx4090-24gb")["machine"] == "gpu"
         target, draft = e.costs()
-        placed = plan_for(*e.specs, budget=Budget.detect(vram=24 * GiB)).target
+        placed = plan_for(*e.specs, budget=MemoryBudget.detect(vram=24 * GiB)).target
         assert target(4) == pytest.approx(pass_cost(placed, datasheet("rtx4090-24gb"), 4).seconds)
         assert draft is not None and draft(1) > 0
     finally:

@@ -118,7 +118,7 @@ class ModelHandle:
 
     def __init__(self, path: Path, *, vocab_only: bool, n_gpu_layers: int = 0, extra_bufts: bool = True,
                  placement=None) -> None:
-        """placement: an rpc.Placement (devices list + head overrides), kept alive with the model."""
+        """placement: an rpc.RPCDevices (devices list + head overrides), kept alive with the model."""
         global _capture
         check_gguf_header(path)
         params = ll.llama_model_default_params()

@@ -5,8 +5,9 @@ a gamma-0-only policy == beam sampling), the policy's choices on hand-made costs
 right when gamma = 0 iterations sit between drafted ones, the pricing of distinct tokens, verifier time and
 lookup nodes (spec §16.4), exploration, counts carried across answers, and the engine path on the real tiny
 model.
-Exactness with the policy on: tests/test_decoding.py runs its chi-square tests (W_min = W, t = 0, the R1 sps
-reduction) with forest="adaptive" under cost curves that make the policy vary gamma and W_S (asserted there).
+Exactness with the policy on: tests/test_decoding.py enumerates the exact laws of fixed-width DSBD and of the R1
+reduction with forest="adaptive" under cost curves that make the policy's choices vary with the past (asserted
+there); its slow chi-square tests run larger forests (W_min = W, t = 0, R1) the same way.
 """
 
 from __future__ import annotations

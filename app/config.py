@@ -94,8 +94,8 @@ LOOKUP_SOURCES = ("draft", "match", "recycled")
 ACCEPTANCE_PRIOR = 0.66
 # The edges' defaults. The CLI's `generate` is greedy (DecodeParams' own default: reproducible output without
 # a seed, and it runs on a target alone); the API follows OpenAI's meaning (temperature 0 = greedy, else
-# sampling at T = 1 by default); the chat UI opens on its Balanced preset (dsbd-mem: the chat app always loads
-# a draft, and the preset is the measured best trade of speed and log-prob).
+# sampling at T = 1 by default); the chat UI opens on its Balanced preset (dsbd-mem: with a draft when one is
+# loaded, on model-free lookup nodes alone without one; README: Presets).
 API_MODES = {"argmax": "greedy", "sampling": "sample"}
 UI_PRESET = "Balanced"
 MAX_BEAMS = 16

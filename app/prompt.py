@@ -35,7 +35,7 @@ def _compile(template: str):
     return env.from_string(template)
 
 
-def render(messages: list[dict], template: str | None, *, bos: str = "", eos: str = "") -> tuple[str, dict]:
+def render_chat(messages: list[dict], template: str | None, *, bos: str = "", eos: str = "") -> tuple[str, dict]:
     """Render with contents replaced by sentinels; returns (text, {sentinel: content})."""
     for m in messages:
         if m.get("role") not in ROLES or not isinstance(m.get("content"), str):
@@ -59,7 +59,7 @@ def encode_chat(messages: list[dict], tokenizer) -> list[int]:
     bos = tokenizer.piece(tokenizer.bos_id).decode("utf-8", "ignore") if tokenizer.bos_id is not None else ""
     eos_id = getattr(tokenizer, "eos_id", None)
     eos = tokenizer.piece(eos_id).decode("utf-8", "ignore") if eos_id is not None else ""
-    text, pieces = render(messages, tokenizer.chat_template, bos=bos, eos=eos)
+    text, pieces = render_chat(messages, tokenizer.chat_template, bos=bos, eos=eos)
     ids: list[int] = []
     if tokenizer.add_bos and tokenizer.bos_id is not None and not text.startswith(bos or "\x01"):
         ids.append(tokenizer.bos_id)

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Mapping
 
-from offload.plan import Budget, Placement, PlanError, PlanRequest, format_bytes, plan
+from offload.plan import MemoryBudget, Placement, PlanError, PlanRequest, format_bytes, plan
 
 if TYPE_CHECKING:
     from offload.geometry import ModelGeometry
@@ -252,7 +252,7 @@ class Projection:
         return out
 
 
-def project(target, draft, budget: Budget, costs: CostProfile, stats: list[ModeStats]) -> list[Projection]:
+def project(target, draft, budget: MemoryBudget, costs: CostProfile, stats: list[ModeStats]) -> list[Projection]:
     """One projection per ModeStats: plan that setting's memory, then price its iteration on `costs`."""
     if costs.timed:
         raise PlanError("projections need another machine's cost profile (a datasheet or a curves file): "

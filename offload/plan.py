@@ -112,7 +112,7 @@ def format_bytes(n: int | float) -> str:
 
 
 @dataclass(frozen=True)
-class Budget:
+class MemoryBudget:
     """Memory we may use, in bytes. vram = 0 means no GPU: every layer computes on the CPU."""
 
     vram: int
@@ -134,7 +134,7 @@ class Budget:
         return max(0, self.ram - self.ram_reserve)
 
     @classmethod
-    def detect(cls, *, vram: int | None = None, ram: int | None = None, device: str = "cuda", **kw) -> "Budget":
+    def detect(cls, *, vram: int | None = None, ram: int | None = None, device: str = "cuda", **kw) -> "MemoryBudget":
         """Explicit numbers where given; free VRAM from torch.cuda.mem_get_info and available RAM from psutil."""
         source = "explicit"
         if vram is None:
@@ -254,7 +254,7 @@ class Plan:
     beams: int
     draft_beams: int
     gamma: int
-    budget: Budget
+    budget: MemoryBudget
     target: Placement
     draft: Placement | None
     vram_bytes: int
@@ -417,7 +417,7 @@ class _Try:
     fits: bool
 
 
-def _try(tgt: "ModelGeometry", dft: "ModelGeometry | None", req: PlanRequest, budget: Budget, shape: ModeShape,
+def _try(tgt: "ModelGeometry", dft: "ModelGeometry | None", req: PlanRequest, budget: MemoryBudget, shape: ModeShape,
          *, context: int | None = None, beams: int | None = None) -> _Try:
     """Place both models for one mode; `fits` says whether both budgets hold."""
     ctx = req.context if context is None else context
@@ -453,7 +453,7 @@ def _slow_bytes(t: _Try) -> int:
     return sum(p.h2d_bytes + p.cpu_read_bytes for p in (t.target, t.draft) if p is not None)
 
 
-def max_context(tgt, dft, req: PlanRequest, budget: Budget, shape: ModeShape, *, beams: int | None = None) -> int:
+def max_context(tgt, dft, req: PlanRequest, budget: MemoryBudget, shape: ModeShape, *, beams: int | None = None) -> int:
     """Largest context (a multiple of 256 above 512) for `shape` that fits; 0 when even the smallest does not."""
     ws = req.draft_beams + ((beams or req.beams) - req.beams)
     lo = shape.tree_tokens(ws, req.gamma) + 1  # the forest and one committed token
@@ -470,7 +470,7 @@ def max_context(tgt, dft, req: PlanRequest, budget: Budget, shape: ModeShape, *,
     return lo - lo % 256 if lo >= 512 else lo
 
 
-def max_beams(tgt, dft, req: PlanRequest, budget: Budget, shape: ModeShape) -> int:
+def max_beams(tgt, dft, req: PlanRequest, budget: MemoryBudget, shape: ModeShape) -> int:
     """Most beams W (up to the request's limit) for which `shape` fits at the requested context; 0 when none."""
     best = 0
     for w in range(1, req.beam_limit + 1):
@@ -480,7 +480,7 @@ def max_beams(tgt, dft, req: PlanRequest, budget: Budget, shape: ModeShape) -> i
     return best
 
 
-def plan(target: "ModelGeometry", draft: "ModelGeometry | None", request: PlanRequest, budget: Budget) -> Plan:
+def plan(target: "ModelGeometry", draft: "ModelGeometry | None", request: PlanRequest, budget: MemoryBudget) -> Plan:
     """Placement for the requested mode, or for the pick among several (see the module docstring). Raises
     PlanError saying what would fit when nothing does."""
     req = request.validated()
@@ -522,7 +522,7 @@ def plan(target: "ModelGeometry", draft: "ModelGeometry | None", request: PlanRe
 # ---------------------------------------------------------------- messages
 
 
-def _no_fit_message(tgt, dft, req: PlanRequest, budget: Budget, tries: list[_Try]) -> str:
+def _no_fit_message(tgt, dft, req: PlanRequest, budget: MemoryBudget, tries: list[_Try]) -> str:
     t = tries[-1]  # the least demanding mode we tried
     short = []
     if t.vram > budget.vram_avail:
@@ -553,7 +553,7 @@ def _no_fit_message(tgt, dft, req: PlanRequest, budget: Budget, tries: list[_Try
     return head + ". To make it fit, use " + "; or ".join(fixes)
 
 
-def _smaller_weights(tgt, dft, req: PlanRequest, budget: Budget, shape: ModeShape) -> list[str]:
+def _smaller_weights(tgt, dft, req: PlanRequest, budget: MemoryBudget, shape: ModeShape) -> list[str]:
     """Hints for a lighter dtype (a dequantising runtime) or a smaller GGUF quant (the others), checked by
     re-planning."""
     out = []

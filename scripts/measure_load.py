@@ -23,7 +23,7 @@ from _common import ROOT_DIR, machine  # noqa: F401  (ROOT_DIR: the repository o
 
 
 def _timeline(engine, target, draft):
-    from backends.modelfiles.progress import STAGES
+    from backends.load_progress import STAGES
 
     t0 = time.perf_counter()
     seen: dict = {}
@@ -40,7 +40,7 @@ def _timeline(engine, target, draft):
 
 def _cancel(engine, target, draft, when, *, during=None) -> dict:
     """Start a swap; set cancel once `when(step)`; seconds from then to the LoadCancelled."""
-    from backends.modelfiles.progress import LoadCancelled
+    from backends.load_progress import LoadCancelled
 
     cancel, at, last = threading.Event(), [], []
 

@@ -22,6 +22,18 @@ def tiny_gguf() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """A module's SLOW_RUNS ({test name: parameter ids}) marks those runs `slow`, before `-m` selects: runs of a
+    module-scoped fixture's parameters, which a parametrize mark cannot single out without splitting the
+    fixture's setups."""
+    for item in items:
+        runs = getattr(getattr(item, "module", None), "SLOW_RUNS", None)
+        spec = getattr(item, "callspec", None)
+        if runs and spec is not None and spec.id in runs.get(item.originalname, ()):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def tiny_gguf_path() -> Path:
     return tiny_gguf()

@@ -57,7 +57,7 @@ class FakeEngine:
     def swap(self, target, draft=None, *, progress=None, cancel=None) -> dict:
         """Pretend to load: the names become the specs' sources; `swap_fails_with` fails it, keeping the old.
         `load_steps` seconds per stage (cancellable between them, as the real engine's reports are)."""
-        from backends.modelfiles.progress import LoadCancelled, LoadStep
+        from backends.load_progress import LoadCancelled, LoadStep
 
         target, draft = target.validated(), draft.validated() if draft is not None else None
         for role, spec in (("target", target), ("draft", draft)):

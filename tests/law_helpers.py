@@ -26,7 +26,7 @@ def params(mode: str, **kw) -> DecodeParams:
     return DecodeParams(mode=mode, **{**base, **kw}).validated()
 
 
-def generate(p: DecodeParams, rand, *, draft=True, metrics=None, builder=None, run_cls=None):
+def generate(p: DecodeParams, rand, *, draft=True, metrics=None, builder=None, run_cls=None, costs=None):
     stopper = Stopper(eos_ids=frozenset({0}))
     metrics = metrics if metrics is not None else Metrics(mode=p.mode)
     t = TARGET.context(rows=p.beams, max_tokens=64)
@@ -34,7 +34,7 @@ def generate(p: DecodeParams, rand, *, draft=True, metrics=None, builder=None, r
         d = DRAFT.context(rows=p.beams, max_tokens=64) if draft else None
         nodes = builder(p) if builder is not None else None
         gen = D.dsbd(target=t, draft=d, prompt=PROMPT, params=p, stopper=stopper, metrics=metrics, vocab=V,
-                     nodes=nodes, rands=None if rand is None else (rand, rand))
+                     nodes=nodes, costs=costs, rands=None if rand is None else (rand, rand))
     else:
         from app.decoding import baselines
 

@@ -54,12 +54,11 @@ def test_chat_key_follows_a_growing_chat():
     assert chat_key(first) == chat_key(first + [1, 2, 3]) != chat_key([9] + first)
 
 
-def test_a_100_kb_file_is_indexed_quickly():
+def test_a_100_kb_file_is_indexed_whole():
+    """Its speed is measured by scripts/measure_attachments.py (docs/measurements/attachments.md)."""
     tokens = [(i * 7919) % 30_000 for i in range(25_000)]  # ~100 KB of text is ~25k tokens
     c = CorpusIndex()
-    t0 = time.perf_counter()
     c.add("big", tokens)
-    assert time.perf_counter() - t0 < 1.0  # 0.03 s here; generous for a busy shared CPU
     assert c.propose(tokens[100:100 + MAX_NGRAM]) == [(tokens[100 + MAX_NGRAM], MAX_NGRAM, 1.0)]
 
 

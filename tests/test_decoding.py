@@ -1,14 +1,17 @@
 """Process-level tests of every decoder on explicit bigram-table models (spec §13 items 7 and 9).
 
-Statistical design: chi-square homogeneity of the returned sequences between two arms, cells with an
-expected count < 5 merged, significance 1e-4 per assertion, fixed seeds (deterministic in CI). The default
-suite runs N = 4,000 per arm (detects a total-variation gap of about 0.06 over <= 30 cells); the `slow`
-variants run the spec's N = 2*10^5.
+The laws of fixed-width DSBD (beam sampling with replacement) and of the W = W_S = 1 reduction (sampling), with a
+fixed forest and with an adaptive one whose choices vary with the past, are enumerated exactly (every outcome of
+every draw, tests/law_helpers.py). Statistical design of the rest: chi-square homogeneity of the returned
+sequences between two arms, cells with an expected count < 5 merged, significance 1e-4 per assertion, fixed
+seeds (deterministic in CI). The default suite runs sps at N = 4,000 per arm (detects a total-variation gap of
+about 0.06 over <= 30 cells); the `slow` set runs every arm, at the spec's N = 2*10^5 where no exact test
+holds its law and at 4*10^4 where one does.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 
 import numpy as np
 import pytest
@@ -17,7 +20,8 @@ from app.config import MODE_FACTS, DecodeParams
 from app.decoding import decoder, start
 from app.decoding.beams import Stopper, common_prefix
 from app.decoding.metrics import Metrics
-from dsbd_helpers import homogeneous
+import law_helpers
+from dsbd_helpers import enumerate_paths, homogeneous
 from refmodel import TableModel, bigram
 from toy_models import DRAFT, TARGET, V, VARYING
 
@@ -39,8 +43,16 @@ def run(mode: str, target, draft=None, *, seed: int, prompt=(1, 2), collect_step
     return (out, metrics, steps, t) if collect_steps else out
 
 
+_ARMS: dict = {}  # the baselines' arms, shared by the tests that compare against the same one
+
+
 def sample_arm(mode, target, draft, n, base_seed, *, forest: str = "fixed", **kw) -> Counter:
     """n answers; forest="adaptive" prices forests with VARYING and asserts the choice varied with the past."""
+    if draft is None and forest == "fixed":
+        key = (mode, id(target), n, base_seed, tuple(sorted(kw.items())))
+        if key not in _ARMS:
+            _ARMS[key] = Counter(run(mode, target, seed=base_seed + i, **kw) for i in range(n))
+        return Counter(_ARMS[key])
     if forest == "fixed":
         return Counter(run(mode, target, draft, seed=base_seed + i, **kw) for i in range(n))
     out, by_cap = Counter(), {}
@@ -87,8 +99,58 @@ def test_gamma_zero_is_beam_sampling_with_replacement_token_for_token(seed):
     assert a == b
 
 
+def exact_arm(mode: str, **kw) -> tuple[dict, dict]:
+    """The exact law of the returned sequence on law_helpers' pair (every outcome enumerated) and the forests an
+    adaptive policy (priced by VARYING) chose, by the budget's cap on gamma."""
+    p = law_helpers.params(mode, **kw)
+    law, by_cap = defaultdict(float), {}
+
+    def one(rand):
+        m = Metrics(mode=mode)
+        return law_helpers.generate(p, rand, metrics=m, costs=VARYING if p.adaptive else None), m
+
+    for (tokens, m), pr in enumerate_paths(one):
+        law[tokens] += pr
+        done = 0
+        for (g, ws), steps in zip(m.forests, m.steps):
+            by_cap.setdefault(min(p.gamma, p.max_new_tokens - done - 1), set()).add((g, ws))
+            done += steps
+    if p.adaptive:  # not a function of the budget alone
+        assert any(len(chosen) > 1 for chosen in by_cap.values()), by_cap
+    return law, by_cap
+
+
+def max_gap(a: dict, b: dict) -> float:
+    return max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+
+
 @pytest.mark.parametrize("forest", ["fixed", "adaptive"])
-@pytest.mark.parametrize("n", [4000, pytest.param(200_000, marks=pytest.mark.slow)])
+def test_speculative_reduction_has_the_sampling_law_exactly(forest):
+    """R1: dsbd-mem with W = W_S = W_min = 1, carrying its sampled beam, is multinomial sampling."""
+    one = dict(beams=1, min_beams=1, max_new_tokens=5)
+    want, _ = exact_arm("sample", **one)
+    got, _ = exact_arm("dsbd-mem", draft_beams=1, select="sample", forest=forest, **one)
+    assert max_gap(got, want) < law_helpers.EXACT
+
+
+@pytest.mark.parametrize("fixed,forest", [(dict(min_beams=2), "fixed"), (dict(min_beams=1, threshold=0.0), "fixed"),
+                                          (dict(min_beams=2), "adaptive")], ids=["W_min=W", "t=0", "adaptive"])
+def test_fixed_width_dsbd_has_the_beam_sampling_law_exactly(fixed, forest):
+    """W = 2, W_S = 2: two answer tokens under a fixed forest of depth 2; three under an adaptive one of depth up
+    to 1, so that its second iteration may choose either depth (t = 0 adaptive: the slow chi-square below)."""
+    shape = dict(max_new_tokens=2) if forest == "fixed" else dict(gamma=1, max_new_tokens=3)
+    want, _ = exact_arm("beam-sample-repl", max_new_tokens=shape["max_new_tokens"])
+    got, _ = exact_arm("dsbd", forest=forest, **fixed, **shape)
+    assert max_gap(got, want) < law_helpers.EXACT
+
+
+SLOW = pytest.mark.slow
+
+
+# N = 2*10^5 where no exact test holds the arm's law; 4*10^4 where one does (the tests above), to keep the slow
+# set within CI's time.
+@pytest.mark.parametrize("n,forest", [(4000, "fixed"), pytest.param(200_000, "fixed", marks=SLOW),
+                                      pytest.param(40_000, "adaptive", marks=SLOW)])
 def test_speculative_reductions_match_target_sampling(n, forest):
     kw = dict(max_new_tokens=4, gamma=2)
     ref = sample_arm("sample", TARGET, None, n, 10_000_000, max_new_tokens=4)
@@ -100,10 +162,13 @@ def test_speculative_reductions_match_target_sampling(n, forest):
         assert homogeneous(ref, sps) > ALPHA
 
 
+@SLOW
 @pytest.mark.parametrize("forest", ["fixed", "adaptive"])
 @pytest.mark.parametrize("fixed", [dict(min_beams=2), dict(threshold=0.0)], ids=["W_min=W", "t=0"])
-@pytest.mark.parametrize("n", [4000, pytest.param(200_000, marks=pytest.mark.slow)])
-def test_fixed_width_dsbd_matches_beam_sampling_with_replacement(n, fixed, forest):
+def test_fixed_width_dsbd_matches_beam_sampling_with_replacement(fixed, forest):
+    """The exact tests above on a larger forest (gamma 2, four answer tokens): the spec's N = 2*10^5 for t = 0
+    with an adaptive forest, which no exact test holds; 4*10^4 for the others."""
+    n = 200_000 if (forest, fixed.get("threshold")) == ("adaptive", 0.0) else 40_000
     kw = dict(beams=2, max_new_tokens=4)
     ref = sample_arm("beam-sample-repl", TARGET, None, n, 40_000_000, **kw)
     got = sample_arm("dsbd", TARGET, DRAFT, n, 50_000_000, draft_beams=3, gamma=2, forest=forest, **fixed, **kw)

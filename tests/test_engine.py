@@ -1,5 +1,10 @@
 """The engine on the real `tiny` preset (SmolLM2-135M): every mode end to end, equivalences that must hold
-token for token, cancellation that leaves both runtimes' caches consistent, and context-limit errors."""
+token for token, cancellation that leaves both runtimes' caches consistent, and context-limit errors.
+
+Each property runs on every runtime pairing. Where the PyTorch runtime adds nothing a faster test does not hold
+(the mode's path is the llama.cpp pairing's, the runtime's own contract is tests/test_pytorch.py's), its runs are
+`slow` (SLOW_RUNS): the default suite keeps, per PyTorch pairing, a forest mode end to end and under
+cancellation, the token-for-token greedy equivalence on the float32 target, and the draft's origin marks."""
 
 from __future__ import annotations
 
@@ -27,6 +32,22 @@ def engine(request, tiny_gguf_path):
                     ModelSpec(source="tiny", backend=draft, n_ctx=512))
     yield e
     e.close()
+
+
+def _runs(pairs, modes=None) -> set[str]:
+    return {p if modes is None else f"{p}-{m}" for p in pairs for m in (modes or [None])}
+
+
+# The PyTorch pairings' runs left to the slow set, by test (tests/conftest.py marks them).
+_TORCH = ("pytorch", "pytorch-draft")
+SLOW_RUNS = {
+    "test_every_mode_completes": _runs(_TORCH, MODES) - {"pytorch-greedy", "pytorch-dsbd", "pytorch-draft-dsbd"},
+    "test_greedy_equivalent_settings_match_greedy_token_for_token": {"pytorch-draft"},
+    "test_self_draft_is_almost_always_accepted": _runs(_TORCH),
+    "test_answer_says_which_text_the_draft_wrote": _runs(_TORCH, ["sps", "dsbd", "dsbd-mem"]) - {"pytorch-draft-dsbd"},
+    "test_cancel_leaves_caches_consistent": _runs(_TORCH, ["dsbd", "dsbd-mem", "sps", "beam-sample"])
+    - {"pytorch-dsbd", "pytorch-draft-dsbd"},
+}
 
 
 def final(events):

@@ -11,7 +11,7 @@ from backends.registry import ModelSpec
 from app.engine.engine import Engine
 from backends.base import BackendError
 from backends.base import OutOfMemory as OutOfMemoryError
-from app.engine.planning import Budget, PlanError, plan_for
+from app.engine.planning import MemoryBudget, PlanError, plan_for
 
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 TINY = ModelSpec(source="tiny", n_ctx=1024)
@@ -29,14 +29,14 @@ def test_plan_that_cannot_fit_refuses_before_loading(tiny_gguf_path, monkeypatch
 
     monkeypatch.setattr(registry, "load_model", lambda *a, **k: pytest.fail("weights were loaded"))
     with pytest.raises(PlanError, match=r"does not fit: dsbd-mem needs [\d.]+ MiB RAM but 64.0 MiB is usable"):
-        Engine.load(TINY, TINY, budget=Budget(vram=0, ram=64 << 20, ram_reserve=0))
+        Engine.load(TINY, TINY, budget=MemoryBudget(vram=0, ram=64 << 20, ram_reserve=0))
 
 
 def test_full_dsbd_switches_to_memory_mode_when_its_kv_does_not_fit(tiny_gguf_path):
     params = DecodeParams(mode="dsbd")
-    full = plan_for(TINY, TINY, params, mode="dsbd", budget=Budget(vram=0, ram=1 << 40, ram_reserve=0))
-    mem = plan_for(TINY, TINY, params, mode="dsbd-mem", budget=Budget(vram=0, ram=1 << 40, ram_reserve=0))
-    between = Budget(vram=0, ram=(full.ram_bytes + mem.ram_bytes) // 2, ram_reserve=0)
+    full = plan_for(TINY, TINY, params, mode="dsbd", budget=MemoryBudget(vram=0, ram=1 << 40, ram_reserve=0))
+    mem = plan_for(TINY, TINY, params, mode="dsbd-mem", budget=MemoryBudget(vram=0, ram=1 << 40, ram_reserve=0))
+    between = MemoryBudget(vram=0, ram=(full.ram_bytes + mem.ram_bytes) // 2, ram_reserve=0)
     engine = Engine.load(TINY, TINY, budget=between)
     try:
         assert engine.plan.mode == "dsbd-mem" and engine.plan.max_beams < 4
@@ -106,7 +106,6 @@ def failing_rows(*, device: bool, fail_at: int):
     host's memory, torch's OutOfMemoryError) with device, else as on the host (torch's CPU allocator)."""
     import torch
 
-    from app.decoding import rowmath
 
     from app.decoding.rowmath import tensors
 
@@ -137,7 +136,6 @@ def test_row_math_out_of_device_memory_answers_on_the_reference_with_one_log_lin
     same seeded answer as the numpy row math gives), the user is told, the log has one line, and the process
     stays on the reference."""
     from app.decoding import rowmath
-    from app.decoding.rowmath import tensors
 
     params = DecodeParams(mode="beam-sample", beams=2, max_new_tokens=8, seed=4)
     monkeypatch.setattr(rowmath, "_DEFAULT", [rowmath.NumpyRows()])
@@ -157,7 +155,6 @@ def test_row_math_out_of_device_memory_answers_on_the_reference_with_one_log_lin
 
 def test_row_math_out_of_device_memory_mid_answer_is_a_clear_error_and_the_next_answer_runs(plain, monkeypatch):
     from app.decoding import rowmath
-    from app.decoding.rowmath import tensors
 
     monkeypatch.setattr(rowmath, "_DEFAULT", [failing_rows(device=True, fail_at=4)])
     params = DecodeParams(mode="beam-sample", beams=2, max_new_tokens=8, seed=4, stop=())
@@ -175,7 +172,6 @@ def test_row_math_out_of_host_memory_takes_the_lighter_setting_and_keeps_its_bac
     """On the host the reference would need more of the same memory: a torch allocation failure there is an
     out-of-memory error like any other (one retry, lighter), and the backend stays."""
     from app.decoding import rowmath
-    from app.decoding.rowmath import tensors
 
     rm = failing_rows(device=False, fail_at=1)
     monkeypatch.setattr(rowmath, "_DEFAULT", [rm])

@@ -121,7 +121,10 @@ def tiny_pair(tiny_gguf_path):
     real.close()
 
 
-@pytest.mark.parametrize("n", [1500, pytest.param(6000, marks=pytest.mark.slow)])
+# The real vocabulary's arms take a minute or more: slow. The default holds the same comparison on the sequence
+# model above and the row math on real-vocabulary rows (tests/test_rowmath.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [1500, 6000])
 def test_dsbd_fixed_width_equals_beam_sampling_on_tiny_real_vocabulary(tiny_pair, n):
     target, draft = tiny_pair
     prompt = target.tokenizer.encode(PROMPT)
@@ -130,6 +133,7 @@ def test_dsbd_fixed_width_equals_beam_sampling_on_tiny_real_vocabulary(tiny_pair
     assert p > ALPHA, (p, ref.most_common(5), got.most_common(5))
 
 
+@pytest.mark.slow
 def test_negative_control_on_tiny_real_vocabulary(tiny_pair):
     """The check has teeth at this size: one beam instead of two changes the answer law."""
     target, draft = tiny_pair

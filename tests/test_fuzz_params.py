@@ -14,6 +14,10 @@ from collections import Counter
 
 import pytest
 
+# Minutes of runs: the slow set. The default suite holds each error kind and every mode's completion directly
+# (tests/test_engine.py, tests/test_api.py, tests/test_cli.py, tests/test_security.py).
+pytestmark = pytest.mark.slow
+
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402

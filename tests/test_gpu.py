@@ -127,7 +127,7 @@ def test_modes_under_capped_vram():
     from offload.cost import datasheet, pass_cost
     from offload.geometry import read_geometry
     from app.engine.planning import plan_request
-    from offload.plan import Budget, parse_size, plan
+    from offload.plan import MemoryBudget, parse_size, plan
 
     try:
         paths = {role: resolve("qwen-coder", role=role) for role in ("target", "draft")}
@@ -140,7 +140,7 @@ def test_modes_under_capped_vram():
     try:
         import psutil
 
-        budget = Budget(vram=cap, ram=psutil.virtual_memory().available, vram_reserve=256 << 20)
+        budget = MemoryBudget(vram=cap, ram=psutil.virtual_memory().available, vram_reserve=256 << 20)
         request = plan_request("dsbd", draft=True, context=1024, beams=4, gamma=3, target_backend="pytorch",
                                draft_backend="pytorch", dtype="bfloat16")
         geo = {r: read_geometry(p.path, name=p.name) for r, p in paths.items()}
@@ -175,7 +175,6 @@ def test_modes_under_capped_vram():
 def test_rows_kept_on_the_device_give_the_host_rows_answers():
     """The row math on CUDA reading a PyTorch model's rows where they were computed: the same answers as host
     rows, token for token; the decoder's ms an iteration both ways go to the JSON (`device_rows`)."""
-    from app.decoding import rowmath
     from app.decoding.rowmath import tensors
 
     from device_rows import rows_where_computed

@@ -250,7 +250,7 @@ def test_queue_pause_resume_and_cancel_with_confirmation(fake, files):
 
 
 def test_header_fetch_and_fit_badges(fake, files):
-    from app.engine.planning import Budget, hub_fits
+    from app.engine.planning import MemoryBudget, hub_fits
 
     path = hub.fetch_header(REPO, "tiny-Q8_0.gguf")
     local = read_header(path)
@@ -258,12 +258,12 @@ def test_header_fetch_and_fit_badges(fake, files):
     assert local.metadata["general.name"] == "Tiny"
     assert any(r[2] and r[2].startswith("bytes=0-") for r in fake.requests)
     listing = hub.repo_files(REPO)
-    roomy = hub_fits(listing, budget=Budget(vram=8 << 30, ram=16 << 30))
+    roomy = hub_fits(listing, budget=MemoryBudget(vram=8 << 30, ram=16 << 30))
     assert {f.badge for f in roomy.values()} == {"gpu"} and set(roomy) == {g.name for g in listing.groups
                                                                               if g.kind == "model"}
-    cpu = hub_fits(listing, budget=Budget(vram=0, ram=16 << 30))
+    cpu = hub_fits(listing, budget=MemoryBudget(vram=0, ram=16 << 30))
     assert {f.badge for f in cpu.values()} == {"cpu"}
-    tight = hub_fits(listing, budget=Budget(vram=0, ram=(2 << 30) + (1 << 20)))
+    tight = hub_fits(listing, budget=MemoryBudget(vram=0, ram=(2 << 30) + (1 << 20)))
     assert {f.badge for f in tight.values()} == {"no"} and "does not fit" in next(iter(tight.values())).detail
 
 

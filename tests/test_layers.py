@@ -5,6 +5,7 @@ against the rules; no exceptions list."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -101,7 +102,8 @@ def _broken_rules(importer: str, imported: str) -> list[str]:
     for runtime in runtimes:
         if _within(imported, runtime) and not _within(importer, "backends"):
             broken.append(f"{runtime} is reached only through backends/ (registry, host, tokenizer, base)")
-    # Model files are read here, never loaded: the runtimes import its progress module, not the reverse.
+    # Model files are read here, never loaded: no runtime and no backends.registry (a load reports to
+    # backends.load_progress, which both sides import).
     if _within(importer, "backends.modelfiles") and (target == "backends.registry" or any(
             _within(imported, r) for r in runtimes)):
         broken.append("backends/modelfiles reads model files and loads none: no runtime, no backends.registry")
@@ -218,7 +220,7 @@ def test_the_checker_allows_the_downward_edges():
                                ("app.decoding.dsbd", "app.config"), ("backends.llamacpp.runtime", "llama_cpp"),
                                ("offload.stream", "torch"), ("app.decoding.rowmath.tensors", "torch"),
                                ("app.engine.engine", "offload.plan"), ("app.cli.models", "argparse"),
-                               ("backends.llamacpp.probe", "backends.modelfiles.progress"),
+                               ("backends.llamacpp.probe", "backends.load_progress"),
                                ("backends.modelfiles.library", "offload.gguf_header")]:
         assert _broken_rules(importer, imported) == [], (importer, imported)
 
@@ -259,34 +261,77 @@ def _layout_entries(doc: Path) -> list[tuple[str, str]]:
             name, _, rest = line.strip().partition(" ")
             depth = indent // 2
             stack[depth:] = [name]
-            entries.append(("".join(stack), rest))
+            entries.append(("".join(stack), rest.strip()))
         else:
             entries[-1] = (entries[-1][0], entries[-1][1] + " " + line.strip())
     return entries
 
 
-def test_the_layout_map_names_only_what_exists():
-    """Every folder and file the layout map (docs/architecture.md, the only one) names exists, and so does every
-    module its descriptions name."""
-    import re
+LAYOUT = ROOT / "docs/architecture.md"
 
-    doc = "docs/architecture.md"
 
-    missing = []
-    for path, description in _layout_entries(ROOT / doc):
+def _named_modules(entries: list[tuple[str, str]]) -> tuple[set[Path], list[str]]:
+    """(the files the map names, what it names that is not there). An entry names its own path; a `name.py` in
+    its description is the entry's folder's (a folder entry's own folder, a file entry's parent), or a path from
+    the repository root (`app/engine/planning.py`)."""
+    named, missing = set(), []
+    for path, description in entries:
         where = ROOT / path
         if not where.exists():
             missing.append(path)
             continue
+        named.add(where)
+        folder = where if where.is_dir() else where.parent
         for module in re.findall(r"[\w/]+\.py\b", description):
-            if not ((ROOT / module).exists() or (where.is_dir() and any(where.rglob(Path(module).name)))):
+            found = [f for f in (folder / module, ROOT / module) if f.is_file()]
+            if found:
+                named.add(found[0])
+            else:
                 missing.append(f"{path}: {module}")
-    assert not missing, f"{doc} names what is not there: {missing}"
+    return named, missing
+
+
+def _marker(path: Path) -> bool:
+    """A package's __init__.py that holds no code (a docstring at most): its folder's entry names it."""
+    body = ast.parse(path.read_text(encoding="utf-8")).body
+    return path.name == "__init__.py" and all(
+        isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in body)
+
+
+def _unmapped(entries: list[tuple[str, str]]) -> list[str]:
+    named, _ = _named_modules(entries)
+    return sorted(str(p.relative_to(ROOT)) for p in MODULES.values() if p not in named and not _marker(p))
+
+
+def test_the_layout_map_names_only_what_exists():
+    """Every folder and file the layout map (docs/architecture.md, the only one) names exists, and so does every
+    module its descriptions name, in the folder they describe."""
+    _, missing = _named_modules(_layout_entries(LAYOUT))
+    assert not missing, f"{LAYOUT.name} names what is not there: {missing}"
+
+
+def test_every_module_is_on_the_layout_map():
+    """Each module of app/, backends/ and offload/ is on the layout map: its own entry, or named in its folder's
+    entry (a package's __init__.py too, unless it holds no code)."""
+    unmapped = _unmapped(_layout_entries(LAYOUT))
+    assert not unmapped, f"modules missing from {LAYOUT.name}'s Layout (add a row or name them in their folder's): " \
+                         f"{unmapped}"
+
+
+def test_the_map_checks_see_a_module_added_or_gone(tmp_path):
+    doc = tmp_path / "map.md"
+    doc.write_text("## Layout\n\n```\napp/\n  decoding/           dsbd.py (the iteration), gone.py (removed)\n"
+                   "    rowmath/          the row math\n      __init__.py     its front\n```\n")
+    entries = _layout_entries(doc)
+    assert ("app/decoding/rowmath/__init__.py", "its front") in entries  # nested rows build their paths
+    assert "app/decoding/dsbd.py" not in _unmapped(entries) and "app/decoding/width.py" in _unmapped(entries)
+    assert _named_modules(entries)[1] == ["app/decoding/: gone.py", "app/decoding/rowmath/",
+                                         "app/decoding/rowmath/__init__.py"]
 
 
 def test_every_package_is_on_the_layout_map():
     """Each package of app/, backends/ and offload/ has its own entry in the layout map (a new folder is seen)."""
-    named = {path.rstrip("/") for path, _ in _layout_entries(ROOT / "docs/architecture.md")} - set(PACKAGES)
+    named = {path.rstrip("/") for path, _ in _layout_entries(LAYOUT)} - set(PACKAGES)
     packages = {str(p.parent.relative_to(ROOT)) for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")}
     # a folder inside a listed one may be described in its row (app/serve/ui in app/serve's)
     unlisted = [p for p in sorted(packages - set(PACKAGES))

@@ -16,7 +16,7 @@ from app.engine.learned import Learned, acceptance_from_json, acceptance_to_json
 from app.engine.planning import plan_for
 from app.engine.timing import CAL_POINTS, CostCurve, cost_profile, profile_names
 from offload.cost import datasheet, pass_cost
-from offload.plan import GiB, Budget
+from offload.plan import GiB, MemoryBudget
 from backends.registry import ModelSpec
 
 
@@ -26,13 +26,24 @@ def counts() -> Acceptance:
     a.layer_runs[(1, 4)] = [2.0, 5.0]
     a.cache_runs[(2, 4, 1)] = [1.0, 3.0]
     a.distinct[(1, 4)] = [14.0, 5.0]
-    a.verify[4] = [0.1, 5.0]
     return a
 
 
 def test_acceptance_survives_json_exactly():
     a = counts()
     assert acceptance_from_json(json.loads(json.dumps(acceptance_to_json(a)))) == a
+
+
+def test_a_store_written_with_verifier_timings_still_loads(tmp_path):
+    """An older version also stored the verifier's seconds per layer ("verify"); such an entry loads, the
+    timings are dropped, and storing again no longer writes them."""
+    old = acceptance_to_json(counts()) | {"verify": {"4": [0.1, 5.0]}}
+    path = tmp_path / "k.json"
+    path.write_text(json.dumps({"key": {"when": 1.0, "acceptance": old}}))
+    store = Learned(path)
+    assert store.acceptance("key") == counts()
+    store.store("key", acceptance=store.acceptance("key"))
+    assert "verify" not in json.loads(path.read_text())["key"]["acceptance"]
 
 
 def test_store_is_bounded_and_keeps_the_most_recent(tmp_path, monkeypatch):
@@ -161,7 +172,7 @@ def test_an_engine_prices_forests_with_a_named_profile_without_timing(tiny_gguf_
         # A datasheet prices the same two models by the roofline of where a plan puts them in its VRAM.
         assert e.use_cost_profile("rtx4090-24gb")["machine"] == "gpu"
         target, draft = e.costs()
-        placed = plan_for(*e.specs, budget=Budget.detect(vram=24 * GiB)).target
+        placed = plan_for(*e.specs, budget=MemoryBudget.detect(vram=24 * GiB)).target
         assert target(4) == pytest.approx(pass_cost(placed, datasheet("rtx4090-24gb"), 4).seconds)
         assert draft is not None and draft(1) > 0
     finally:

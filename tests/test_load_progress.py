@@ -9,13 +9,13 @@ import threading
 
 import pytest
 
-import backends.modelfiles.progress
+import backends.load_progress
 import backends.registry
 from app.config import ConfigError, DecodeParams
 from app.engine.engine import Engine
 from app.engine.interface import NoModelLoaded
 from backends.base import BackendError
-from backends.modelfiles.progress import STAGES, LoadCancelled, LoadStep, LoadTracker
+from backends.load_progress import STAGES, LoadCancelled, LoadStep, LoadTracker
 import helpers
 from backends.registry import ModelSpec
 
@@ -48,7 +48,7 @@ class CancelWhen:
 
 @pytest.fixture
 def every_report(monkeypatch):
-    monkeypatch.setattr(backends.modelfiles.progress, "_EVERY_S", 0.0)  # no throttling: each tensor / block is heard
+    monkeypatch.setattr(backends.load_progress, "_EVERY_S", 0.0)  # no throttling: each tensor / block is heard
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_tracker_throttles_reports_and_raises_once_cancelled():
     with pytest.raises(LoadCancelled, match="cancelled while draft: loading the weights; the models that were"):
         t.report("load", 0.6)
     assert t.native("load")(0.7) is False  # llama.cpp's callback: False asks it to stop, nothing raised
-    assert backends.modelfiles.progress.current().native("load")(0.5) is True  # no load tracked here: never cancels
+    assert backends.load_progress.current().native("load")(0.5) is True  # no load tracked here: never cancels
     assert set(STAGES) >= {"assemble", "hash", "load", "switch", "time"}
 
 

@@ -20,7 +20,7 @@ from backends.pytorch.model import init_random
 from offload.cost import CostProfile, Datasheet, Roofline, datasheet, pass_cost, project
 from offload.geometry import read_geometry
 from app.engine.planning import assumed_stats, plan_for, plan_request, read_bench, shape
-from offload.plan import GiB, MiB, Budget, PlanError, PlanRequest, parse_size, plan
+from offload.plan import GiB, MiB, MemoryBudget, PlanError, PlanRequest, parse_size, plan
 from offload.runtimes import resident_mask
 from offload.stream import LayerStreamer, offload_model
 from offload_helpers import ARGS, session, synthetic, wrap
@@ -123,7 +123,7 @@ def test_kv_accounting_follows_spec_section_9():
     t, d = synthetic(), synthetic(n_layers=4, layer=10 * MiB, name="d")
     req = request(context=4096, beams=4, gamma=3, target_backend="pytorch", draft_backend="pytorch",
                   dtype="bfloat16")
-    p = plan(t, d, req, Budget(vram=64 * GiB, ram=64 * GiB))
+    p = plan(t, d, req, MemoryBudget(vram=64 * GiB, ram=64 * GiB))
     b = 2 * 10 * 2 * 64 * 2  # 2 x layers x kv_heads x head_dim x bf16
     assert p.target.kv_bytes_per_token == b
     assert p.kv_full_bytes == b * 4 * 4096 and p.kv_mem_bytes == b * 4096
@@ -135,9 +135,9 @@ def test_kv_accounting_follows_spec_section_9():
 def test_pytorch_streams_what_does_not_fit():
     t = synthetic(n_layers=10, layer=100 * MiB, params=50 * MiB)  # bf16: 100 MiB per layer on the GPU
     req = request("sample", draft=False, context=1024, beams=1, target_backend="pytorch", dtype="bfloat16", ring=2)
-    whole = plan(t, None, req, Budget(vram=64 * GiB, ram=64 * GiB))
+    whole = plan(t, None, req, MemoryBudget(vram=64 * GiB, ram=64 * GiB))
     fixed = whole.target.vram_bytes - 10 * 100 * MiB  # embeddings, head, KV, activations
-    budget = Budget(vram=fixed + 6 * 100 * MiB + 512 * MiB + MiB, ram=64 * GiB)  # room for 6 layers
+    budget = MemoryBudget(vram=fixed + 6 * 100 * MiB + 512 * MiB + MiB, ram=64 * GiB)  # room for 6 layers
     p = plan(t, None, req, budget)
     assert (p.target.gpu_layers, p.target.streamed_layers, p.target.ring) == (4, 6, 2)  # 4 resident + 2 ring
     assert p.target.h2d_bytes == 6 * 100 * MiB and p.vram_bytes <= budget.vram_avail
@@ -147,29 +147,29 @@ def test_pytorch_streams_what_does_not_fit():
 def test_llamacpp_n_gpu_layers():
     t = synthetic(n_layers=10, layer=100 * MiB)
     req = request("sample", draft=False, context=512, beams=1)
-    all_in = plan(t, None, req, Budget(vram=64 * GiB, ram=64 * GiB))
+    all_in = plan(t, None, req, MemoryBudget(vram=64 * GiB, ram=64 * GiB))
     assert all_in.target.n_gpu_layers == 11 and all_in.target.cpu_layers == 0  # + the output layer
-    cpu = plan(t, None, req, Budget(vram=0, ram=64 * GiB))
+    cpu = plan(t, None, req, MemoryBudget(vram=0, ram=64 * GiB))
     assert cpu.target.n_gpu_layers == 0 and cpu.target.cpu_layers == 10 and cpu.vram_bytes == 0
     kv_layer = 512 * 2 * 2 * 64 * 4  # f32 cache, one row
     act = all_in.target.vram_bytes - 10 * (100 * MiB + kv_layer) - 50 * MiB
-    some = plan(t, None, req, Budget(vram=act + 3 * (100 * MiB + kv_layer) + 512 * MiB + 1, ram=64 * GiB))
+    some = plan(t, None, req, MemoryBudget(vram=act + 3 * (100 * MiB + kv_layer) + 512 * MiB + 1, ram=64 * GiB))
     assert some.target.n_gpu_layers == 3 and some.target.cpu_layers == 7 and some.target.kv_gpu_bytes == 3 * kv_layer
 
 
 def test_auto_falls_back_to_memory_mode():
     t, d = synthetic(kv_heads=8, head_dim=128), synthetic(n_layers=4, layer=10 * MiB, name="d")
     req = request(context=8192, beams=8, target_backend="pytorch", draft_backend="pytorch", dtype="bfloat16")
-    full = plan(t, d, req, Budget(vram=64 * GiB, ram=64 * GiB))
+    full = plan(t, d, req, MemoryBudget(vram=64 * GiB, ram=64 * GiB))
     assert full.mode == "dsbd" and full.target.streamed_layers == 0
     # Full mode's KV would push layers off the GPU (it still fits, streaming): memory mode keeps them resident.
-    roomy = Budget(vram=full.vram_bytes - full.kv_full_bytes + full.kv_mem_bytes + 2 * GiB, ram=64 * GiB)
+    roomy = MemoryBudget(vram=full.vram_bytes - full.kv_full_bytes + full.kv_mem_bytes + 2 * GiB, ram=64 * GiB)
     p = plan(t, d, req, roomy)
     assert p.mode == "dsbd-mem" and p.dsbd_full_fits and p.target.kv_rows == 1 and p.target.streamed_layers == 0
     assert "dsbd full mode would read" in p.notes[0] and "outside VRAM" in p.notes[0]
     assert plan(t, d, with_mode(req, "dsbd"), roomy).target.streamed_layers > 0
     # Full mode's KV alone exceeds the GPU: only memory mode fits.
-    tight = Budget(vram=full.vram_bytes - full.kv_full_bytes + full.kv_mem_bytes + 10 * MiB, ram=64 * GiB)
+    tight = MemoryBudget(vram=full.vram_bytes - full.kv_full_bytes + full.kv_mem_bytes + 10 * MiB, ram=64 * GiB)
     p = plan(t, d, req, tight)
     assert p.mode == "dsbd-mem" and p.dsbd_full_fits is False and 1 <= p.max_beams < 8 and p.max_context >= 8192
     with pytest.raises(PlanError, match="--mode dsbd-mem"):
@@ -179,7 +179,7 @@ def test_auto_falls_back_to_memory_mode():
 def test_max_context_and_max_beams_are_tight():
     t, d = synthetic(), synthetic(n_layers=4, layer=10 * MiB, name="d")
     req = request(context=2048, beams=4)
-    budget = Budget(vram=0, ram=4 * GiB)
+    budget = MemoryBudget(vram=0, ram=4 * GiB)
     p = plan(t, d, req, budget)
     more = replace(req, context=p.max_context + 256)
     assert plan(t, d, replace(req, context=p.max_context), budget).mode == p.mode
@@ -193,41 +193,41 @@ def test_no_fit_error_says_what_would_fit():
     t, d = synthetic(), synthetic(n_layers=4, layer=10 * MiB, name="d")
     req = request(context=32768, beams=8)
     with pytest.raises(PlanError) as e:
-        plan(t, d, req, Budget(vram=0, ram=4 * GiB))
+        plan(t, d, req, MemoryBudget(vram=0, ram=4 * GiB))
     msg = str(e.value)
     assert isinstance(e.value, BackendError)
     assert "does not fit" in msg and "GiB RAM but 2.00 GiB is usable" in msg
     c = int(msg.split("--context ")[1].split(" ")[0])
-    assert 0 < c < 32768 and plan(t, d, replace(req, context=c), Budget(vram=0, ram=4 * GiB))
+    assert 0 < c < 32768 and plan(t, d, replace(req, context=c), MemoryBudget(vram=0, ram=4 * GiB))
     with pytest.raises(PlanError, match=r"a Q\d_K\w* quant of the target"):  # 8-bit weights: a smaller quant fits
-        plan(t, d, request(context=512, beams=1), Budget(vram=0, ram=2 * GiB + 700 * MiB))
+        plan(t, d, request(context=512, beams=1), MemoryBudget(vram=0, ram=2 * GiB + 700 * MiB))
     with pytest.raises(PlanError, match="--dtype bfloat16"):
         plan(synthetic(params=100 * MiB), None, request(draft=False, context=512, beams=1, target_backend="pytorch"),
-             Budget(vram=0, ram=2 * GiB + 3 * GiB))
+             MemoryBudget(vram=0, ram=2 * GiB + 3 * GiB))
     with pytest.raises(PlanError, match="Free .* more RAM"):
-        plan(t, d, request(context=512, beams=1), Budget(vram=0, ram=2 * GiB + 10 * MiB))
+        plan(t, d, request(context=512, beams=1), MemoryBudget(vram=0, ram=2 * GiB + 10 * MiB))
 
 
 def test_plan_for_specs_and_detected_budget():
     from app.config import DecodeParams
 
     p = plan_for(ModelSpec(source="tiny", backend="pytorch", dtype="bfloat16", n_ctx=1024), ModelSpec(source="tiny"),
-                 DecodeParams(mode="dsbd", beams=2).validated(), budget=Budget(vram=2 * GiB, ram=8 * GiB))
+                 DecodeParams(mode="dsbd", beams=2).validated(), budget=MemoryBudget(vram=2 * GiB, ram=8 * GiB))
     assert (p.context, p.beams, p.draft_beams, p.gamma) == (1024, 2, 3, 3)
     assert p.target.runtime == "pytorch" and p.draft.runtime == "llamacpp" and p.target.gpu_layers == 30
-    b = Budget.detect(vram=None, ram=None)  # no CUDA here: 0 VRAM; RAM from psutil
+    b = MemoryBudget.detect(vram=None, ram=None)  # no CUDA here: 0 VRAM; RAM from psutil
     assert b.source == "detected" and b.ram > 0 and (b.vram > 0) == torch.cuda.is_available()
 
 
 def test_plan_is_printable_and_serialisable():
     t, d = synthetic(), synthetic(n_layers=4, layer=10 * MiB, name="d")
-    p = plan(t, d, request(), Budget(vram=8 * GiB, ram=32 * GiB))
+    p = plan(t, d, request(), MemoryBudget(vram=8 * GiB, ram=32 * GiB))
     text = p.format()
     assert "mode: dsbd" in text and "n_gpu_layers" in text and "max context" in text
     back = json.loads(json.dumps(p.as_dict()))
     assert back["target"]["n_gpu_layers"] == 11 and back["budget"]["vram"] == 8 * GiB
     with pytest.raises(PlanError, match="draft beams"):
-        plan(t, d, request(beams=4, draft_beams=3), Budget(vram=0, ram=32 * GiB))
+        plan(t, d, request(beams=4, draft_beams=3), MemoryBudget(vram=0, ram=32 * GiB))
 
 
 # ---------------------------------------------------------------- streaming (CPU path)
@@ -290,7 +290,7 @@ def test_streamed_equals_resident_tiny_gguf(tiny_gguf_path):
 def test_pass_cost_roofline_and_overlap():
     t = synthetic(n_layers=10, layer=100 * MiB, params=50 * MiB)
     req = request("sample", draft=False, context=1024, beams=1, target_backend="pytorch", dtype="bfloat16")
-    budget = Budget(vram=int(1.2 * GiB), ram=64 * GiB)
+    budget = MemoryBudget(vram=int(1.2 * GiB), ram=64 * GiB)
     p = plan(t, None, req, budget).target
     assert p.streamed_layers > 0
     hw = Datasheet("x", vram_gb=2, h2d_gbps=10, tflops=100, mem_gbps=1000, overhead_ms=0)
@@ -319,13 +319,13 @@ def test_bench_file_and_projection(tmp_path):
     assert stats["sps"].request.draft_beams == 1 and stats["beam-sample"].draft_passes_per_target_pass == 0
     t, d = synthetic(), synthetic(n_layers=4, layer=10 * MiB, name="d")
     hw = CostProfile("rtx3060-12gb", machine="gpu", datasheet=datasheet("rtx3060-12gb"))
-    rows = {r.label: r for r in project(t, d, Budget(vram=12 * GiB, ram=64 * GiB), hw,
+    rows = {r.label: r for r in project(t, d, MemoryBudget(vram=12 * GiB, ram=64 * GiB), hw,
                                         list(stats.values()))}
     r = rows["dsbd:gamma=2"]
     assert r.fits and r.target_tokens == 4 + 5 * 2
     assert r.tokens_per_s == pytest.approx(2.5 / (r.target_pass_ms + 2 * r.draft_pass_ms) * 1e3)
     assert r.as_dict()["kind"] == "projection"
-    tight = project(t, d, Budget(vram=0, ram=2 * GiB + 300 * MiB), hw, list(stats.values()))
+    tight = project(t, d, MemoryBudget(vram=0, ram=2 * GiB + 300 * MiB), hw, list(stats.values()))
     assert not any(x.fits for x in tight) and "does not fit" in tight[0].why
     with pytest.raises(PlanError, match="summary"):
         (tmp_path / "bad.json").write_text("[1]")
@@ -353,7 +353,7 @@ def test_one_speed_model_curves_and_datasheets():
     t, d = synthetic(), synthetic(n_layers=4, layer=10 * MiB, name="d")
     base = request(beams=4, draft_beams=5, gamma=3)
     stats = [assumed_stats("beam-sample", base), assumed_stats("dsbd", base, acceptance=0.6)]
-    budget = Budget(vram=24 * GiB, ram=64 * GiB)
+    budget = MemoryBudget(vram=24 * GiB, ram=64 * GiB)
     curves = cost_profile("rtx4090-7b")
     rows = {r.label: r for r in project(t, d, budget, curves, stats)}
     assert rows["beam-sample"].target_pass_ms == pytest.approx(curves.target(4) * 1e3)

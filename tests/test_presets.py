@@ -91,10 +91,10 @@ def test_interrupted_assembly_leaves_no_temp_file(fake, cache, monkeypatch):
 
 
 def test_a_cancelled_assembly_reports_its_stage_and_leaves_no_file(fake, cache, monkeypatch):
-    import backends.modelfiles.progress
-    from backends.modelfiles.progress import LoadCancelled, LoadTracker, tracking
+    import backends.load_progress
+    from backends.load_progress import LoadCancelled, LoadTracker, tracking
 
-    monkeypatch.setattr(backends.modelfiles.progress, "_EVERY_S", 0.0)  # every block reported: cancel after the first
+    monkeypatch.setattr(backends.load_progress, "_EVERY_S", 0.0)  # every block reported: cancel after the first
     cancel, steps = threading.Event(), []
 
     def hear(step):  # the user presses Cancel once the copy is under way

@@ -90,7 +90,7 @@ def test_a_probe_is_a_load_stage_and_a_cancel_ends_its_child(tiny_gguf_path, tmp
     import sys
     import threading
 
-    from backends.modelfiles.progress import LoadCancelled, LoadTracker, tracking
+    from backends.load_progress import LoadCancelled, LoadTracker, tracking
 
     monkeypatch.delenv(probe.ENV, raising=False)
     pid_file = tmp_path / "child.pid"

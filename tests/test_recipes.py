@@ -15,12 +15,12 @@ from app.config import MODE_FACTS, ConfigError, DecodeParams, Mode
 from app.engine.engine import Engine, final_event
 from app.engine.planning import plan_for
 from backends.registry import ModelSpec
-from offload.plan import Budget, GiB
+from offload.plan import MemoryBudget, GiB
 from offload.runtimes import RUNTIMES
 
 MESSAGES = [{"role": "user", "content": "List three colours."}]
 TINY = ModelSpec(source="tiny", n_ctx=512)
-ROOMY = Budget(vram=0, ram=64 * GiB)
+ROOMY = MemoryBudget(vram=0, ram=64 * GiB)
 # Beam search's facts under a new name: the same W rows, no draft.
 TOY_MODE = Mode("toy", needs_draft=False, beams=True, keeps_rows=True, samples=False, verifier="none",
                 draft_width="W")

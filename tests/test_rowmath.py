@@ -1,4 +1,4 @@
-"""The row-math backends (app/decoding/rowmath.py, spec §16.9): the torch backend's closed forms have the
+"""The row-math backends (app/decoding/rowmath/, spec §16.10): the torch backend's closed forms have the
 reference's law exactly (enumerations within 1e-12 in float64), and in float32 on Qwen-sized rows it draws the
 reference's keys for the same seed; negative controls for the closed-form shortcuts must fail."""
 

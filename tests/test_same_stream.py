@@ -1,4 +1,4 @@
-"""Same stream (spec §16.9): a DSBD iteration that builds no forest is the plain mode's step, drawing from the
+"""Same stream (spec §16.10): a DSBD iteration that builds no forest is the plain mode's step, drawing from the
 same generator, so a seeded forest mode whose policy never drafts returns the plain mode's answer token for token,
 on the real tiny model and its runtime."""
 
@@ -61,6 +61,9 @@ def answer(model, params: DecodeParams, *, draft: bool, never_drafts: bool, prom
     return last.output.tokens
 
 
+# On the torch backend: slow. Its draws are the reference's (tests/test_rowmath.py) and
+# test_balanced_that_never_drafts_returns_its_no_forest_answer runs it here on the real model.
+@pytest.mark.parametrize("backend", [pytest.param("torch", marks=pytest.mark.slow), "numpy"], indirect=True)
 @pytest.mark.parametrize("replacement,plain", [("without", "beam-sample"), ("with", "beam-sample-repl")])
 def test_a_forest_mode_that_never_drafts_returns_the_plain_modes_answer(tiny, replacement, plain):
     """Best quality's settings (dsbd without replacement, W_min = W) and the with-replacement candidate, lookup

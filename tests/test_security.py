@@ -13,7 +13,7 @@ import pytest
 
 from app.cli import bind_address, build_parser, main, parse_auth
 from app.config import ConfigError, DecodeParams
-from app.prompt import CHATML, ChatError, encode_chat, render
+from app.prompt import CHATML, ChatError, encode_chat, render_chat
 from backends.registry import ModelSpec
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -159,12 +159,12 @@ ESCAPES = [
 @pytest.mark.parametrize("template", ESCAPES)
 def test_hostile_template_fails_safely(template):
     with pytest.raises(ChatError) as e:
-        render(MESSAGES, template)
+        render_chat(MESSAGES, template)
     assert "chat template failed" in str(e.value)
 
 
 def test_unsafe_attribute_alone_renders_nothing():
-    text, _ = render(MESSAGES, "{{ ''.__class__ }}|{{ cycler.__init__ }}")
+    text, _ = render_chat(MESSAGES, "{{ ''.__class__ }}|{{ cycler.__init__ }}")
     assert text == "|"  # the sandbox hands back an undefined value, never the Python object
 
 
@@ -214,7 +214,7 @@ def test_user_control_token_text_stays_plain_text(tiny):
 
 
 def test_chatml_is_the_fallback_and_is_sandboxed():
-    text, pieces = render([{"role": "user", "content": "{{ 7*7 }}"}], None)
+    text, pieces = render_chat([{"role": "user", "content": "{{ 7*7 }}"}], None)
     # content is data, not template: the rendered text holds a placeholder for it (random hex, which may
     # itself contain "49"), so check the text with the placeholders taken out
     bare = text
@@ -226,7 +226,7 @@ def test_chatml_is_the_fallback_and_is_sandboxed():
 
 def test_template_errors_that_are_not_template_errors_are_chat_errors():
     with pytest.raises(ChatError):
-        render(MESSAGES, "{% for i in range(10**9) %}{% endfor %}")
+        render_chat(MESSAGES, "{% for i in range(10**9) %}{% endfor %}")
 
 
 def test_bad_decode_settings_are_config_errors():

@@ -221,6 +221,7 @@ def _stat_case() -> tuple[Joint, Joint, np.ndarray]:
     return p, q, np.array([True, False, True])
 
 
+@pytest.mark.slow
 def test_layer_statistical_production_path() -> None:
     p, q, valid = _stat_case()
     assert len(p) == 4
@@ -242,6 +243,7 @@ def test_layer_statistical_more_shapes(W_S: int, W_L: int) -> None:
 # ------------------------------------------------------------------------- 3. negative controls, statistical
 
 
+@pytest.mark.slow
 def test_negative_without_replacement_statistical() -> None:
     p, q = joint([[0.5, 0.5]]), joint([[0.9, 0.1]])
     rng_draft, _ = rngs("neg_without_replacement_draws")
@@ -253,6 +255,7 @@ def test_negative_without_replacement_statistical() -> None:
     assert single[1] < NEG_CONTROL_P and pairs[0] < NEG_CONTROL_P
 
 
+@pytest.mark.slow
 def test_negative_skip_invalid_statistical() -> None:
     p, q, valid = _invalid_example()
     idx = run_layers(p, q, valid, 1, 1, N_STAT, "neg_skip_invalid", verify=verify_skipping_invalid)

@@ -112,6 +112,7 @@ def test_dp_matches_enumerated_golden_w4() -> None:
     assert np.abs(acceptance_count_law(double_step_alpha(p, q, 4)) - exact).max() > 0.05
 
 
+@pytest.mark.slow  # the same counts enumerated exactly: test_dp_matches_enumerated_golden_w4
 def test_dp_matches_monte_carlo_golden() -> None:
     """Production path, no stopping (width = W_S = 4); the double-step DP must fail on the same counts."""
     p, q, valid = CASES["golden"]

@@ -11,29 +11,14 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from app.config import MODE_FACTS, DecodeParams
-from backends.base import ROOT, AcceptedPath, Context, Forest, host_rows
+from backends.base import ROOT, AcceptedPath, Context, Forest
 
 from . import Step, rng_streams
 from .beams import Beam, Pool, Stopper, common_prefix, final_choice
+from .inputs import pad_vocab, warp_of
 from .metrics import Metrics
 from . import rowmath
 from .sampling import Draft, Rand, SeededRand, Warp
-
-
-def warp_of(params: DecodeParams) -> Warp:
-    return Warp(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
-
-
-def pad_vocab(logits: np.ndarray, vocab: int) -> np.ndarray:
-    """Draft logits in the target's vocabulary: ids the draft lacks get -inf."""
-    n = logits.shape[-1]
-    if n == vocab:
-        return logits
-    logits = host_rows(logits)  # rows read in place, or on a device, are copied to the host here
-    if n > vocab:
-        return logits[..., :vocab]
-    pad = np.full(logits.shape[:-1] + (vocab - n,), -np.inf, dtype=logits.dtype)
-    return np.concatenate([logits, pad], axis=-1)
 
 
 def _beam_loop(*, target: Context, prompt: Sequence[int], params: DecodeParams, stopper: Stopper, metrics: Metrics,

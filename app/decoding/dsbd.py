@@ -31,9 +31,9 @@ from backends.base import ROOT, AcceptedPath, ContentKeys, Context, Forest
 
 from ..config import MODE_FACTS, ConfigError, DecodeParams
 from . import Step, rng_streams
-from .baselines import pad_vocab, warp_of
 from .beams import Beam, Pool, Stopper, common_prefix, final_choice
 from .forest_policy import ForestPolicy, decoder_costs, lookup_layer_cost
+from .inputs import pad_vocab, warp_of
 from .lookups import Builder, LookupBudget
 from . import rowmath
 from .metrics import Metrics
@@ -127,11 +127,13 @@ class LayerOutcome:
 
 @dataclass
 class Iteration:
-    """One iteration's record: the beams it starts from, its sizes, its forest and its layers' outcomes."""
+    """One iteration's record: the beams it starts from, its sizes, its forest, its layers' outcomes and the
+    forest view made of them."""
 
     live: Sequence[Beam]
     roots: list[int]  # content key of each live beam
     contents: ContentKeys
+    sized: tuple[int, int]  # distinct root query tokens in the target and the draft pass
     gamma: int
     draft_beams: int  # W_S (0: lookup nodes only)
     draft_lookups: int  # the draft model's lookup nodes per layer
@@ -139,6 +141,14 @@ class Iteration:
     fed: bool = False  # the draft context was evaluated (its KV holds the fed nodes)
     outcomes: list[LayerOutcome] = field(default_factory=list)
     verified_rows: dict = field(default_factory=dict)  # beam tokens -> its target row (the builder learns them)
+    view_layers: list[dict] = field(default_factory=list)  # the forest view, one entry per verified layer
+    shape: tuple[int, int] = (0, 0)  # (depth, W_S) as the statistics count it
+
+    @property
+    def drafted_q(self) -> Joint | None:
+        """The first layer's q_beam (None: no draft-model layer): the next iteration's policy prices its
+        distinct drafts on it."""
+        return self.layers[0].q if self.layers else None
 
 
 # lookups(depth, parent contents, previous layer's nodes or None, q_beam or None, drafts) -> [(parent, token)]:
@@ -175,13 +185,15 @@ def dsbd(*, target: Context, draft: Context | None, prompt: Sequence[int], param
     (draft, verify) randomness replaces the seeded streams (tests enumerate every outcome); `rm` the row-math
     backend (default: the process's, app/decoding/rowmath.py).
     """
-    run = _Run(params, stopper, metrics, vocab, prompt, draft is not None, policy or _policy(params, costs, draft),
-               nodes if nodes is not None else _builder(params, prompt, costs, stopper, vocab), lookups, rands,
-               rm or rowmath.backend())
+    run = _Run(params=params, stopper=stopper, metrics=metrics, vocab=vocab, has_draft=draft is not None,
+               policy=policy or _policy(params, costs, draft),
+               builder=nodes if nodes is not None else _builder(params, prompt, costs, stopper, vocab),
+               lookups=lookups, rands=rands, rm=rm or rowmath.backend())
     run.prefill(target, draft, prompt)
     live, t_suffix, d_suffix = [Beam((), 0.0)], [(prompt[-1],)], [(prompt[-1],)]
+    it = None
     while True:
-        it = run.begin(live, t_suffix, d_suffix)                                         # sizes
+        it = run.begin(live, t_suffix, d_suffix, after=it)                               # sizes
         run.draft(draft, it, d_suffix)                                                   # 1. draft
         root_lp, node_lp = run.score(target, t_suffix, it.layers)                        # 2. score
         rows = [Handle(r, (), b, it.roots[r], root_lp.row(r)) for r, b in enumerate(live)]
@@ -195,30 +207,28 @@ def dsbd(*, target: Context, draft: Context | None, prompt: Sequence[int], param
         live = [h.beam for h in nxt]
         t_suffix = [(b.tokens[-1],) for b in live]
         final = live[0].tokens if run.memory else common_prefix([b.tokens for b in live + run.pool.beams])
-        yield Step(final=final, live=len(live), forest=run.view())
+        yield Step(final=final, live=len(live), forest=run.view(it))
 
 
 class _Run:
-    """One generation's settings and state; one method per phase of the iteration."""
+    """One generation's settings and what lasts across its iterations (the randomness, the finished pool, what
+    the policy and the builder learn); one method per phase of the iteration, each iteration's state in its
+    `Iteration`."""
 
-    def __init__(self, params: DecodeParams, stopper: Stopper, metrics: Metrics, vocab: int, prompt,
-                 has_draft: bool, policy, builder: Builder | None, lookups: Lookups | None,
+    def __init__(self, *, params: DecodeParams, stopper: Stopper, metrics: Metrics, vocab: int, has_draft: bool,
+                 policy: ForestPolicy | None, builder: Builder | None, lookups: Lookups | None,
                  rands: tuple[Rand, Rand] | None, rm) -> None:
         self.rm = rm
         self.params, self.stopper, self.metrics, self.vocab = params, stopper, metrics, vocab
         self.has_draft, self.policy, self.builder = has_draft, policy, builder
-        self.lookups = lookups or (lambda *a: _top_q_lookups(self.n_lookups, *a))
-        self.n_lookups = params.lookup_nodes if "draft" in params.lookup_sources else 0
-        self.q_profile = None  # the latest drafted q_beam (for the policy's distinct-draft estimate)
+        self.lookups = lookups  # None: the draft's likeliest undrawn pairs (_top_q_lookups)
+        self.draft_lookups = params.lookup_nodes if "draft" in params.lookup_sources else 0  # the most per layer
         self.memory = not MODE_FACTS[params.mode].keeps_rows
         self.without = params.replacement == "without"
         self.w, self.warp, self.lam = params.beams, warp_of(params), params.length_penalty
         self.draft_rand, self.rand = rands or tuple(SeededRand(r) for r in rng_streams(params.seed))
         self.n_extra = 1 if self.memory and params.select == "sample" else self.w
         self.pool = Pool(self.w, self.lam)
-        self.snapshot: list[dict] = []
-        self.forest_shape = (0, 0)
-        self.sized = (1, 1)  # this iteration's distinct root query tokens in the target and the draft pass
         metrics.forest_policy = params.forest
 
     def prefill(self, target: Context, draft: Context | None, prompt: Sequence[int]) -> None:
@@ -228,23 +238,24 @@ class _Run:
         self.metrics.mark_prefilled()
 
     # -- sizes -----------------------------------------------------------------------------------------
-    def begin(self, live: Sequence[Beam], t_suffix, d_suffix) -> Iteration:
-        """A new iteration from the live beams, sized by `sizes`."""
+    def begin(self, live: Sequence[Beam], t_suffix, d_suffix, *, after: Iteration | None) -> Iteration:
+        """A new iteration from the live beams (`after` the one before, None at the start), sized by `sizes`."""
         contents = ContentKeys()
         roots = [contents.root(b.tokens) for b in live]
-        return Iteration(live, roots, contents, *self.sizes(live, t_suffix, d_suffix))
+        sized = (sum(map(len, t_suffix)), sum(map(len, d_suffix)))
+        q = after.drafted_q if after is not None else None
+        return Iteration(live, roots, contents, sized, *self.sizes(live, sized, q))
 
-    def sizes(self, live, t_suffix, d_suffix) -> tuple[int, int, int]:
+    def sizes(self, live, sized: tuple[int, int], q) -> tuple[int, int, int]:
         """(gamma, W_S, draft lookup nodes per layer) of this iteration's drafted part; an adaptive policy
-        decides from the past only (spec §16.4, §16.8). Without a draft model: no drafted part."""
+        decides from the past only (spec §16.4, §16.8), pricing distinct drafts on the last iteration's drafted
+        q (priced once per drafted q). Without a draft model: no drafted part."""
         g = min(self.params.gamma, self.params.max_new_tokens - len(live[0].tokens) - 1)
         if not self.has_draft:
             return 0, 0, 0
-        ws, n = self.params.draft_beams, self.n_lookups
-        self.sized = (sum(map(len, t_suffix)), sum(map(len, d_suffix)))
+        ws, n = self.params.draft_beams, self.draft_lookups
         if self.policy is not None:
-            q, self.q_profile = self.q_profile, None  # priced once per drafted q
-            choice = self.policy.choose(max_gamma=g, roots=self.sized[0], draft_roots=self.sized[1], q_rows=q,
+            choice = self.policy.choose(max_gamma=g, roots=sized[0], draft_roots=sized[1], q_rows=q,
                                         with_lookups=True)
             g, ws = choice[:2]
             n = choice[2] if len(choice) > 2 else n
@@ -269,7 +280,7 @@ class _Run:
         parent_content, ended, paths = list(roots), np.zeros(len(live), bool), [b.tokens for b in live]
         drafting = ws > 0  # W_S = 0: lookup nodes only
         logits = self._draft_pass(draft, Forest(suffix=tuple(suffix)), roots=True) if drafting else None
-        self.n_lookups = it.draft_lookups
+        lookups = self.lookups or functools.partial(_top_q_lookups, it.draft_lookups)
         layers: list[Layer] = []
         fed = 0  # pending node ids handed out in the draft context
         for l in range(1, g + 1):
@@ -288,15 +299,13 @@ class _Run:
                                        contents.child(parent_content[par], tok), parent=par, qval=float(qv),
                                        rest=float(rs), ended=self.stopper.finished(paths[par] + (tok,))))
             looks = []
-            for par, tok in self.lookups(l, roots if prev is None else [n.content for n in prev], prev, q, drafts):
+            for par, tok in lookups(l, roots if prev is None else [n.content for n in prev], prev, q, drafts):
                 up = None if prev is None else prev[par]
                 looks.append(Node(tok, up, par if up is None else up.root,
                                   contents.child(roots[par] if up is None else up.content, tok), parent=par))
             if not (drafts or looks):
                 break  # nothing left to verify at this depth: the extra layer follows
             layers.append(Layer(q, parent_content, drafts, looks))
-            if l == 1 and q is not None:
-                self.q_profile = q
             if l == g:
                 break
             prev = drafts + looks
@@ -369,7 +378,7 @@ class _Run:
         layers, roots, g, ws, n_look = it.layers, it.roots, it.gamma, it.draft_beams, it.draft_lookups
         distinct = len(set(roots)) + sum(len({n.content for n in L.nodes}) for L in layers)
         if self.policy is not None and g > 0:
-            seconds = self.policy.seconds(g, ws, roots=self.sized[0], draft_roots=self.sized[1], lookups=n_look)
+            seconds = self.policy.seconds(g, ws, roots=it.sized[0], draft_roots=it.sized[1], lookups=n_look)
             passes = [self.policy.pass_rate(l, ws, n_look) for l in range(1, len(layers) + 1)]
         else:
             seconds, passes = self.builder.target_cost(distinct) + self.builder.step_cost, []
@@ -533,10 +542,9 @@ class _Run:
         builder learn (the builder's index grows by every output beam, pruned ones too; every verified row
         calibrates its sources and feeds the recycled successors)."""
         m = self.metrics
-        self.snapshot = []
         for l, o in enumerate(it.outcomes, start=1):
             self._layer_stats(l, o)
-            self._layer_view(o)
+            self._layer_view(it, o)
             self._layer_lessons(l, o)
         m.iterations += 1
         m.steps.append(len(output[0].beam.tokens) - len(it.live[0].tokens))
@@ -544,8 +552,8 @@ class _Run:
         m.carried.append(len(nxt))
         m.track_kv(target, draft)
         ws = it.draft_beams if it.gamma > 0 or not it.layers else 0  # W_S 0: lookup nodes only
-        self.forest_shape = (max(it.gamma, len(it.layers)), ws)
-        m.forests.append(self.forest_shape)
+        it.shape = (max(it.gamma, len(it.layers)), ws)
+        m.forests.append(it.shape)
         if self.policy is not None:
             self.policy.settle(m.steps[-1])
         if self.builder is not None:
@@ -561,7 +569,6 @@ class _Run:
                                 passed=o.passed, by_cache=o.passed and not o.by_drafts,
                                 distinct=len({n.content for n in layer.drafts}),
                                 lookups=sum(n.source == "draft" for n in layer.lookups))
-            # no verify_s: a timing in the choice would make a seeded answer depend on the machine's load
         if self.builder is not None and not layer.drafts and any(n.candidate for n in layer.lookups):
             self.builder.settle_layer(l, o.passed)  # model-free nodes alone decided this layer
 
@@ -582,13 +589,13 @@ class _Run:
             self.metrics.lookup_source(n.source, hit=id(n) in hit)
         self.metrics.widths.append(o.width)
 
-    def _layer_view(self, o: LayerOutcome) -> None:
+    def _layer_view(self, it: Iteration, o: LayerOutcome) -> None:
         accepted, consumed, hit = o.accepted, o.consumed, o.hit
         status = lambda j, n, d: ("accepted" if j in accepted else "hit" if id(n) in hit else
                                   "auto-rejected" if not d.valid else "rejected" if j < consumed else "untested")
-        prev = {id(n): i for i, n in enumerate(self.snapshot[-1]["_nodes"])} if self.snapshot else {}
+        prev = {id(n): i for i, n in enumerate(it.view_layers[-1]["_nodes"])} if it.view_layers else {}
         up = lambda n: n.root if n.up is None else prev.get(id(n.up), -1)
-        self.snapshot.append({
+        it.view_layers.append({
             "width": o.width, "passed": o.passed,
             "passed_by": ("acceptance" if o.by_drafts else "cache") if o.passed else None,
             "nodes": [{"parent": n.parent, "token": n.token, "status": status(j, n, d)}
@@ -598,9 +605,10 @@ class _Run:
             "corrections": [int(k % self.vocab) for (k, i), n in zip(o.outputs, o.nodes) if i is None and n is None],
             "_nodes": o.layer.nodes})
 
-    def view(self) -> dict:
-        layers = [{k: v for k, v in s.items() if k != "_nodes"} for s in self.snapshot]
-        g, ws = self.forest_shape
+    def view(self, it: Iteration) -> dict:
+        """The forest view of an accounted iteration (the UI's)."""
+        layers = [{k: v for k, v in s.items() if k != "_nodes"} for s in it.view_layers]
+        g, ws = it.shape
         return {"layers": layers, "gamma": g, "draft_beams": ws, "adaptive": self.policy is not None}
 
 

@@ -6,8 +6,7 @@ expected beam steps per second (spec §16.4), on the pass-cost curves of the mac
                                      verify_cost=0.0, step_cost=0.0)
     g, ws = policy.choose(max_gamma=g, roots=n, draft_roots=m, q_rows=None)
     g, ws, lookups = policy.choose(max_gamma=g, roots=n, draft_roots=m, q_rows=None, with_lookups=True)
-    policy.observe(depth, ws, outcomes=[bool, ...], passed=bool, by_cache=None, distinct=None, lookups=0,
-                   verify_s=None)
+    policy.observe(depth, ws, outcomes=[bool, ...], passed=bool, by_cache=None, distinct=None, lookups=0)
     policy.settle(steps)          # after each iteration: the beam steps it advanced
 
     roots, draft_roots  distinct query tokens of the iteration's roots in the target / draft pass
@@ -15,7 +14,7 @@ expected beam steps per second (spec §16.4), on the pass-cost curves of the mac
                         flattened): how many of W_S drafts drawn with replacement are distinct
     by_cache            the layer passed by the cache rule (spec §16.2) and not by acceptance
     distinct            distinct (parent, token) content keys among the layer's W_S drafts
-    lookups, verify_s   the layer's draft-model lookup nodes (spec §16.3); seconds the verifier spent on it
+    lookups             the layer's draft-model lookup nodes (spec §16.3)
 
 The rate of a forest (g, W_S, L lookup nodes per layer):
 
@@ -50,8 +49,9 @@ within ANSWER_SHARE of this answer's own (so what earlier answers saved up is ne
 
 Exactness: the choice reads only earlier iterations' counts, the fixed cost curves and the context (live beams,
 budget, earlier layers' q); given the past, an iteration is an exact DSBD iteration with that (gamma, W_S, L)
-(Theorems 1-3 hold for any past-determined gamma and W_S >= W), so the output law is unchanged. Without
-verify_s the choice is deterministic, so a seed reproduces an answer given the same cost curves and counts.
+(Theorems 1-3 hold for any past-determined gamma and W_S >= W), so the output law is unchanged. The choice reads
+no clock (the verifier is priced by `decoder_costs`, never timed), so a seed reproduces an answer given the same
+cost curves and counts.
 """
 
 from __future__ import annotations
@@ -118,11 +118,11 @@ def expected_distinct(q, ws: int, *, replacement: bool = True) -> float:
 
 
 def decoder_costs(params, vocab: int, rm=None) -> dict:
-    """Priors for `verify_cost` (seconds per verified layer, by W_S: the target side's warp and residual chain
-    over W x |V| cells, the chain one pass per draft, plus the draft side's warp over W_S x |V| cells for the
-    layer below) and `step_cost` (per iteration: the output step's warp over the rows carried, one in memory
-    mode), for a target vocabulary of `vocab` ids, at the row-math backend's cell costs (`rm`, default the
-    process's); observed verify_s replace the first."""
+    """The decoder's own seconds, priced from cell counts: `verify_cost` (per verified layer, by W_S: the target
+    side's warp and residual chain over W x |V| cells, the chain one pass per draft, plus the draft side's warp
+    over W_S x |V| cells for the layer below) and `step_cost` (per iteration: the output step's warp over the
+    rows carried, one in memory mode), for a target vocabulary of `vocab` ids, at the row-math backend's cell
+    costs (`rm`, default the process's)."""
     warp, chain = _cell_seconds(rm)
     cells = params.beams * vocab
     carried = (params.beams if MODE_FACTS[params.mode].keeps_rows else 1) * vocab
@@ -179,7 +179,6 @@ class Acceptance:
     # (depth, W_S, lookups) -> [passed by the cache rule, layers that did not pass by acceptance]
     cache_runs: dict[tuple[int, int, int], list[float]] = field(default_factory=dict)
     distinct: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (depth, W_S) -> [sum, layers]
-    verify: dict[int, list[float]] = field(default_factory=dict)  # W_S -> [seconds, layers]
     layers: int = 0  # verified layers ever observed
     plain_s: float = 0.0  # what the plain step would have taken for every step advanced (predicted seconds)
     explore_s: float = 0.0  # the predicted extra seconds every exploration cost (negative where it paid)
@@ -188,7 +187,7 @@ class Acceptance:
         """A copy whose every count keeps at most `cap` observations (proportions unchanged)."""
         out = copy.deepcopy(self)
         for table, n_at in ((out.depth_draws, (1, 3)), (out.layer_runs, (1,)), (out.cache_runs, (1,)),
-                            (out.distinct, (1,)), (out.verify, (1,))):
+                            (out.distinct, (1,))):
             for row in table.values():
                 for i in n_at:  # row[i] counts observations, row[i - 1] what they summed to
                     if row[i] > cap:
@@ -215,7 +214,7 @@ class ForestPolicy:
     replacement: bool = True  # drafts drawn with replacement (spec §4) or without (§16.5)
     lookups: Sequence[int] = (0,)  # candidate lookup nodes per layer
     cache_rule: bool = False  # the decoder passes layers by the cache rule: sets c's prior
-    verify_cost: float | Callable[[int], float] = 0.0  # seconds per verified layer of W_S drafts (prior)
+    verify_cost: float | Callable[[int], float] = 0.0  # seconds per verified layer of W_S drafts
     step_cost: float = 0.0  # seconds every iteration pays outside the passes (its output step's warp), gamma 0 too
     explore: int = 0  # draft the cheapest forest until this many layers were observed for the pair
     max_drafts: int | None = None  # gamma x W_S at most (the runtime's sequence ids left after the lookup nodes)
@@ -337,9 +336,6 @@ class ForestPolicy:
             self._profile = {ws: float(np.sum(1.0 - (1.0 - big) ** ws) + ws * rest) for ws in set(self.widths)}
 
     def verify_seconds(self, ws: int) -> float:
-        s = self.known.verify.get(ws)
-        if s and s[1] > 0:
-            return s[0] / s[1]
         return self.verify_cost(ws) if callable(self.verify_cost) else float(self.verify_cost)
 
     def expected_steps(self, g: int, ws: int, lookups: int = 0) -> float:
@@ -490,7 +486,7 @@ class ForestPolicy:
             self._exploring = None
 
     def observe(self, depth: int, ws: int, *, outcomes: Sequence[bool], passed: bool, by_cache: bool | None = None,
-                distinct: int | None = None, lookups: int = 0, verify_s: float | None = None) -> None:
+                distinct: int | None = None, lookups: int = 0) -> None:
         """One verified layer: the accept (True) / reject outcome of each draft it consumed, in draw order
         (invalid-parent drafts are rejections), and whether the layer passed (by either rule)."""
         self._rates.clear()
@@ -516,8 +512,4 @@ class ForestPolicy:
             s = k.distinct.setdefault((depth, ws), [0, 0])
             s[0] += int(distinct)
             s[1] += 1
-        if verify_s is not None:
-            v = k.verify.setdefault(ws, [0.0, 0])
-            v[0] += float(verify_s)
-            v[1] += 1
         k.layers += 1

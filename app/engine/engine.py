@@ -31,7 +31,7 @@ from app.engine.learned import Learned, entry_key, model_key
 from app.engine.planning import tree_tokens
 from app.engine.timing import CAL_POINTS, TIMED, PassCosts, cached_costs, cost_profile
 from app.prompt import ChatError, encode_chat
-from backends.modelfiles.progress import LoadTracker, tracking
+from backends.load_progress import LoadTracker, tracking
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class Engine(ModelEngine):
 
         New models load beside the old ones, outside the lock, so answers keep streaming meanwhile; a spec
         equal to the one already serving that role is kept, not reloaded. Only the switch itself waits
-        for the running generation. `progress(LoadStep)` hears each stage (backends.modelfiles.progress); setting
+        for the running generation. `progress(LoadStep)` hears each stage (backends.load_progress); setting
         `cancel` stops the load at its next report (llama.cpp: within its load) and raises LoadCancelled.
         """
         tracker = LoadTracker(progress, cancel)

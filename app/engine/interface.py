@@ -79,7 +79,7 @@ class ModelEngine(ABC):
     def swap(self, target: ModelSpec, draft: ModelSpec | None = None, *, progress=None,
              cancel: threading.Event | None = None) -> dict:
         """Replace the models; returns describe(). On failure (LoadCancelled when `cancel` was set) the old
-        models keep serving. `progress(backends.modelfiles.progress.LoadStep)` hears each stage of the load."""
+        models keep serving. `progress(backends.load_progress.LoadStep)` hears each stage of the load."""
 
     def unload(self, role: str = "all") -> dict | None:
         """Free the draft ("draft": the target keeps serving; returns describe()) or both models ("all": every

@@ -115,7 +115,8 @@ def _when(entry) -> float:
         return 0.0
 
 
-_TABLES = ("depth_draws", "layer_runs", "cache_runs", "distinct", "verify")
+# An older version also stored "verify" (seconds per verified layer); reading ignores tables not named here.
+_TABLES = ("depth_draws", "layer_runs", "cache_runs", "distinct")
 
 
 def acceptance_to_json(a: Acceptance) -> dict:

@@ -13,13 +13,13 @@ from backends.base import BackendError
 
 
 @dataclass(frozen=True)
-class Message:
+class PipeMessage:
     rid: int
 
 
 # -- supervisor -> model process ------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Call(Message):
+class Call(PipeMessage):
     """Run `Engine.<name>(*args, **kwargs)`; answered by Result or Failed (and LoadProgress for a swap)."""
 
     name: str
@@ -28,7 +28,7 @@ class Call(Message):
 
 
 @dataclass(frozen=True)
-class Open(Message):
+class Open(PipeMessage):
     """Open a stream (`generate` / `chat`): validated at once (Opened or Failed), run after Go."""
 
     name: str
@@ -36,42 +36,42 @@ class Open(Message):
 
 
 @dataclass(frozen=True)
-class Go(Message):
+class Go(PipeMessage):
     """Start (or continue) the opened stream."""
 
 
 @dataclass(frozen=True)
-class Cancel(Message):
+class Cancel(PipeMessage):
     """The user stopped the answer: finish it as cancelled."""
 
 
 @dataclass(frozen=True)
-class Drop(Message):
+class Drop(PipeMessage):
     """The supervisor closed the stream: stop at the next step, or never start."""
 
 
 @dataclass(frozen=True)
-class Close(Message):
+class Close(PipeMessage):
     """Exit the model process."""
 
 
 # -- model process -> supervisor ------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Ready(Message):
+class Ready(PipeMessage):
     """The models are loaded; `state` describes them (specs, n_ctx, tokenizer attributes, ...)."""
 
     state: dict
 
 
 @dataclass(frozen=True)
-class LoadFailed(Message):
+class LoadFailed(PipeMessage):
     """Loading the models failed; `error` is a packed exception (pack_exc)."""
 
     error: tuple
 
 
 @dataclass(frozen=True)
-class LoadProgress(Message):
+class LoadProgress(PipeMessage):
     """A swap's progress callback, forwarded."""
 
     args: tuple = ()
@@ -79,37 +79,37 @@ class LoadProgress(Message):
 
 
 @dataclass(frozen=True)
-class Result(Message):
+class Result(PipeMessage):
     value: object = None
 
 
 @dataclass(frozen=True)
-class Failed(Message):
+class Failed(PipeMessage):
     """The call or stream raised; `error` is a packed exception, rebuilt with its type in the supervisor."""
 
     error: tuple
 
 
 @dataclass(frozen=True)
-class Opened(Message):
+class Opened(PipeMessage):
     pass
 
 
 @dataclass(frozen=True)
-class Streamed(Message):
+class Streamed(PipeMessage):
     """One engine Event of an open stream."""
 
     event: object
 
 
 @dataclass(frozen=True)
-class End(Message):
+class End(PipeMessage):
     """The stream finished."""
 
 
 # -- the supervisor's own, never sent: the process died or hung --------------------------------------------
 @dataclass(frozen=True)
-class Lost(Message):
+class Lost(PipeMessage):
     why: str
 
 

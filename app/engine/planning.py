@@ -3,7 +3,7 @@
 app.config.MODE_FACTS, the app's limits, what to price. One function per question, whichever edge asks (engine load,
 the Models tab, `dsbd-chat plan`); no weights are read.
 
-Fit badges (the Models tab and `dsbd-chat models`): `fit(target_geometry, draft_geometry, context=...) -> Fit`
+Fit badges (the Models tab and `dsbd-chat models`): `model_fit(target_geometry, draft_geometry, context=...) -> Fit`
 plans a target with a draft and both KV caches at a context exactly as a load would (`memory_plan`'s decoding
 settings) on this machine's free VRAM and available RAM: "gpu" (fits in VRAM), "offload" (fits with layers in
 RAM), "cpu" (no GPU: fits in RAM), "no" (does not fit; `detail` says what would). `library_fits(entries, ...)`
@@ -23,10 +23,10 @@ from backends.registry import ModelSpec
 from app.engine.timing import TIMED, cost_profile
 from offload.cost import CostProfile, ModeStats, PlanReport, datasheet, project
 from offload.geometry import ModelGeometry, read_geometry
-from offload.plan import GiB, Budget, ModeShape, Plan, PlanError, PlanRequest, format_bytes, parse_size, plan
+from offload.plan import GiB, MemoryBudget, ModeShape, Plan, PlanError, PlanRequest, format_bytes, parse_size, plan
 
-__all__ = ["Budget", "Fit", "PlanError", "PlanRequest", "budget_for", "fit", "format_bytes", "geometries", "hub_fits",
-           "library_fits", "parse_size", "plan_for", "plan_models", "plan_request", "shape", "tree_tokens"]
+__all__ = ["MemoryBudget", "Fit", "PlanError", "PlanRequest", "budget_for", "model_fit", "format_bytes", "geometries",
+           "hub_fits", "library_fits", "parse_size", "plan_for", "plan_models", "plan_request", "shape", "tree_tokens"]
 
 # The mode whose fit and most beams a plan reports, and auto's first choice (beside its memory twin): full-mode
 # DSBD with a draft, beam sampling without one.
@@ -85,13 +85,13 @@ def request_for(target: ModelSpec, draft: ModelSpec | None, params: DecodeParams
                         draft_beams=p.draft_beams, gamma=p.gamma, dtype=target.dtype, **runtimes)
 
 
-def budget_for(device: str = "cuda") -> Budget:
+def budget_for(device: str = "cuda") -> MemoryBudget:
     """The machine's free VRAM on `device` (0 without CUDA) and available RAM."""
-    return Budget.detect(device=device if str(device).startswith("cuda") else "cuda")
+    return MemoryBudget.detect(device=device if str(device).startswith("cuda") else "cuda")
 
 
 def plan_for(target: ModelSpec, draft: ModelSpec | None = None, params: DecodeParams | None = None, *,
-             mode: str = "auto", budget: Budget | None = None, ring: int = 2) -> Plan:
+             mode: str = "auto", budget: MemoryBudget | None = None, ring: int = 2) -> Plan:
     """Plan these specs at these decoding settings (W, W_S, gamma); PlanError says what would fit."""
     (tgt, dft), _paths = geometries(target, draft)
     return plan(tgt, dft, request_for(target, draft, params, mode=mode, ring=ring),
@@ -112,7 +112,7 @@ def plan_models(target: ModelSpec, draft: ModelSpec | None, request: PlanRequest
     if from_profile:
         vram = int(costs.vram_gb * GiB)
     kw = {k: v for k, v in (("vram_reserve", vram_reserve), ("ram_reserve", ram_reserve)) if v is not None}
-    budget = Budget.detect(vram=vram, ram=ram, device=device if device.startswith("cuda") else "cuda", **kw)
+    budget = MemoryBudget.detect(vram=vram, ram=ram, device=device if device.startswith("cuda") else "cuda", **kw)
     source = (f"VRAM {'cost profile ' + costs.name if from_profile else 'explicit' if vram is not None else 'detected'}, "
               f"RAM {'explicit' if ram is not None else 'detected'}")
     budget = replace(budget, source=source)
@@ -146,7 +146,7 @@ def placed_profile(costs: CostProfile, target: ModelSpec, draft: ModelSpec | Non
     roofline per placement); any other profile unchanged. PlanError when they do not fit there."""
     if costs.datasheet is None:
         return costs
-    budget = Budget.detect(vram=int((costs.vram_gb or 0) * GiB))
+    budget = MemoryBudget.detect(vram=int((costs.vram_gb or 0) * GiB))
     return costs.placed(plan_for(target, draft, budget=budget))
 
 
@@ -253,8 +253,8 @@ class Fit:
         return asdict(self)
 
 
-def fit(target: ModelGeometry, draft: ModelGeometry | None = None, *, context: int = 4096,
-        budget: Budget | None = None, target_backend: str = "llamacpp") -> Fit:
+def model_fit(target: ModelGeometry, draft: ModelGeometry | None = None, *, context: int = 4096,
+        budget: MemoryBudget | None = None, target_backend: str = "llamacpp") -> Fit:
     """Whether `target` (with `draft` and both KV caches at `context`) fits this machine, as a load would plan it."""
     params = DecodeParams(mode="dsbd" if draft is not None else "beam-sample")  # as engine.memory_plan plans a load
     req = request_for(ModelSpec(source=target.name, n_ctx=context, backend=target_backend),
@@ -300,7 +300,7 @@ def draft_geometry(draft: ModelSpec | str | None) -> ModelGeometry | None:
 
 
 def library_fits(entries, *, draft: ModelSpec | str | None = None, context: int = 4096,
-                 budget: Budget | None = None) -> dict[str, Fit]:
+                 budget: MemoryBudget | None = None) -> dict[str, Fit]:
     """entry path -> Fit for every usable `backends.modelfiles.library.ModelEntry` (unreadable ones are left out)."""
     b = budget if budget is not None else budget_for()
     dgeo = draft_geometry(draft)
@@ -310,14 +310,14 @@ def library_fits(entries, *, draft: ModelSpec | str | None = None, context: int 
             continue
         try:
             geo = read_geometry(e.path, name=e.name)
-            out[e.path] = fit(sized(geo, e.size) if len(e.files) > 1 else geo, dgeo, context=context, budget=b)
+            out[e.path] = model_fit(sized(geo, e.size) if len(e.files) > 1 else geo, dgeo, context=context, budget=b)
         except BackendError as err:
             out[e.path] = Fit("no", "unknown", f"cannot size {e.name}: {err}")
     return out
 
 
 def hub_fits(listing, *, draft: ModelSpec | str | None = None, context: int = 4096,
-             budget: Budget | None = None) -> dict[str, Fit]:
+             budget: MemoryBudget | None = None) -> dict[str, Fit]:
     """group name -> Fit for the model groups of a `backends.modelfiles.hub.RepoFiles` (one header fetched: a
     single-file group's when there is one); raises backends.modelfiles.hub.HubError when the header cannot be
     fetched."""
@@ -333,4 +333,4 @@ def hub_fits(listing, *, draft: ModelSpec | str | None = None, context: int = 40
         base = sized(base, probe.size)
     b = budget if budget is not None else budget_for()
     dgeo = draft_geometry(draft)
-    return {g.name: fit(sized(base, g.size, g.quant), dgeo, context=context, budget=b) for g in groups}
+    return {g.name: model_fit(sized(base, g.size, g.quant), dgeo, context=context, budget=b) for g in groups}

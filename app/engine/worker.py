@@ -31,7 +31,7 @@ import time
 from typing import Callable, Sequence
 
 from backends.base import BackendError
-from backends.modelfiles.progress import LoadCancelled
+from backends.load_progress import LoadCancelled
 
 from app.config import DecodeParams
 from app.engine.timing import TIMED

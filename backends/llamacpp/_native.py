@@ -14,7 +14,7 @@ from pathlib import Path
 
 import llama_cpp.llama_cpp as ll
 
-from backends.modelfiles import progress
+from backends.load_progress import current as load_tracker
 from backends.base import BackendError, BadModelFile
 
 log = logging.getLogger("backends.llamacpp.native")
@@ -118,7 +118,7 @@ class ModelHandle:
 
     def __init__(self, path: Path, *, vocab_only: bool, n_gpu_layers: int = 0, extra_bufts: bool = True,
                  placement=None) -> None:
-        """placement: an rpc.Placement (devices list + head overrides), kept alive with the model."""
+        """placement: an rpc.RPCDevices (devices list + head overrides), kept alive with the model."""
         global _capture
         check_gguf_header(path)
         params = ll.llama_model_default_params()
@@ -130,7 +130,7 @@ class ModelHandle:
             params.tensor_buft_overrides = placement.overrides_ptr
             if placement.split_ptr is not None:
                 params.tensor_split = placement.split_ptr
-        tracker = progress.current()
+        tracker = load_tracker()
         if not vocab_only:  # returning False from the callback makes llama.cpp stop and return NULL
             report = tracker.native("load", path.name)
             callback = ll.llama_progress_callback(lambda fraction, _user: report(fraction))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backends.cpu import cpu_id, cpu_summary
-from backends.modelfiles import progress
+from backends.load_progress import current as load_tracker
 
 ENV = "DSBD_CHAT_LLAMA_EXTRA_BUFTS"
 SETTINGS = ("auto", "on", "off")
@@ -83,7 +83,7 @@ def run_probe(path: Path, *, timeout: float = PROBE_TIMEOUT_S) -> dict:
     the "probe" stage; a cancelled load ends the child (LoadCancelled, nothing cached)."""
     cmd = [sys.executable, "-m", "backends.llamacpp.probe", "--child", str(path)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_project_root(), os.environ.get("PYTHONPATH")])))
-    tracker = progress.current()
+    tracker = load_tracker()
     tracker.report("probe", 0.0, path.name)
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
         due = time.monotonic() + timeout

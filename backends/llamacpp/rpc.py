@@ -95,7 +95,7 @@ class _Lib:
 
 _DEV_CPU, _DEV_GPU, _DEV_IGPU = 0, 1, 2  # enum ggml_backend_dev_type
 _lib: _Lib | None = None
-_live: "weakref.WeakSet[Placement]" = weakref.WeakSet()  # held by loaded models (ModelHandle.placement)
+_live: "weakref.WeakSet[RPCDevices]" = weakref.WeakSet()  # held by loaded models (ModelHandle.placement)
 _registries: dict[str, int] = {}  # endpoint -> ggml_backend_reg_t: the native client keeps one per endpoint
 
 
@@ -161,7 +161,7 @@ class _Override(ctypes.Structure):
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]  # llama_model_tensor_buft_override
 
 
-class Placement:
+class RPCDevices:
     """What one RPC model load passes to llama.cpp: the NULL-terminated device list (local GPUs, then every
     worker's devices) and the overrides keeping the output head on the host CPU. Holds the ctypes arrays
     for as long as the model lives."""

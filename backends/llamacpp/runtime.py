@@ -37,9 +37,9 @@ class LlamaModel(Closing):
         check_gguf_header(Path(path))
         placement = None
         if rpc:
-            from backends.llamacpp.rpc import Placement
+            from backends.llamacpp.rpc import RPCDevices
 
-            placement = Placement(rpc)  # checks every worker before any native call can abort on one
+            placement = RPCDevices(rpc)  # checks every worker before any native call can abort on one
             n_layer = read_header(Path(path), keep=()).n_layers or 0
             remote = n_layer if n_gpu_layers < 0 else min(n_gpu_layers, n_layer)
             placement.spread(remote)

@@ -180,7 +180,7 @@ def _write_marker(f: ModelFile, path: Path, digest: str) -> None:
 def _progress(total: int, desc: str, stage: str, detail: str):
     from tqdm import tqdm
 
-    from backends.modelfiles.progress import current
+    from backends.load_progress import current
 
     # disable=None: no bar when stderr is not a terminal (logs, tests, the web UI's server console).
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=None)

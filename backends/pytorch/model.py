@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.modelfiles.progress import current
+from backends.load_progress import current
 
 ARCHS = ("llama", "qwen2")
 

@@ -7,7 +7,7 @@
 
 Which one runs: `DSBD_CHAT_ROWMATH` (auto, compiled, torch, torch-cuda, numpy); auto takes the first of compiled,
 torch and the reference that loads here, with one log line for each that does not. Every backend draws the same
-keys for the same seed (uniforms from the host generator in the reference's order, spec §16.9) except where a
+keys for the same seed (uniforms from the host generator in the reference's order, spec §16.10) except where a
 uniform falls within rounding of a CDF boundary.
 """
 

@@ -6,7 +6,7 @@ rows where they lie (a torch CPU tensor and its numpy view share memory): a row'
 that writes e = exp(x - max) and sums it in float64 blocks of CDF_BLOCK cells; a residual max(p - s q, 0) is
 summed block by block without being written, and a draw reads only the block its uniform falls in. Everything
 else (laws, chains, draws, without replacement) is the torch backend's code, so the two differ only in
-float32 rounding (spec §16.9), and the tests hold both to the reference.
+float32 rounding (spec §16.10), and the tests hold both to the reference.
 """
 
 from __future__ import annotations

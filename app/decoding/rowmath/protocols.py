@@ -1,4 +1,4 @@
-"""The row math's interface: what the decoders call, whichever backend computes it (spec §2, §5, §16.5, §16.9).
+"""The row math's interface: what the decoders call, whichever backend computes it (spec §2, §5, §16.5, §16.10).
 
     rm = rowmath.backend()                  # the process's backend (`__init__`)
     rows = rm.rows(logits)                  # raw log-probs: one normaliser per row, computed when first read

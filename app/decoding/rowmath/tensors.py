@@ -1,4 +1,4 @@
-"""The row math on torch tensors where the logits are: CPU threads, or a CUDA device (spec §16.9).
+"""The row math on torch tensors where the logits are: CPU threads, or a CUDA device (spec §16.10).
 
 - one normaliser per row (max, the rows' softmax in one fused kernel, the sums of each row's 4,096-cell blocks),
   a row's log-probs only where a beam reads them;
@@ -675,7 +675,7 @@ def _icdf(cells, blocks: np.ndarray, override: dict[int, float], t: float) -> in
 
 
 class _Chain:
-    """The with-replacement residual chain in closed form: R[c] = max(p - s_c q, 0) / Z_c (spec §16.9), grown only
+    """The with-replacement residual chain in closed form: R[c] = max(p - s_c q, 0) / Z_c (spec §16.10), grown only
     as far as the verifier and the width rule read it (each step is one pass over the rows)."""
 
     def __init__(self, tm: TorchRows, p: TorchLaw, q: _QRows, n: int) -> None:

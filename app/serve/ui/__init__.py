@@ -1,7 +1,7 @@
 """The browser UI: `build_app(engine)` returns the Gradio Blocks (app.serve.api serves it beside the API).
 
-One module per tab (chat, compare, models); settings, stats, forest, history and downloads are their helpers.
-Gradio 6 takes CSS and allowed file paths at launch, hence `launch_kwargs` next to `build_app`.
+One module per tab (chat, compare, models); settings, stats, forest and downloads are their helpers (saved
+chats are app.storage's). Gradio 6 takes CSS and allowed file paths at launch, hence `launch_kwargs` next to `build_app`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ and connected by a `wire_*` one.
 
 Handlers are methods of `ModelsUI` returning plain values (one per output widget), so tests drive them without a
 server. A load is a `LoadJob`: `engine.swap` on a background thread with a progress listener and a cancel
-Event (backends.modelfiles.progress), so the page streams its stages and Cancel stops it; the new models load beside the
+Event (backends.load_progress), so the page streams its stages and Cancel stops it; the new models load beside the
 serving ones and replace them only once both loaded and their vocabularies match: a failure or a cancel keeps
 the old ones serving.
 """
@@ -30,7 +30,7 @@ from app.serve.ui.downloads import FAST, fit_html, form_int, on_disk
 from app.serve.ui.settings import default_settings, params_from
 from app.serve.ui.stats import memory_line
 from backends.base import BackendError
-from backends.modelfiles.progress import STAGES, LoadCancelled, LoadStep
+from backends.load_progress import STAGES, LoadCancelled, LoadStep
 from backends.modelfiles.presets import PRESETS
 from backends.registry import BACKENDS, ModelSpec
 from backends.tokenizer import VocabMismatch

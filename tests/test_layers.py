@@ -321,12 +321,12 @@ def test_every_module_is_on_the_layout_map():
 def test_the_map_checks_see_a_module_added_or_gone(tmp_path):
     doc = tmp_path / "map.md"
     doc.write_text("## Layout\n\n```\napp/\n  decoding/           dsbd.py (the iteration), gone.py (removed)\n"
-                   "    rowmath/          the row math\n      __init__.py     its front\n```\n")
+                   "    formermath/          the row math\n      __init__.py     its front\n```\n")
     entries = _layout_entries(doc)
-    assert ("app/decoding/rowmath/__init__.py", "its front") in entries  # nested rows build their paths
+    assert ("app/decoding/formermath/__init__.py", "its front") in entries  # nested rows build their paths
     assert "app/decoding/dsbd.py" not in _unmapped(entries) and "app/decoding/width.py" in _unmapped(entries)
-    assert _named_modules(entries)[1] == ["app/decoding/: gone.py", "app/decoding/rowmath/",
-                                         "app/decoding/rowmath/__init__.py"]
+    assert _named_modules(entries)[1] == ["app/decoding/: gone.py", "app/decoding/formermath/",
+                                         "app/decoding/formermath/__init__.py"]
 
 
 def test_every_package_is_on_the_layout_map():

@@ -21,9 +21,10 @@ from .tensors import TORCH_CELL_SECONDS, TorchRows
 
 log = logging.getLogger(__name__)
 
-# The forest policy's prices (warp and draws, one chain step, per cell): scripts/measure_rowmath.py's compiled
-# rows against torch's on 4 Qwen-sized rows (docs/measurements/rowmath.md).
-COMPILED_CELL_SECONDS = (TORCH_CELL_SECONDS[0] / 5, TORCH_CELL_SECONDS[1] / 3)
+# The forest policy's prices (warp and draws, one chain step, per cell): torch's, divided by what
+# scripts/measure_rowmath.py timed for compiled against torch on 4 Qwen-sized rows in one run on a 2-core EPYC
+# (1.57x and 1.75x; docs/measurements/rowmath.md).
+COMPILED_CELL_SECONDS = (TORCH_CELL_SECONDS[0] / 1.57, TORCH_CELL_SECONDS[1] / 1.75)
 
 
 class CompiledRows(TorchRows):

@@ -37,10 +37,6 @@ class Budget:
         return self.files + self.history + self.answer
 
     @property
-    def room_for_files(self) -> int:
-        return self.n_ctx - self.history - self.answer
-
-    @property
     def fits(self) -> bool:
         return self.total <= self.n_ctx
 

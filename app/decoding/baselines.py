@@ -179,7 +179,7 @@ def _draft_chain(draft: Context, d_suffix: tuple[int, ...], g: int, tokens: list
             dl = draft.evaluate(Forest(tokens=(drafts[-1],), parents=(ROOT if i == 1 else i - 2,),
                                        rows=(0,))).nodes[0]
         metrics.draft_passes += 1
-        q = _per_token(rm, rm.rows(pad_vocab(dl, vocab)[None, :]).row(0), warp)
+        q = rm.law(rm.rows(pad_vocab(dl, vocab)[None, :]), [0.0], warp)
         x = int(q.sample(1, rand)[0])
         drafts.append(x)
         qs.append(q)

@@ -470,8 +470,8 @@ class ArrayChain:
     R: "Residuals | np.ndarray"
 
     def value(self, c: int, key: int) -> float:
-        i = int(self.S.searchsorted(key))
-        return float(self.R[c, i]) if i < self.S.size and self.S[i] == key else 0.0
+        i = int(positions(self.S, np.array([key]))[0])
+        return float(self.R[c, i]) if i >= 0 else 0.0
 
     def draw(self, c: int, rand: Rand) -> int:
         return int(rand.categorical(self.S, self.R[c]))

@@ -40,15 +40,15 @@ class CompiledRows(TorchRows):
 
     @staticmethod
     def _np(x) -> np.ndarray:
-        a = x.numpy() if hasattr(x, "numpy") else np.asarray(x)
-        return a if a.flags.c_contiguous and a.dtype == np.float32 else np.ascontiguousarray(a, dtype=np.float32)
+        """A CPU tensor's numpy view (shared memory; the kernels make any other layout C-contiguous float32)."""
+        return x.numpy() if hasattr(x, "numpy") else np.asarray(x)
 
     def _norms(self, x):
         """(row maxima (0 for a row with no finite cell), normalisers, e = exp(x - max), e's block sums, the
         shift (the maxima)): one read for the maxima, one fused exp-and-block-sum pass."""
         xn = self._np(x)
         e = self.torch.empty(xn.shape, dtype=self.dtype)
-        eb = np.empty((xn.shape[0], -(-xn.shape[1] // CDF_BLOCK)))
+        eb = np.empty((xn.shape[0], kernels.blocks(xn.shape[1])))
         m = kernels.norms(xn, e.numpy(), eb)
         with np.errstate(divide="ignore"):
             return m, m + np.log(eb.sum(axis=1)), e, eb, m
@@ -56,17 +56,17 @@ class CompiledRows(TorchRows):
     def _exp_blocks(self, x, m: np.ndarray, inv_t: float):
         xn = self._np(x)
         e = self.torch.empty(xn.shape, dtype=self.dtype)
-        eb = np.empty((xn.shape[0], -(-xn.shape[1] // CDF_BLOCK)))
+        eb = np.empty((xn.shape[0], kernels.blocks(xn.shape[1])))
         kernels.exp_blocks(xn, np.asarray(m, dtype=np.float64), float(inv_t), e.numpy(), eb)
         return e, eb
 
     def _block_sums(self, x) -> np.ndarray:
         xn = self._np(x)
         if xn.ndim == 1:
-            out = np.empty(-(-xn.size // CDF_BLOCK))
+            out = np.empty(kernels.blocks(xn.size))
             kernels.block_sums(xn, out)
             return out
-        out = np.empty((xn.shape[0], -(-xn.shape[1] // CDF_BLOCK)))
+        out = np.empty((xn.shape[0], kernels.blocks(xn.shape[1])))
         for r in range(xn.shape[0]):  # a row's blocks start at its first cell
             kernels.block_sums(xn[r], out[r])
         return out
@@ -78,11 +78,11 @@ class CompiledRows(TorchRows):
 
     def _residual_mass(self, p, q, s: float) -> float:
         pn, qn = self._np(p), self._np(q)
-        return float(kernels.residual_blocks(pn, qn, float(s), np.empty(-(-pn.size // CDF_BLOCK))))
+        return float(kernels.residual_blocks(pn, qn, float(s), np.empty(kernels.blocks(pn.size))))
 
     def _residual_blocks(self, p, q, s: float):
         pn, qn = self._np(p), self._np(q)
-        blocks = np.empty(-(-pn.size // CDF_BLOCK))
+        blocks = np.empty(kernels.blocks(pn.size))
         kernels.residual_blocks(pn, qn, float(s), blocks)
         return blocks, _ResidualCells(pn, qn, float(s))
 

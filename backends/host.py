@@ -14,7 +14,9 @@ from backends.cpu import cpu_id, cpu_summary
 # glibc's malloc hands a freed block above its mmap threshold back to the kernel and trims the heap's free top,
 # so a decoder that allocates the same few-MB rows every step pays fresh page faults each time (a W_S 8 x gamma 3
 # forest's temporaries: about a fifth of its decoder time on a 2-core EPYC, docs/measurements/rowmath.md).
-MMAP_THRESHOLD = 32 << 20  # bytes: blocks this large still come from (and return to) the kernel
+# 64 rows of 151,936 float32 cells are 39 MB: below 32 MB such a layer's e paid its page faults at every call
+# (12.7 ms against the kernel's 2.4 ms for 64 rows, rowmath.md).
+MMAP_THRESHOLD = 128 << 20  # bytes: blocks this large still come from (and return to) the kernel
 TRIM_THRESHOLD = 256 << 20  # free heap kept for the next step's rows before any is returned
 
 

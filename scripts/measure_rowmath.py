@@ -27,6 +27,7 @@ from app.decoding.sampling import Draft, DraftWOR, SeededRand, Warp
 from app.decoding.width import layer_width
 from app.engine.timing import cost_profile
 from backends.cpu import cpu_id
+from backends.host import keep_freed_rows
 
 V = 151_936
 
@@ -135,6 +136,7 @@ def main() -> None:
                     help="also check every backend against the numpy reference (p, alpha, seeded keys)")
     ap.add_argument("--json")
     a = ap.parse_args()
+    keep_freed_rows()  # as the app's commands set the heap: freed rows stay for the next call
     rng = np.random.default_rng(0)
     backends = {name: rowmath.make(name) for name in a.backends}
     if a.threads:

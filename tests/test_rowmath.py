@@ -122,7 +122,7 @@ def test_negative_control_a_chain_without_its_scalar_moves_the_law(monkeypatch):
     want = laws(p, q, valid, 3, 2, reference_with(p, q, 3, 2))
     chain.alphas(3)  # the chain grown to its end, then its thresholds replaced
     chain.s = [c / 2 for c in range(len(chain.s))]
-    chain.Z = [1.0] + [tm._residual_mass(chain.pn, qt.flat, s) for s in chain.s[1:]]
+    chain.Z = [1.0] + [chain.cells.mass(s) for s in chain.s[1:]]
     got = laws(p, q, valid, 3, 2, lambda drafts, rand: tm.verify(chain, drafts, 2, rand))
     assert gap(got, want) > 1e-3
 
@@ -378,3 +378,45 @@ def test_rows_whose_parents_hold_no_draft_mass_get_an_empty_law():
     q = rowmath.NumpyLaw(Joint(np.array([5, 7], np.int64), np.array([0.25, 0.75]), 10))  # parent 0 only
     out = rowmath.NumpyRows().on_rows(q, [[1], [1]], [1, 1])
     assert len(out.joint.keys) == 0 and out.joint.probs.dtype == np.float64
+
+
+@pytest.mark.parametrize("without", [False, True], ids=["with", "without"])
+@pytest.mark.parametrize("same_cells", [False, True], ids=["apart", "same-cells"])
+def test_compiled_verifier_reads_q_on_the_rows_from_the_stored_rows_with_the_reference_law(without, same_cells):
+    """Draft rows mapped onto target rows through two parents (two target rows share a content, spec §16.2) are
+    never formed as a table by the compiled backend: its verifier's law of outputs is the reference's within
+    float32 rounding. Parents whose rows lie in the same cells (q's rows read in place) merge into one row and
+    keep the law."""
+    pytest.importorskip("numba", reason="the compiled kernels need numba")
+    tm, ref = rowmath.make("compiled"), rowmath.NumpyRows()
+    V = 3
+    px = np.log(np.array([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2], [0.1, 0.6, 0.3]]))  # rows 0 and 1: one content
+    qx = np.log(np.array([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6], [0.3, 0.1, 0.6]]))
+    if same_cells:
+        qx[1] = qx[0]
+    ps, qs = np.log([0.3, 0.3, 0.4]), np.log([0.5, 0.2, 0.3])
+    parents, counts = [[0, 1], [0, 1], [2]], [2, 2, 1]
+    pr, qr = ref.law(ref.rows(px), ps, Warp()), ref.law(ref.rows(qx), qs, Warp())
+    pt, qt = tm.law(tm.rows(px), ps, Warp()), tm.law(tm.rows(qx), qs, Warp())
+    if same_cells:
+        qt.origin = ["a", "a", "b"]  # as TorchLogProbs names rows read in place from the same cells
+    q_on_ref, q_on = ref.on_rows(qr, parents, counts), tm.on_rows(qt, parents, counts)
+    assert not hasattr(q_on, "_formed") or q_on._formed is None
+    if same_cells:
+        assert list(np.diff(q_on.ptr)) == [1, 1, 1]  # one row read per target row
+    keys = np.arange(3 * V)
+    assert np.allclose(q_on.lookup(keys), q_on_ref.lookup(keys), rtol=1e-6, atol=0)
+    p, q = pr.joint, q_on_ref.joint
+    valid = np.ones(3, bool)
+    for W_S, W_L in [(1, 1), (2, 1)] + ([(2, 2)] if without else []):  # with (2, 2): the slow set's enumerations
+        if without:
+            want = laws_without(p, q, valid, W_S, W_L, lambda d, rand: ref.verify_without(pr, q_on_ref, d, W_L, rand))
+            got = laws_without(p, q, valid, W_S, W_L, lambda d, rand: tm.verify_without(pt, q_on, d, W_L, rand))
+        else:
+            want = laws(p, q, valid, W_S, W_L, lambda d, rand: ref.verify(ref.chain(pr, q_on_ref, W_S), d, W_L, rand))
+            got = laws(p, q, valid, W_S, W_L, lambda d, rand: tm.verify(tm.chain(pt, q_on, W_S), d, W_L, rand))
+        assert gap(got, want) < 1e-6, (W_S, W_L)
+    assert q_on._formed is None  # read from the stored rows throughout
+    if not same_cells:  # negative control: rows that differ, merged as if they lay in the same cells
+        qt.origin = ["a", "a", "b"]
+        assert not np.allclose(tm.on_rows(qt, parents, counts).lookup(keys), q_on_ref.lookup(keys), rtol=1e-3)

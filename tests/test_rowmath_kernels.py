@@ -156,6 +156,45 @@ def test_residual(size, s):
         assert close(total, p.sum(dtype=np.float64), rtol=1e-12)
 
 
+@pytest.mark.parametrize("size", [QWEN, 5_000, 1_000])
+@pytest.mark.parametrize("s", [0.0, 0.7, 1e3])
+def test_pair_residual_from_the_stored_rows(size, s):
+    """The residual read from e rows, a scale per row and q's parents per row (none, one, three, one shared by
+    two rows) equals numpy's float32 formula on the formed tables bit for bit, cell by cell and block by block."""
+    rng = np.random.default_rng(3)
+    ep = rng.random((4, size)).astype(np.float32)
+    eq = rng.random((3, size)).astype(np.float32)
+    ep[1, : size // 3] = 0.0  # masked cells
+    ap = np.array([0.3, 1.7, 2e-6, 0.9])
+    qptr, qidx, qc = [0, 0, 1, 4, 5], [2, 0, 1, 2, 2], [0.25, 0.5, 0.125, 0.75, 1.5]
+    f32 = np.float32
+    p = ep * ap.astype(f32)[:, None]
+    q = np.zeros_like(p)
+    for r in range(4):
+        for k in range(qptr[r], qptr[r + 1]):
+            prod = eq[qidx[k]] * f32(qc[k])
+            q[r] = prod if k == qptr[r] else q[r] + prod
+    want = np.maximum(p - f32(s) * q, f32(0)).astype(np.float64)
+    pair = K.Pair(ep, ap, eq, qptr, qidx, qc)
+    out = np.full(4 * K.blocks(size), np.nan)
+    total = pair.blocks(s, out)
+    for r in range(4):
+        cells = [pair.cells(s, r, lo, min(lo + CDF_BLOCK, size)) for lo in range(0, size, CDF_BLOCK)]
+        assert np.array_equal(np.concatenate(cells), want[r])  # bit for bit
+        assert close(out[r * K.blocks(size):(r + 1) * K.blocks(size)], np.array([c.sum() for c in cells]), rtol=1e-12)
+        t = size // 2
+        assert pair.pq(r, t) == (float(p[r, t]), float(q[r, t]))
+    assert close(total, want.sum(), rtol=1e-12)
+
+
+def test_pair_refuses_parents_that_are_not_rows():
+    e = np.ones((2, 10), np.float32)
+    with pytest.raises(ValueError, match="CSR"):
+        K.Pair(e, [1, 1], e, [0, 1, 2], [0, 5], [1, 1])
+    with pytest.raises(ValueError, match="CSR"):
+        K.Pair(e, [1, 1], e, [0, 1], [0], [1])
+
+
 def test_one_and_two_threads_agree():
     """The split over threads changes which core does a block, not the arithmetic: results are bit for bit equal."""
     import numba

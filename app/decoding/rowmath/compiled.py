@@ -3,9 +3,11 @@
 The torch backend spends its time on the number of passes (max, softmax, a block-sum pass, a second max, float64
 widening) and on per-op dispatch, not on arithmetic. Here each of those is one kernel of `kernels.py` over the
 rows where they lie (a torch CPU tensor and its numpy view share memory): a row's maximum, then one fused pass
-that writes e = exp(x - max) and sums it in float64 blocks of CDF_BLOCK cells; a residual max(p - s q, 0) is
-summed block by block without being written, and a draw reads only the block its uniform falls in. Everything
-else (laws, chains, draws, without replacement) is the torch backend's code, so the two differ only in
+that writes e = exp(x - max) and sums it in float64 blocks of CDF_BLOCK cells. A verified layer forms neither
+p's normalised table nor q's on its rows: q on the rows stays a list of (draft row, coefficient) per row
+(`_MappedQ`; draft rows read from the same cells merge into one), and the residual max(p - s q, 0) is summed
+block by block from the stored e rows (`kernels.Pair`); a draw reads only the block its uniform falls in.
+Everything else (laws, chains, draws, without replacement) is the torch backend's code, so the two differ only in
 float32 rounding (spec §16.10), and the tests hold both to the reference.
 """
 
@@ -15,9 +17,11 @@ import logging
 
 import numpy as np
 
+from typing import Sequence
+
 from ..sampling import CDF_BLOCK
 from . import kernels
-from .tensors import TORCH_CELL_SECONDS, TorchRows
+from .tensors import TORCH_CELL_SECONDS, TorchLaw, TorchRows, _Pair, _QRows
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +80,18 @@ class CompiledRows(TorchRows):
         kernels.scaled(self._np(e), np.asarray(scale, dtype=np.float64), out.numpy())
         return out
 
+    def on_rows(self, q, parents: Sequence[Sequence[int]], counts: Sequence[int]):
+        """q_rows(i, t) = (sum of q(j, t) over row i's parents j) / counts_i (spec §16.2), kept as each row's
+        parents and coefficients: formed cell by cell where it is read."""
+        if not isinstance(q, TorchLaw):
+            return super().on_rows(q, parents, counts)
+        return _MappedQ(self, q, parents, counts)
+
+    def _pair(self, p, q) -> _Pair:
+        if not (isinstance(q, _MappedQ) and isinstance(p, TorchLaw) and p.total() > 0):
+            return super()._pair(p, q.formed() if isinstance(q, _MappedQ) else q)
+        return _FusedPair(self._np(p._e), p._scale / p.total(), q)
+
     def _residual_mass(self, p, q, s: float) -> float:
         pn, qn = self._np(p), self._np(q)
         return float(kernels.residual_blocks(pn, qn, float(s), np.empty(kernels.blocks(pn.size))))
@@ -106,3 +122,108 @@ class _ResidualCells:
 
     def dense(self) -> np.ndarray:
         return kernels.residual_cells(self.p, self.q, self.s, 0, self.p.size)
+
+
+class _MappedQ:
+    """A draft law q on the target's rows: row i's cells are sum_j e_q[j] * c_ij over its parents j (float32, in
+    parent order), c_ij = scale_j / (counts_i * total). Parents whose rows lie in the same cells (q's rows read in
+    place, `TorchLogProbs.origin`) have the same e row: their coefficients add up on one of them."""
+
+    def __init__(self, tm: TorchRows, q: TorchLaw, parents: Sequence[Sequence[int]], counts: Sequence[int]) -> None:
+        self.tm, total = tm, q.total()
+        self.vocab, self.n = q.vocab, len(parents)
+        self.eq = q._e.numpy()
+        ptr, idx, coef = [0], [], []
+        for js, m in zip(parents, counts):
+            row: dict = {}  # where a parent's cells lie -> its position in idx
+            for j in js:
+                if q._scale[j] > 0:
+                    a = float(q._scale[j]) / (m * total)
+                    key = q.origin[j] if q.origin is not None else j
+                    if key in row:
+                        coef[row[key]] += a
+                    else:
+                        row[key] = len(idx)
+                        idx.append(j)
+                        coef.append(a)
+            ptr.append(len(idx))
+        self.ptr, self.idx, self.coef = np.array(ptr), np.array(idx, dtype=np.int64), np.array(coef)
+        self._formed: _QRows | None = None
+
+    def cell(self, r: int, t: int) -> float:
+        """q's cell (r, t), float32 as the kernels form it (each product rounded, then each sum)."""
+        f32 = np.float32
+        lo, hi = self.ptr[r], self.ptr[r + 1]
+        if lo == hi:
+            return 0.0
+        acc = self.eq[self.idx[lo], t] * f32(self.coef[lo])
+        for k in range(lo + 1, hi):
+            acc = acc + self.eq[self.idx[k], t] * f32(self.coef[k])
+        return float(acc)
+
+    def lookup(self, keys) -> np.ndarray:
+        keys = np.asarray(keys, dtype=np.int64).reshape(-1)
+        return np.array([self.cell(*divmod(int(k), self.vocab)) if 0 <= k < self.n * self.vocab else 0.0
+                         for k in keys])
+
+    def formed(self) -> _QRows:
+        """The [n, V] table, as the torch backend holds it, formed once (for a p that is not a dense law)."""
+        if self._formed is None:
+            out = np.zeros((self.n, self.vocab), np.float32)
+            for r in range(self.n):
+                for k in range(self.ptr[r], self.ptr[r + 1]):
+                    part = self.eq[self.idx[k]] * np.float32(self.coef[k])
+                    out[r] = part if k == self.ptr[r] else out[r] + part
+            self._formed = _QRows(self.tm, self.tm.torch.from_numpy(out))
+        return self._formed
+
+    @property
+    def flat(self):
+        return self.formed().flat
+
+
+class _FusedPair(_Pair):
+    """`_Pair` from the stored rows (`kernels.Pair`): p = e_p * (scale / total) per row, q as `_MappedQ` keeps it,
+    the residual's blocks row by row."""
+
+    def __init__(self, ep: np.ndarray, ap: np.ndarray, q: _MappedQ) -> None:
+        self.k = kernels.Pair(ep, ap, q.eq, q.ptr, q.idx, q.coef)
+        self.vocab = self.k.size
+        self.n_cells = self.k.n * self.k.size
+
+    def pq(self, k: int) -> tuple[float, float]:
+        return self.k.pq(*divmod(k, self.vocab))
+
+    def mass(self, s: float) -> float:
+        return self.k.blocks(s, np.empty(self.k.n * self.k.per_row))
+
+    def blocks(self, s: float):
+        out = np.empty(self.k.n * self.k.per_row)
+        self.k.blocks(s, out)
+        return out, _PairCells(self.k, s)
+
+    def p_dense(self) -> np.ndarray:
+        return _PairCells(self.k, 0.0).dense()  # the residual at s = 0 is p
+
+
+class _PairCells:
+    """The residual's cells of a `kernels.Pair` at threshold s, in blocks of each row (`_icdf`'s cells)."""
+
+    def __init__(self, k: "kernels.Pair", s: float) -> None:
+        self.k, self.s = k, s
+
+    def block_of(self, key: int) -> int:
+        r, t = divmod(key, self.k.size)
+        return r * self.k.per_row + t // CDF_BLOCK
+
+    def segment(self, b: int) -> tuple[int, np.ndarray]:
+        r, j = divmod(b, self.k.per_row)
+        lo = j * CDF_BLOCK
+        return r * self.k.size + lo, self.k.cells(self.s, r, lo, min(lo + CDF_BLOCK, self.k.size))
+
+    def value(self, key: int) -> float:
+        r, t = divmod(key, self.k.size)
+        return float(self.k.cells(self.s, r, t, t + 1)[0])
+
+    def dense(self) -> np.ndarray:
+        return np.concatenate([self.k.cells(self.s, r, 0, self.k.size) for r in range(self.k.n)])

@@ -6,6 +6,9 @@
     scaled(e, scale, out)                   # out = e * scale_row, flat: a law's normalised cells
     total = residual_blocks(p, q, s, out)   # the block sums and total of u = max(p - s q, 0), u not stored
     residual_cells(p, q, s, lo, hi)         # u's cells lo..hi, bit for bit those residual_blocks summed
+    total = pair_blocks(ep, ap, eq, qptr, qidx, qc, s, out)   # the same from the stored rows, u not formed:
+    pair_cells(ep, ap, eq, qptr, qidx, qc, s, r, lo, hi)      #   p = e_p * a_r, q = sum of e_q[j] * c_j over row r's
+                                                              #   parents j; its cells lo..hi of row r
 
 Layout: cells are float32; sums are float64, over consecutive CDF_BLOCK-cell blocks of each row (a row's last
 block short), the blocks the inverse-CDF draws read. Inputs are C-contiguous arrays (converted if not); outputs are
@@ -309,6 +312,85 @@ def _residual_cells(p, q, s):
     return out
 
 
+@njit(fastmath=False, cache=True)
+def _pair_cell(e, a, qv, s):
+    """max(e a - s q, 0) in float32, each product and the difference rounded (no FMA: fastmath=False)."""
+    return max(e * a - s * qv, _ZERO)
+
+
+@njit(fastmath=False, cache=True)
+def _q_more(acc, e, c):
+    """acc + e c in float32, the product rounded before the sum."""
+    return acc + e * c
+
+
+@njit(fastmath=False, cache=True)
+def _q_cells(eq, idx, coef, lo, hi, out):
+    """q's cells lo..hi of one row: e_q[idx[0]] c[0] + e_q[idx[1]] c[1] + ..., in that order (0 with no parent)."""
+    if idx.size == 0:
+        for i in range(hi - lo):
+            out[i] = _ZERO
+        return
+    row, c = eq[idx[0]], _F(coef[0])
+    for i in range(hi - lo):
+        out[i] = row[lo + i] * c
+    for k in range(1, idx.size):
+        row, c = eq[idx[k]], _F(coef[k])
+        for i in range(hi - lo):
+            out[i] = _q_more(out[i], row[lo + i], c)
+
+
+@njit(fastmath=_SUMS, cache=True)
+def _pair_sum(ep, a, q, s):
+    acc = 0.0
+    for i in range(ep.size):
+        acc += _pair_cell(ep[i], a, q[i], s)
+    return acc
+
+
+@njit(fastmath=_SUMS, cache=True)
+def _pair_sum1(ep, a, eq, c, s):
+    """One parent: q's cell e_q c formed in the sum (as _q_cells forms it)."""
+    acc = 0.0
+    for i in range(ep.size):
+        acc += _pair_cell(ep[i], a, eq[i] * c, s)
+    return acc
+
+
+@njit(parallel=True, fastmath=_SUMS, cache=True)
+def _pair_blocks(ep, ap, eq, qptr, qidx, qc, s, out):
+    n, size = ep.shape
+    nb = out.shape[1]
+    for k in prange(n * nb):
+        r, lo, hi = _span(k, nb, size)
+        a, first, last = _F(ap[r]), qptr[r], qptr[r + 1]
+        if last - first == 1:
+            out[r, k % nb] = _pair_sum1(ep[r, lo:hi], a, eq[qidx[first], lo:hi], _F(qc[first]), s)
+        else:
+            q = np.empty(hi - lo, np.float32)
+            _q_cells(eq, qidx[first:last], qc[first:last], lo, hi, q)
+            out[r, k % nb] = _pair_sum(ep[r, lo:hi], a, q, s)
+    return out.sum()
+
+
+@njit(cache=True)
+def _pair_cells(ep, ap, eq, qptr, qidx, qc, s, r, lo, hi):
+    q = np.empty(hi - lo, np.float32)
+    _q_cells(eq, qidx[qptr[r]:qptr[r + 1]], qc[qptr[r]:qptr[r + 1]], lo, hi, q)
+    a = _F(ap[r])
+    out = np.empty(hi - lo)
+    for i in range(hi - lo):
+        out[i] = _pair_cell(ep[r, lo + i], a, q[i], s)
+    return out
+
+
+@njit(cache=True)
+def _pair_pq(ep, ap, eq, qptr, qidx, qc, r, t):
+    q = np.empty(1, np.float32)
+    _q_cells(eq, qidx[qptr[r]:qptr[r + 1]], qc[qptr[r]:qptr[r + 1]], t, t + 1, q)
+    return ep[r, t] * _F(ap[r]), q[0]
+
+
 # ----------------------------------------------------------------------------------------------------- the API
 
 def blocks(size: int) -> int:
@@ -409,6 +491,48 @@ def residual_cells(p, q, s: float, lo: int, hi: int) -> np.ndarray:
     return _residual_cells(p[lo:hi], q[lo:hi], _F(s))
 
 
+class Pair:
+    """A law p and a draft law q mapped onto its rows, read from the stored rows: p = e_p[r] * float32(a_r) (a law's
+    normalised cells, as `scaled` forms them) and q[r] = sum over row r's parents j of e_q[j] * float32(c_j)
+    (CSR: the parents of row r are qidx[qptr[r]:qptr[r + 1]], rows of e_q). Neither [n, V] table is ever written:
+    the residual u = max(p - float32(s) * q, 0) is summed by blocks of each row in one pass (`blocks`), a block's
+    cells come from the same arithmetic (`cells`), bit for bit."""
+
+    def __init__(self, ep, ap, eq, qptr, qidx, qc) -> None:
+        self.ep, self.eq = _input(ep, 2), _input(eq, 2)
+        n, size = self.ep.shape
+        if self.eq.shape[1] != size:
+            raise ValueError(f"p's rows have {size} cells, q's {self.eq.shape[1]}")
+        self.ap = _row_scalars(ap, n)
+        self.qptr = np.ascontiguousarray(qptr, dtype=np.int64)
+        self.qidx = np.ascontiguousarray(qidx, dtype=np.int64)
+        self.qc = np.ascontiguousarray(qc, dtype=np.float64)
+        if self.qptr.shape != (n + 1,) or self.qptr[0] != 0 or self.qptr[-1] != self.qidx.size \
+                or self.qidx.size != self.qc.size or (np.diff(self.qptr) < 0).any() \
+                or (self.qidx.size and not 0 <= self.qidx.min() <= self.qidx.max() < self.eq.shape[0]):
+            raise ValueError("q's parents must be CSR: qptr [n + 1] from 0 to len(qidx) == len(qc), "
+                             "qidx rows of eq")
+        self.n, self.size, self.per_row = n, size, blocks(size)
+
+    def blocks(self, s: float, out: np.ndarray) -> float:
+        """u's float64 block sums, row by row ([n * blocks(V)] flat), and their total."""
+        _output(out, np.float64, (self.n * self.per_row,), "out")
+        with _LOCK:
+            return float(_pair_blocks(self.ep, self.ap, self.eq, self.qptr, self.qidx, self.qc, _F(s),
+                                      out.reshape(self.n, self.per_row)))
+
+    def cells(self, s: float, r: int, lo: int, hi: int) -> np.ndarray:
+        """u's cells lo..hi of row r, float64."""
+        if not (0 <= r < self.n and 0 <= lo <= hi <= self.size):
+            raise ValueError(f"row {r}, cells {lo}..{hi} outside {self.n} x {self.size}")
+        return _pair_cells(self.ep, self.ap, self.eq, self.qptr, self.qidx, self.qc, _F(s), r, lo, hi)
+
+    def pq(self, r: int, t: int) -> tuple[float, float]:
+        """(p, q) of one cell, float32 values as the kernels form them."""
+        p, q = _pair_pq(self.ep, self.ap, self.eq, self.qptr, self.qidx, self.qc, r, t)
+        return float(p), float(q)
+
+
 # ----------------------------------------------------------------------------------------- warm-up and status
 
 _STATUS: list = []  # [(ok, reason, seconds)] once warm() has run
@@ -453,6 +577,10 @@ def _check() -> None:
     _close(block_sums(flat, np.empty(blocks(flat.size))).sum(), flat.sum(dtype=np.float64))
     p, q = flat / flat.sum(), flat[::-1] / flat.sum()
     _close(residual_blocks(p, q, 0.5, np.empty(blocks(p.size))), residual_cells(p, q, 0.5, 0, p.size).sum())
+    for qptr in ([0, 1, 3], [0, 0, 1]):  # one parent, two; none
+        pair = Pair(e, [0.25, 0.5], e[::-1], qptr, [1, 0, 1][:qptr[-1]], [0.5, 0.25, 1.0][:qptr[-1]])
+        total = pair.blocks(0.5, np.empty(n * blocks(size)))
+        _close(total, sum(pair.cells(0.5, r, 0, size).sum() for r in range(n)))
 
 
 def _close(got, want) -> None:

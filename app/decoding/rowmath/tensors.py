@@ -52,6 +52,8 @@ class TorchLogProbs:
         self.e = None  # exp(x - shift) of every row, once all rows are normalised together
         self.eb: np.ndarray | None = None  # its float64 block sums [n, blocks per row]
         self.shift: np.ndarray | None = None  # [n] float64: e = exp(x - shift) (about each row's log-sum-exp)
+        # where each row's cells lie, for rows read in place (two equal entries: the same cells, so the same e)
+        self.origin = list(x.rows._where) if isinstance(x, _InPlace) and hasattr(x.rows, "_where") else None
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
@@ -111,8 +113,9 @@ class TorchLaw:
     device and scale_r float64 on the host (0 where the row is not a valid parent). Draws, masses and lookups read
     e's per-row block sums and single blocks; the [n, V] product p is formed only where a verifier reads it."""
 
-    def __init__(self, tm: "TorchRows", scale: np.ndarray, e, eb: np.ndarray) -> None:
+    def __init__(self, tm: "TorchRows", scale: np.ndarray, e, eb: np.ndarray, origin=None) -> None:
         self.tm = tm
+        self.origin = origin  # TorchLogProbs.origin of its rows, or None
         self.n, self.vocab = int(e.shape[0]), int(e.shape[1])
         self.size_cells = self.n * self.vocab
         self._scale = scale
@@ -497,7 +500,7 @@ class TorchRows:
         log_z = w_max + math.log(float(np.exp(w[valid] - w_max).sum()))
         c = (s - lse) * inv_t - log_z  # p = exp(x / T + c) = e * exp(c + base)
         scale = np.where(valid, np.exp(np.where(valid, c + base, 0.0)), 0.0)
-        return TorchLaw(self, scale, e, eb)
+        return TorchLaw(self, scale, e, eb, rows.origin)
 
     def _top_k(self, x, off, valid, warp: Warp) -> NumpyLaw:
         """top-k (then top-p within it): every cell of the valid rows above a cut in z = x + off that k cells clear
@@ -564,6 +567,10 @@ class TorchRows:
                 out[i].zero_()
         return _QRows(self, out)
 
+    def _pair(self, p: "TorchLaw", q) -> "_Pair":
+        """The verifiers' cells of p (normalised) and q on its rows, with the residual's passes over them."""
+        return _Pair(self, p.normalised(), q.flat)
+
     def chain(self, p, q, n: int):
         if isinstance(p, NumpyLaw):
             return _REF.chain(p, q, n)
@@ -627,6 +634,28 @@ class _QRows:
         return out
 
 
+class _Pair:
+    """p's normalised cells and q's on the same rows, flat float32 tensors: the residual max(p - s q, 0) read by
+    `_Chain` and `_without` (its mass, its block sums and cells for a draw, single cells)."""
+
+    def __init__(self, tm: TorchRows, pn, qf) -> None:
+        self.tm, self.pn, self.qf = tm, pn, qf
+        self.n_cells = int(pn.shape[0])
+
+    def pq(self, k: int) -> tuple[float, float]:
+        return float(self.pn[k]), float(self.qf[k])
+
+    def mass(self, s: float) -> float:
+        return self.tm._residual_mass(self.pn, self.qf, s)
+
+    def blocks(self, s: float):
+        """(float64 block sums, cells with `block_of`, `segment`, `value`, `dense`) of max(p - s q, 0)."""
+        return self.tm._residual_blocks(self.pn, self.qf, s)
+
+    def p_dense(self) -> np.ndarray:
+        return self.tm._host(self.pn).astype(np.float64)
+
+
 class _FlatCells:
     """A flat tensor's cells in consecutive CDF_BLOCK-cell blocks, read one block at a time."""
 
@@ -683,16 +712,20 @@ class _Chain:
         self.s, self.Z = [0.0], [1.0]
         self._alpha: list[float] = []
         self._blocks: dict[int, tuple] = {}
+        self._pair = None
 
     @property
-    def pn(self):
-        return self.p.normalised()  # normalised cells (float32), formed at the first read
+    def cells(self) -> "_Pair":
+        """p's and q's cells, as the backend reads them (formed at the first read)."""
+        if self._pair is None:
+            self._pair = self.tm._pair(self.p, self.q)
+        return self._pair
 
     def _grow(self, c: int) -> None:
         """s_c and Z_c (and alpha up to c - 1): alpha_j = 1 - M(s_j + Z_j) / Z_j, M(s) = sum max(p - s q, 0)."""
         while len(self.s) <= c:
             s = self.s[-1] + self.Z[-1]
-            mass_u = self.tm._residual_mass(self.pn, self.q.flat, s)
+            mass_u = self.cells.mass(s)
             mass = mass_u / self.Z[-1]
             self._alpha.append(min(1.0, max(0.0, 1.0 - mass)))
             if mass < RESIDUAL_EPS:
@@ -712,25 +745,25 @@ class _Chain:
         return self.alphas(self.n)
 
     def value(self, c: int, key: int) -> float:
-        if not 0 <= key < self.pn.shape[0]:
+        if not 0 <= key < self.cells.n_cells:
             return 0.0
         self._grow(c)
-        pv = float(self.pn[key])
+        pv, qv = self.cells.pq(key)
         if self.s[c] == 0.0:
             return pv / self.Z[c]
-        return max(pv - self.s[c] * float(self.q.flat[key]), 0.0) / self.Z[c]
+        return max(pv - self.s[c] * qv, 0.0) / self.Z[c]
 
     def _cells(self, c: int):
         """(float64 block sums, cells) of R[c] unnormalised, formed once per c and only where a draw reads them."""
         self._grow(c)
         if c not in self._blocks:
-            self._blocks[c] = self.tm._residual_blocks(self.pn, self.q.flat, self.s[c])
+            self._blocks[c] = self.cells.blocks(self.s[c])
         return self._blocks[c]
 
     def draw(self, c: int, rand: Rand) -> int:
         blocks, cells = self._cells(c)
         if not _is_seeded(rand):
-            S = np.flatnonzero(self.tm._host(self.pn) > 0)
+            S = np.flatnonzero(self.cells.p_dense() > 0)
             r = cells.dense()[S]
             return int(rand.categorical(S, r / r.sum()))
         return _icdf(cells, blocks, {}, rand.rng.random() * float(blocks.sum()))
@@ -753,9 +786,9 @@ def _without(tm: TorchRows, p: TorchLaw, q: _QRows, drafts: Sequence[DraftWOR], 
     if len(run.out) == width:
         return True, run.out
     # correction: one draw from r; fills: sequential draws from p over the cells not output
-    run.emit(_draw_u(tm, run.pn, run.qf, run.tau, run.frozen, run.output_keys, rand), None)
+    run.emit(_draw_u(run.pair, run.tau, run.frozen, run.output_keys, rand), None)
     while len(run.out) < width:
-        run.emit(_draw_u(tm, run.pn, run.qf, 0.0, {}, run.output_keys, rand), None)
+        run.emit(_draw_u(run.pair, 0.0, {}, run.output_keys, rand), None)
     return False, run.out
 
 
@@ -763,10 +796,8 @@ class _Without:
     """The state of one `_without` run: the outputs, the drawn cells' thresholds, tau and Zu."""
 
     def __init__(self, tm: TorchRows, p: TorchLaw, q: _QRows) -> None:
-        self.tm = tm
-        self.pn = p.normalised()
-        self.qf = q.flat
-        self.n_cells = int(self.pn.shape[0])
+        self.pair = tm._pair(p, q)
+        self.n_cells = self.pair.n_cells
         self._cache: dict[int, tuple[float, float]] = {}
         self.out: Outputs = []
         self.output_keys: set[int] = set()
@@ -778,7 +809,7 @@ class _Without:
     def cell(self, k: int) -> tuple[float, float]:
         v = self._cache.get(k)
         if v is None:
-            v = self._cache[k] = (float(self.pn[k]), float(self.qf[k])) if 0 <= k < self.n_cells else (0.0, 0.0)
+            v = self._cache[k] = self.pair.pq(k) if 0 <= k < self.n_cells else (0.0, 0.0)
         return v
 
     def pv(self, k: int) -> float:
@@ -797,7 +828,7 @@ class _Without:
 
     def mass_at(self, t: float) -> float:  # sum of u over every cell with the run's threshold t
         pv, qv = self.pv, self.qv
-        z = self.tm._residual_mass(self.pn, self.qf, t)
+        z = self.pair.mass(t)
         for k in self.output_keys:
             z -= max(pv(k) - t * qv(k), 0.0)
         for k, f in self.frozen.items():
@@ -837,15 +868,15 @@ class _Without:
             self.frozen[k] = self.tau  # q_j subtracted at this cell up to now; later drafts exclude it
 
 
-def _draw_u(tm: TorchRows, pn, qf, tau: float, frozen: dict[int, float], output_keys: set[int],
-            rand: Rand) -> int:
+def _draw_u(pair: _Pair, tau: float, frozen: dict[int, float], output_keys: set[int], rand: Rand) -> int:
     """One draw from u / zu, u(i) = max(p(i) - tau_i q(i), 0) with the drawn cells' thresholds and output cells 0."""
-    n_cells = int(pn.shape[0])
-    blocks, cells = tm._residual_blocks(pn, qf, tau)
+    n_cells = pair.n_cells
+    blocks, cells = pair.blocks(tau)
     override: dict[int, float] = {}
     for k, f in frozen.items():
         if f != tau and 0 <= k < n_cells:
-            override[k] = max(float(pn[k]) - f * float(qf[k]), 0.0)
+            pv, qv = pair.pq(k)
+            override[k] = max(pv - f * qv, 0.0)
     for k in output_keys:
         if 0 <= k < n_cells:
             override[k] = 0.0
@@ -853,10 +884,10 @@ def _draw_u(tm: TorchRows, pn, qf, tau: float, frozen: dict[int, float], output_
         host = cells.dense()
         for k, v in override.items():
             host[k] = v
-        S = np.flatnonzero(tm._host(pn) > 0)
+        S = np.flatnonzero(pair.p_dense() > 0)
         r = host[S]
         return int(rand.categorical(S, r / r.sum()))
     for k, v in override.items():
-        blocks[k // CDF_BLOCK] += v - cells.value(k)
+        blocks[cells.block_of(k)] += v - cells.value(k)
     blocks = np.maximum(blocks, 0.0)
     return _icdf(cells, blocks, override, rand.rng.random() * float(blocks.sum()))

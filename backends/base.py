@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import pathlib
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol, Sequence
 
@@ -245,3 +246,39 @@ def atomic_write(path: pathlib.Path, text: str) -> None:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+
+
+class ThreadGovernor:
+    """Threads for the next parallel piece of work (a llama.cpp pass, a compiled row kernel): up to `most`, one
+    fewer for every core other processes keep busy.
+
+    ggml's workers (and OpenMP's) spin at every barrier, so a worker that shares its core with another busy program
+    waits for its time slice at each of the graph's hundreds of barriers: on 2 cores beside one busy process a
+    1.5B pass took 3.7 s with 2 threads and 0.16 s with 1 (docs/measurements/rowmath.md). The others' load is
+    read from the system's and this process's CPU times, at most every `interval` seconds.
+    """
+
+    def __init__(self, most: int, interval: float = 0.5) -> None:
+        import psutil
+
+        self.most, self.interval = max(1, most), interval
+        self._psutil, self._proc = psutil, psutil.Process()
+        self._cores = psutil.cpu_count() or 1
+        self._last = self._sample()
+        self.current = self.most
+
+    def _sample(self) -> tuple[float, float, float]:
+        t = self._psutil.cpu_times()
+        busy = sum(t) - t.idle - getattr(t, "iowait", 0.0)
+        own = self._proc.cpu_times()
+        return time.monotonic(), busy, own.user + own.system
+
+    def threads(self) -> int:
+        now = time.monotonic()
+        if now - self._last[0] >= self.interval:
+            s = self._sample()
+            wall = s[0] - self._last[0]
+            others = max(0.0, (s[1] - self._last[1]) - (s[2] - self._last[2])) / wall  # busy cores, not ours
+            self._last = s
+            self.current = max(1, min(self.most, int(self._cores - others + 0.3)))
+        return self.current

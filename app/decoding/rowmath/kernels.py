@@ -19,8 +19,9 @@ argument; -inf gives 0, and so do arguments below ln(2^-126) (results under floa
 Logits must be finite or -inf; nothing then yields NaN. Sums are float64 in any order of addition, so a row's
 log-sum-exp is within ~1e-7 of the float64 one. No `fastmath=True`: it lets LLVM assume there are no infinities.
 
-Threads: each call splits its rows, or their blocks, over numba's threads, so one row uses every core (`numba.set_num_threads`
-in the calling thread lowers the count). Calls from several Python threads take turns on one lock. `warm()`
+Threads: each call splits its rows, or their blocks, over numba's threads, so one row uses every core, with one
+thread fewer for each core other programs keep busy (`_turn`). Calls from several Python threads take turns on one
+lock. `warm()`
 compiles or loads every kernel from numba's cache; call it off the answer's path. Without numba this module raises
 ImportError on import; `available()` says whether the kernels compiled and passed a check.
 """
@@ -29,10 +30,12 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
 from app.decoding.sampling import CDF_BLOCK
+from backends.base import ThreadGovernor
 
 try:
     import numba
@@ -67,6 +70,24 @@ _choose_layer()
 
 # One parallel call at a time: two would oversubscribe the cores, and workqueue aborts the process on them.
 _LOCK = threading.Lock()
+_GOVERNOR: list = []  # the ThreadGovernor, made at the first call
+
+
+@contextmanager
+def _turn():
+    """This call's turn on the cores, with one thread fewer for each core other programs keep busy: a parallel
+    call's threads wait for each other at its end, and a thread that shares its core with a busy program waits
+    for its time slice there (a 4-row normaliser beside one busy process on 2 cores: 99th percentile 13 ms with
+    2 threads always, 0.54 ms governed; docs/measurements/rowmath.md)."""
+    with _LOCK:
+        if not _GOVERNOR:
+            try:
+                _GOVERNOR.append(ThreadGovernor(numba.config.NUMBA_NUM_THREADS))
+            except ImportError:  # no psutil: every thread, always
+                _GOVERNOR.append(None)
+        if _GOVERNOR[0] is not None:
+            numba.set_num_threads(_GOVERNOR[0].threads())
+        yield
 
 # Sums may be reordered (vectorised); cells never see these flags (see _exp, _residual).
 _SUMS = {"reassoc", "contract", "nsz", "arcp"}
@@ -435,7 +456,7 @@ def norms(x, e_out: np.ndarray, eb_out: np.ndarray) -> np.ndarray:
     n, size = x.shape
     _output(e_out, np.float32, (n, size), "e_out")
     _output(eb_out, np.float64, (n, blocks(size)), "eb_out")
-    with _LOCK:
+    with _turn():
         return _norms(x, e_out, eb_out, numba.get_num_threads())
 
 
@@ -446,7 +467,7 @@ def exp_blocks(x, shift, inv_t: float, e_out: np.ndarray, eb_out: np.ndarray) ->
     n, size = x.shape
     _output(e_out, np.float32, (n, size), "e_out")
     _output(eb_out, np.float64, (n, blocks(size)), "eb_out")
-    with _LOCK:
+    with _turn():
         _exp_blocks(x, _row_scalars(shift, n), _F(inv_t), e_out, eb_out)
 
 
@@ -454,7 +475,7 @@ def block_sums(flat, out: np.ndarray) -> np.ndarray:
     """Float64 sums of a flat float32 array's consecutive CDF_BLOCK-cell blocks (the last short) into out."""
     flat = _input(flat, 1)
     _output(out, np.float64, (blocks(flat.size),), "out")
-    with _LOCK:
+    with _turn():
         _block_sums(flat, out)
     return out
 
@@ -465,7 +486,7 @@ def scaled(e, scale, out: np.ndarray) -> np.ndarray:
     e = _input(e, 2)
     n, size = e.shape
     _output(out, np.float32, (n * size,), "out")
-    with _LOCK:
+    with _turn():
         _scaled(e, _row_scalars(scale, n), out.reshape(n, size))
     return out
 
@@ -478,7 +499,7 @@ def residual_blocks(p, q, s: float, out: np.ndarray) -> float:
     if p.size != q.size:
         raise ValueError(f"p and q differ in size: {p.size} and {q.size}")
     _output(out, np.float64, (blocks(p.size),), "out")
-    with _LOCK:
+    with _turn():
         return float(_residual_blocks(p, q, _F(s), out))
 
 
@@ -517,7 +538,7 @@ class Pair:
     def blocks(self, s: float, out: np.ndarray) -> float:
         """u's float64 block sums, row by row ([n * blocks(V)] flat), and their total."""
         _output(out, np.float64, (self.n * self.per_row,), "out")
-        with _LOCK:
+        with _turn():
             return float(_pair_blocks(self.ep, self.ap, self.eq, self.qptr, self.qidx, self.qc, _F(s),
                                       out.reshape(self.n, self.per_row)))
 

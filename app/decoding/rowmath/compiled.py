@@ -92,6 +92,16 @@ class CompiledRows(TorchRows):
             return super()._pair(p, q.formed() if isinstance(q, _MappedQ) else q)
         return _FusedPair(self._np(p._e), p._scale / p.total(), q)
 
+    # torch's own thread pool would split these copies and scans, and its threads wait for each other as the
+    # kernels' do (`kernels._turn`): on the host numpy does them on this thread.
+    def _stack(self, rows):
+        out = self.torch.empty((len(rows), int(rows[0].shape[0])), dtype=self.dtype)
+        np.stack([self._np(r) for r in rows], out=out.numpy())
+        return out
+
+    def _argmax(self, row) -> int:
+        return int(np.argmax(self._np(row)))
+
     def _residual_mass(self, p, q, s: float) -> float:
         pn, qn = self._np(p), self._np(q)
         return float(kernels.residual_blocks(pn, qn, float(s), np.empty(kernels.blocks(pn.size))))

@@ -105,7 +105,7 @@ class TorchLogProbs:
 
     def argmax(self, i: int) -> int:
         """Row i's likeliest token (ties: the lower id): the raw logits' argmax, no normaliser needed."""
-        return int(self.tm.torch.argmax(self.x[i]))
+        return self.tm._argmax(self.x[i])
 
 
 class TorchLaw:
@@ -395,6 +395,14 @@ class TorchRows:
         """Flat float32 cells e[r, t] * scale[r] (a law's probabilities)."""
         return (e * self._tensor(scale)[:, None]).view(-1)
 
+    def _stack(self, rows):
+        """Rows (1-d tensors) as one [n, V] tensor, copied."""
+        return self.torch.stack(rows)
+
+    def _argmax(self, row) -> int:
+        """A row's first largest cell."""
+        return int(self.torch.argmax(row))
+
     def _residual(self, p, q, s: float):
         """Flat cells max(p - s q, 0) (p itself at s = 0)."""
         return p if s == 0.0 else self.torch.sub(p, q, alpha=s).clamp_min_(0.0)
@@ -456,7 +464,7 @@ class TorchRows:
         srcs = [r.src for r in refs]
         if all(s is srcs[0] for s in srcs) and [r.i for r in refs] == list(range(len(srcs[0]))):
             return srcs[0]
-        x = self.torch.stack([r.src.x[r.i] for r in refs])
+        x = self._stack([r.src.x[r.i] for r in refs])
         if not any(r.i in r.src._norm for r in refs):  # none normalised yet: one pass for all, its e kept for the law
             out = TorchLogProbs(self, x)
             out._fill()
@@ -467,7 +475,7 @@ class TorchRows:
             r.src.lse(r.i)
         out = TorchLogProbs(self, x, {j: r.src._norm[r.i] for j, r in enumerate(refs)})
         if all(r.src.e is not None for r in refs):
-            out.e = self.torch.stack([r.src.e[r.i] for r in refs])
+            out.e = self._stack([r.src.e[r.i] for r in refs])
             out.eb = np.stack([r.src.eb[r.i] for r in refs])
             out.shift = np.array([r.src.shift[r.i] for r in refs])
         return out

@@ -309,6 +309,110 @@ def _residual_cells(p, q, s):
     return out
 
 
+# ------------------------------------------------------------------------------------------ one row's plain step
+# A plain step (one row, a dense warp) in two serial calls that compute what the general path computes, in its order:
+# the block sums as `_norms` and `_exp_blocks` form them (the same `_exp_sum` on the same blocks), every float64 total
+# in numpy's pairwise order, every running sum (np.cumsum) left to right. So the key drawn and the log-prob are the
+# general path's to the bit. The cells are not kept: each block's go through one block of scratch (in L1), and the
+# draw forms its block's cells again.
+
+PAIRWISE_MAX = 128  # numpy's pairwise block: up to this many values it sums without splitting
+
+
+@njit(fastmath=False, cache=True)
+def _pairwise(a, n):
+    """a[:n].sum() as numpy forms it for n <= PAIRWISE_MAX (eight accumulators from eight values, then the rest in
+    order), bit for bit. No fastmath: reassociation would change the order. (Not recursive: numba's cache cannot
+    hold a recursive kernel.)"""
+    if n < 8:
+        res = 0.0
+        for i in range(n):
+            res += a[i]
+        return res
+    r0, r1, r2, r3, r4, r5, r6, r7 = a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]
+    i, whole = 8, n - n % 8
+    while i < whole:
+        r0, r1, r2, r3 = r0 + a[i], r1 + a[i + 1], r2 + a[i + 2], r3 + a[i + 3]
+        r4, r5, r6, r7 = r4 + a[i + 4], r5 + a[i + 5], r6 + a[i + 6], r7 + a[i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[i]
+        i += 1
+    return res
+
+
+@njit(fastmath=_SUMS, cache=True)
+def _row_law(x, inv_t, seg, eb1, eb, want_argmax):
+    """One row on this thread: its max m, the block sums eb1 of exp(x - m) (the normaliser's), and at inv_t != 1
+    the block sums eb of exp((x - m) * inv_t) (the law's; else eb = eb1); the first index of the max when asked
+    (else -1). inv_t is rounded to float32 here, as `exp_blocks` rounds it."""
+    size, nb = x.size, eb.size
+    t = np.float32(inv_t)
+    key = _max_key(x)
+    m = _max_of(key)
+    for j in range(nb):
+        lo, hi = j * CDF_BLOCK, min((j + 1) * CDF_BLOCK, size)
+        eb1[j] = _exp_sum(x[lo:hi], m, _ONE, seg[:hi - lo])
+    if t != _ONE:
+        for j in range(nb):
+            lo, hi = j * CDF_BLOCK, min((j + 1) * CDF_BLOCK, size)
+            eb[j] = _exp_sum(x[lo:hi], m, t, seg[:hi - lo])
+    else:
+        eb[:] = eb1
+    first = -1
+    if want_argmax:
+        top = _key_value(key)
+        for i in range(size):
+            if x[i] == top:
+                first = i
+                break
+    return np.float64(m), _pairwise(eb1, nb), _pairwise(eb, nb), first
+
+
+@njit(fastmath=False, cache=True)
+def _draw_row(x, m, inv_t, seg, eb, scale, u):
+    """The key `tensors._icdf` draws with the uniform u from the law e * scale, e = exp((x - m) * inv_t) with block
+    sums eb: t = u * the blocks' total, the block where their running sum passes t, then the cell where the block's
+    running sum passes what is left of t (a block whose cells are all 0 is dropped and t capped, as there)."""
+    size, nb = x.size, eb.size
+    m32, t32 = np.float32(m), np.float32(inv_t)
+    blocks = eb * scale
+    t = u * _pairwise(blocks, nb)
+    cb = np.empty(nb)
+    cells = np.empty(CDF_BLOCK)
+    while True:
+        acc = 0.0
+        for j in range(nb):
+            acc += blocks[j]
+            cb[j] = acc
+        b = 0
+        while b < nb and cb[b] <= t:
+            b += 1
+        b = min(b, nb - 1)
+        while b > 0 and blocks[b] <= 0:
+            b -= 1
+        lo, hi = b * CDF_BLOCK, min((b + 1) * CDF_BLOCK, size)
+        _exp_sum(x[lo:hi], m32, t32, seg[:hi - lo])  # the block's cells, as the law's pass formed them
+        last = -1
+        for i in range(hi - lo):
+            cells[i] = np.float64(seg[i]) * scale
+            if cells[i] > 0:
+                last = i
+        if last >= 0:
+            break
+        blocks[b] = 0.0
+        t = min(t, _pairwise(blocks, nb) * (1 - 1e-16))
+    rest = t - (cb[b - 1] if b else 0.0)
+    acc, i = 0.0, 0
+    while i < hi - lo:
+        acc += cells[i]
+        if acc > rest:
+            break
+        i += 1
+    return lo + (i if i < hi - lo else last)
+
+
 # ----------------------------------------------------------------------------------------------------- the API
 
 def blocks(size: int) -> int:
@@ -409,6 +513,51 @@ def residual_cells(p, q, s: float, lo: int, hi: int) -> np.ndarray:
     return _residual_cells(p[lo:hi], q[lo:hi], _F(s))
 
 
+class RowStep:
+    """One row's plain step on rows of `size` cells (at most PAIRWISE_MAX blocks, `fits`), serially on the calling
+    thread: a call wakes no thread, and its scratch (one block of cells, two rows of block sums) is checked once, here.
+
+        m, s1, s, first = step.law(x, inv_t, argmax)   # x: float32 [size]; numpy's sums of eb1 and eb
+        key = step.draw(x, m, inv_t, scale, u)         # after law, with its eb
+
+    law: the row's max m (float64; 0 for a row with no finite cell), the block sums eb1 of exp(x - float32(m))
+    (`norms`'s) and eb of exp((x - m) * float32(inv_t)) (`exp_blocks`'s; eb1's at inv_t = 1), their totals as numpy
+    sums them, and the first index of the max if `argmax` (else -1). draw: the key the law e * scale gives the uniform
+    u by the inverse CDF over the blocks then one block's cells (`tensors._icdf`'s key, bit for bit). One instance
+    per thread."""
+
+    def __init__(self, size: int) -> None:
+        if not self.fits(size):
+            raise ValueError(f"a row of {size} cells has more than {PAIRWISE_MAX} blocks")
+        self.size = size
+        self.seg = np.empty(CDF_BLOCK, np.float32)
+        self.eb1, self.eb = np.empty(blocks(size)), np.empty(blocks(size))
+
+    @staticmethod
+    def fits(size: int) -> bool:
+        return 0 < blocks(size) <= PAIRWISE_MAX
+
+    def law(self, x: np.ndarray, inv_t: float, argmax: bool = False) -> tuple[float, float, float, int]:
+        self._check(x)
+        return _row_law(x, float(inv_t), self.seg, self.eb1, self.eb, bool(argmax))
+
+    def draw(self, x: np.ndarray, m: float, inv_t: float, scale: float, u: float) -> int:
+        self._check(x)
+        return _draw_row(x, float(m), float(inv_t), self.seg, self.eb, float(scale), float(u))
+
+    def _check(self, x) -> None:
+        if not (type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 1 and x.size == self.size):
+            raise ValueError(f"expected a float32 row of {self.size} cells")
+
+
+def numpy_sum(a) -> float:
+    """The sum of at most PAIRWISE_MAX float64 values in numpy's order (what `RowStep` totals with)."""
+    a = np.ascontiguousarray(a, dtype=np.float64).reshape(-1)
+    if a.size > PAIRWISE_MAX:
+        raise ValueError(f"{a.size} values: numpy splits more than {PAIRWISE_MAX}")
+    return float(_pairwise(a, a.size))
+
+
 # ----------------------------------------------------------------------------------------- warm-up and status
 
 _STATUS: list = []  # [(ok, reason, seconds)] once warm() has run
@@ -453,6 +602,14 @@ def _check() -> None:
     _close(block_sums(flat, np.empty(blocks(flat.size))).sum(), flat.sum(dtype=np.float64))
     p, q = flat / flat.sum(), flat[::-1] / flat.sum()
     _close(residual_blocks(p, q, 0.5, np.empty(blocks(p.size))), residual_cells(p, q, 0.5, 0, p.size).sum())
+    step = RowStep(size)
+    for r, inv_t in ((0, 1.0), (1, 1.25)):  # the plain step at T = 1 and T = 0.8, on a row with a -inf cell
+        m1, s1, s_t, first = step.law(x[r], inv_t, argmax=True)
+        _close([m1, s1, s_t, first], [x64[r].max(), np.exp(x64[r] - m[r]).sum(),
+                                      np.exp((x64[r] - m[r]) * inv_t).sum(), np.argmax(x[r])])
+        key = step.draw(x[r], m1, inv_t, 1.0 / s_t, 0.5)
+        cdf = np.cumsum(np.exp((x64[r] - m[r]) * inv_t)) / s_t
+        _close(key, np.searchsorted(cdf, 0.5, side="right"))
 
 
 def _close(got, want) -> None:

@@ -378,3 +378,46 @@ def test_rows_whose_parents_hold_no_draft_mass_get_an_empty_law():
     q = rowmath.NumpyLaw(Joint(np.array([5, 7], np.int64), np.array([0.25, 0.75]), 10))  # parent 0 only
     out = rowmath.NumpyRows().on_rows(q, [[1], [1]], [1, 1])
     assert len(out.joint.keys) == 0 and out.joint.probs.dtype == np.float64
+
+
+def plain_rows(rng, size: int) -> list[np.ndarray]:
+    """One-row logits as a pass hands them over: peaked, wide, far off, masked, half masked, one finite cell, flat."""
+    rows = [rng.normal(0, 3, size), rng.normal(0, 3, size) * 40, rng.normal(0, 2, size) + 300.0]
+    rows[0][rng.integers(0, size, 5)] += 15
+    masked = rng.normal(0, 3, size)
+    masked[rng.random(size) < 0.3] = -np.inf
+    half = rng.normal(0, 3, size)
+    half[: size // 2] = -np.inf
+    one = np.full(size, -np.inf)
+    one[size // 3] = 1.5
+    rows += [masked, half, one, np.zeros(size)]
+    return [r.astype(np.float32)[None, :] for r in rows]
+
+
+@pytest.mark.parametrize("size", [49_152, 151_936, 5_000, 4_096, 100])
+def test_the_fused_plain_step_is_the_general_paths_step_bit_for_bit(size):
+    """The compiled backend's one-row step (`plain_step`, two compiled calls) draws the key `law(...).sample(1)`
+    draws and gives the log-prob `at` gives, to the bit, and leaves the generator where the draw left it: every
+    temperature, beam score and kind of row; greedy's argmax and log-prob likewise; a truncated warp or an
+    enumerating rand are left to the general path."""
+    pytest.importorskip("numba", reason="the compiled kernels need numba")
+    rm = rowmath.make("compiled")
+    rng = np.random.default_rng(size)
+    for i, x in enumerate(plain_rows(rng, size)):
+        for warp in (Warp(), Warp(0.7), Warp(1.3), Warp(0.25)):
+            for score in (0.0, -3.25, -123.456789):
+                seed = int(rng.integers(1 << 30))
+                general, fused = SeededRand(np.random.default_rng(seed)), SeededRand(np.random.default_rng(seed))
+                lp = rm.rows(x)
+                key = int(rm.law(lp, np.array([score]), warp).sample(1, general)[0])
+                assert rm.plain_step(x, score, warp, fused) == (key, lp.at(0, key)), (i, warp, score)
+                assert general.rng.random() == fused.rng.random()
+        lp = rm.rows(x)
+        key = lp.argmax(0)
+        assert rm.plain_step(x, 0.0, None, None) == (key, lp.at(0, key)), i
+    x = plain_rows(rng, size)[0]
+    assert rm.plain_step(x, 0.0, Warp(1.0, top_k=20), SeededRand(np.random.default_rng(0))) is None
+    assert rm.plain_step(x, 0.0, Warp(1.0, top_p=0.9), SeededRand(np.random.default_rng(0))) is None
+    dead = np.full((1, size), -np.inf, np.float32)
+    assert rm.plain_step(dead, 0.0, Warp(), SeededRand(np.random.default_rng(0))) is None
+

@@ -12,10 +12,12 @@ float32 rounding (spec §16.10), and the tests hold both to the reference.
 from __future__ import annotations
 
 import logging
+import math
+import threading
 
 import numpy as np
 
-from ..sampling import CDF_BLOCK
+from ..sampling import CDF_BLOCK, Rand, SeededRand, Warp
 from . import kernels
 from .tensors import TORCH_CELL_SECONDS, TorchRows
 
@@ -37,6 +39,46 @@ class CompiledRows(TorchRows):
         super().__init__("cpu")
         self.name = "compiled"
         self._cell_seconds = COMPILED_CELL_SECONDS
+        self._scratch = threading.local()  # plain_step's kernels.RowStep, per thread
+
+    def plain_step(self, logits, score: float, warp: Warp | None, rand: Rand | None) -> tuple[int, float] | None:
+        """One row's plain step in two compiled calls: the token `law(rows(logits), [score], warp).sample(1, rand)`
+        draws (rand None: `argmax(0)`, greedy's pick) and its raw log-prob `at(0, token)`, bit for bit, with no
+        tensor, law or numpy pass (a decoder's per-token cost on a small model). logits: one row, [1, V], as a pass
+        returns it. None where the general path must run: a truncated warp, a rand other than the seeded stream
+        (the enumerating tests'), a row with no finite mass, a row longer than `kernels.RowStep` takes."""
+        if rand is not None and (type(rand) is not SeededRand or warp.top_p < 1.0):
+            return None
+        inplace = hasattr(logits, "row") and not isinstance(logits, np.ndarray) and not hasattr(logits, "numpy")
+        src = logits.row(0) if inplace else logits[0]
+        x = np.asarray(src, dtype=np.float32)
+        vocab = x.size
+        if rand is not None and 0 < warp.top_k < vocab:
+            return None
+        step = getattr(self._scratch, "step", None)
+        if step is None or step.size != vocab:
+            if not kernels.RowStep.fits(vocab):
+                return None
+            step = self._scratch.step = kernels.RowStep(vocab)
+        inv_t = 1.0 if rand is None else 1.0 / warp.temperature
+        m, s1, s_t, first = step.law(x, inv_t, rand is None)
+        if not (0.0 < s1 < math.inf and 0.0 < s_t < math.inf):
+            return None
+        lse = m + float(np.log(s1))  # numpy's log, as the general path's (its SIMD exp and log are not libm's)
+        if rand is None:
+            key = first
+        else:
+            base = m if inv_t == 1.0 else m * inv_t
+            row_lse = base + float(np.log(s_t))
+            d = (score - lse) * inv_t
+            w = d + row_lse  # the row's log mass: the only row's, so log_z = w + log(exp(0))
+            if not math.isfinite(w):
+                return None
+            scale = float(np.exp(d - (w + 0.0) + base))
+            if not 0.0 < scale < math.inf:
+                return None
+            key = step.draw(x, m, inv_t, scale, rand.rng.random())
+        return key, float((src if inplace else x)[key]) - lse
 
     @staticmethod
     def _np(x) -> np.ndarray:

@@ -90,3 +90,19 @@ def test_balanced_that_never_drafts_returns_its_no_forest_answer(tiny):
             got = answer(tiny, DecodeParams(seed=seed, forest="adaptive", lookup_nodes=2, lookup_sources=("draft",),
                                             **base), draft=True, never_drafts=True, prompt=prompt)
             assert got == want, (prompt, seed)
+
+
+@pytest.mark.parametrize("backend", ["compiled", "numpy"], indirect=True)
+def test_one_beam_dsbd_that_never_drafts_returns_sample_s_answer(tiny):
+    """At one beam the plain mode (`sample`) runs its own one-row loop, on the compiled backend its fused step: a
+    dsbd forest of one beam whose policy never drafts draws from the same stream through the general row math and
+    returns the same answer, token for token."""
+    one = dict(COMMON, beams=1, max_new_tokens=24)
+    forest = DecodeParams(mode="dsbd", replacement="with", min_beams=1, draft_beams=2, gamma=3, forest="adaptive",
+                          lookup_nodes=2, lookup_sources=("draft",), **one)
+    for prompt in PROMPTS:
+        for seed in SEEDS:
+            want = answer(tiny, DecodeParams(mode="sample", seed=seed, **one), draft=False, never_drafts=False,
+                          prompt=prompt)
+            got = answer(tiny, replace(forest, seed=seed), draft=True, never_drafts=True, prompt=prompt)
+            assert got == want, (prompt, seed)

@@ -63,11 +63,61 @@ def _beam_loop(*, target: Context, prompt: Sequence[int], params: DecodeParams, 
         yield Step(final=common_prefix([b.tokens for b in live + pool.beams]), live=len(live))
 
 
+def _row_loop(*, target: Context, prompt: Sequence[int], params: DecodeParams, stopper: Stopper, metrics: Metrics,
+              step) -> Iterator[Step]:
+    """`_beam_loop` on one row (width 1: greedy, sample): `step(logits, score) -> (token, raw log-prob)` picks
+    the next token from the pass's [1, V] logits. The beam loop's steps, stats and answer, with no pool, beam list
+    or common prefix to keep: a token costs a few calls."""
+    target.prefill(prompt[:-1])
+    metrics.mark_prefilled()
+    tokens, score, last = (), 0.0, prompt[-1]
+    steps, carried, max_new = metrics.steps, metrics.carried, params.max_new_tokens
+    while True:
+        logits = target.evaluate(Forest(suffix=((last,),)))
+        metrics.target_passes += 1
+        steps.append(1)
+        metrics.iterations += 1
+        metrics.track_kv(target)
+        last, lp = step(logits.roots, score)
+        tokens += (last,)
+        score = float(score + lp)
+        finished = stopper.finished(tokens)
+        metrics.mark_first_token()
+        carried.append(0 if finished else 1)
+        if finished or len(tokens) >= max_new:
+            metrics.finish_reason = "stop" if finished else "length"
+            yield Step(final=tokens, live=0, done=True, output=Beam(tokens, score, finished))
+            return
+        target.commit(_SAME_ROW)
+        yield Step(final=tokens, live=1)
+
+
+_SAME_ROW = (AcceptedPath(0),)  # a one-row loop's commit: the row with its suffix
+
+
+def _one_row(rm, pick, *, warp: Warp | None = None, rand: Rand | None = None):
+    """A `_row_loop` step: `pick(rows, scores) -> token` on the general row math (`rm.rows`, scores [1]), or the
+    backend's fused plain step where it has one (`plain_step`: the same token and log-prob, bit for bit); rand
+    None: greedy's argmax."""
+    fused = getattr(rm, "plain_step", None)
+
+    def step(logits, score: float) -> tuple[int, float]:
+        if fused is not None:
+            out = fused(logits, score, warp, rand)
+            if out is not None:
+                return out
+        lp = rm.rows(logits)
+        x = int(pick(lp, np.array([score])))
+        return x, lp.at(0, x)
+
+    return step
+
+
 def greedy(*, target: Context, prompt: Sequence[int], params: DecodeParams, stopper: Stopper,
            metrics: Metrics) -> Iterator[Step]:
     """Argmax decoding (ties: lower token id)."""
-    return _beam_loop(target=target, prompt=prompt, params=params, stopper=stopper, metrics=metrics,
-                      choose=lambda lp, s, _: [(0, lp.argmax(0))])
+    step = _one_row(rowmath.backend(), lambda lp, _: lp.argmax(0))
+    return _row_loop(target=target, prompt=prompt, params=params, stopper=stopper, metrics=metrics, step=step)
 
 
 def beam_search(*, target: Context, prompt: Sequence[int], params: DecodeParams, stopper: Stopper,
@@ -109,10 +159,17 @@ def beam_sampling(*, target: Context, prompt: Sequence[int], params: DecodeParam
     draws = rand or SeededRand(rng)
     rm = rm or rowmath.backend()
 
-    def choose(lp, scores: np.ndarray, _) -> list[tuple[int, int]]:
+    def keys(lp, scores: np.ndarray):
         p = rm.law(lp, scores, warp)
-        keys = p.sample(width, draws) if replace else rm.distinct_keys(p, width, draws)
-        return [divmod(int(k), p.vocab) for k in keys]
+        return p, p.sample(width, draws) if replace else rm.distinct_keys(p, width, draws)
+
+    if width == 1:  # one row: a draw from its law (with or without replacement alike)
+        step = _one_row(rm, lambda lp, scores: keys(lp, scores)[1][0], warp=warp, rand=draws)
+        return _row_loop(target=target, prompt=prompt, params=params, stopper=stopper, metrics=metrics, step=step)
+
+    def choose(lp, scores: np.ndarray, _) -> list[tuple[int, int]]:
+        p, drawn = keys(lp, scores)
+        return [divmod(int(k), p.vocab) for k in drawn]
 
     return _beam_loop(target=target, prompt=prompt, params=params, stopper=stopper, metrics=metrics,
                       choose=choose, rm=rm)

@@ -421,3 +421,45 @@ def test_the_fused_plain_step_is_the_general_paths_step_bit_for_bit(size):
     dead = np.full((1, size), -np.inf, np.float32)
     assert rm.plain_step(dead, 0.0, Warp(), SeededRand(np.random.default_rng(0))) is None
 
+
+
+@pytest.mark.parametrize("size", [49_152, 151_936, 5_000, 100])
+def test_the_fused_beam_step_is_the_general_paths_step_bit_for_bit(size):
+    """The compiled backend's step over a pass's rows (`beam_step`) draws the keys the general path draws with and
+    without replacement, with the log-probs `at` gives, to the bit, and leaves the generator where the draws left
+    it: 2 to 6 rows of every kind, invalid parents, temperatures, more draws than rows; a truncated warp, no valid
+    parent or too few blocks with mass for the distinct draws are left to the general path."""
+    pytest.importorskip("numba", reason="the compiled kernels need numba")
+    rm = rowmath.make("compiled")
+    rng = np.random.default_rng(size + 1)
+    kinds = plain_rows(rng, size)
+    for trial in range(12):
+        n_rows = 2 + trial % 5
+        x = np.concatenate([kinds[int(i)] for i in rng.integers(0, len(kinds), n_rows)])
+        scores = -rng.uniform(0, 30, n_rows)
+        if trial % 3 == 0:
+            scores[rng.integers(0, n_rows)] = -np.inf
+        for warp in (Warp(), Warp(0.7), Warp(1.6)):
+            for replace, n in ((True, n_rows), (True, 2 * n_rows + 1), (False, n_rows)):
+                seed = int(rng.integers(1 << 30))
+                general, fused = SeededRand(np.random.default_rng(seed)), SeededRand(np.random.default_rng(seed))
+                lp = rm.rows(x)
+                p = rm.law(lp, scores, warp)
+                keys = p.sample(n, general) if replace else rm.distinct_keys(p, n, general)
+                want = [(r, t, lp.at(r, t)) for r, t in (divmod(int(k), size) for k in keys)]
+                got = rm.beam_step(x, scores, warp, fused, n, replace)
+                if got is None:  # refused: distinct draws beyond the blocks with mass (the general path's case)
+                    assert not replace and np.count_nonzero(p.blocks() > 0) < n
+                    assert fused.rng.random() == np.random.default_rng(seed).random()
+                    continue
+                assert got == want, (trial, warp, replace)
+                assert general.rng.random() == fused.rng.random()
+    x = np.concatenate(kinds[:3])
+    scores = np.array([-1.0, -2.0, -3.0])
+    rand = SeededRand(np.random.default_rng(0))
+    assert rm.beam_step(x, scores, Warp(1.0, top_k=20), rand, 3, True) is None
+    assert rm.beam_step(x, scores, Warp(1.0, top_p=0.9), rand, 3, True) is None
+    assert rm.beam_step(x, np.full(3, -np.inf), Warp(), rand, 3, True) is None
+    one = np.concatenate([kinds[5], kinds[5]])  # one finite cell a row: one block each holds mass
+    assert rm.beam_step(one, scores[:2], Warp(), rand, 3, False) is None
+    assert rand.rng.random() == np.random.default_rng(0).random()  # no uniform was drawn by the refusals

@@ -257,15 +257,16 @@ def test_the_one_row_loop_is_the_beam_loop_at_width_one(mode, kw, backend, monke
         draws = SeededRand(rng_streams(seed)[1])
         warp = warp_of(params)
 
-        def choose(lp, scores, _):
+        def choose(logits, scores, _):  # the general row math
+            lp = rm.rows(logits)
             if mode == "greedy":
-                return [(0, lp.argmax(0))]
+                return [(0, lp.argmax(0), lp.at(0, lp.argmax(0)))]
             p = rm.law(lp, scores, warp)
             keys = rm.distinct_keys(p, 1, draws) if mode == "beam-sample" else p.sample(1, draws)
-            return [divmod(int(k), p.vocab) for k in keys]
+            return [(r, x, lp.at(r, x)) for r, x in (divmod(int(k), p.vocab) for k in keys)]
 
         want = go(lambda t, stopper, metrics: baselines._beam_loop(
-            target=t, prompt=[1, 2], params=params, stopper=stopper, metrics=metrics, choose=choose, rm=rm))
+            target=t, prompt=[1, 2], params=params, stopper=stopper, metrics=metrics, choose=choose))
         assert got == want, seed
         assert got[0][-1][3].finished == (got[1]["finish_reason"] == "stop")
 

@@ -63,7 +63,8 @@ def answer(model, params: DecodeParams, *, draft: bool, never_drafts: bool, prom
 
 # On the torch backend: slow. Its draws are the reference's (tests/test_rowmath.py) and
 # test_balanced_that_never_drafts_returns_its_no_forest_answer runs it here on the real model.
-@pytest.mark.parametrize("backend", [pytest.param("torch", marks=pytest.mark.slow), "numpy"], indirect=True)
+@pytest.mark.parametrize("backend", [pytest.param("torch", marks=pytest.mark.slow), "numpy", "compiled"],
+                         indirect=True)  # compiled: the plain modes' fused step against the forest's general one
 @pytest.mark.parametrize("replacement,plain", [("without", "beam-sample"), ("with", "beam-sample-repl")])
 def test_a_forest_mode_that_never_drafts_returns_the_plain_modes_answer(tiny, replacement, plain):
     """Best quality's settings (dsbd without replacement, W_min = W) and the with-replacement candidate, lookup

@@ -22,11 +22,10 @@ from .sampling import Draft, Rand, SeededRand, Warp
 
 
 def _beam_loop(*, target: Context, prompt: Sequence[int], params: DecodeParams, stopper: Stopper, metrics: Metrics,
-               choose, rm=None) -> Iterator[Step]:
-    """Shared loop of the target-only decoders: `choose(rows, scores, finishes) -> [(row, token)]` picks the
-    next pairs from the rows' raw log-probs (`rm.rows`) and the beams' scores; `finishes(row, token)` tells
-    whether that pair would end its beam."""
-    rm = rm or rowmath.backend()
+               choose) -> Iterator[Step]:
+    """Shared loop of the beam decoders: `choose(logits, scores, finishes) -> [(row, token, raw log-prob)]` picks
+    the next pairs from the pass's logits (one row per live beam) and the beams' scores; `finishes(row, token)`
+    tells whether that pair would end its beam."""
     width = MODE_FACTS[params.mode].rows(params.beams)
     target.prefill(prompt[:-1])
     metrics.mark_prefilled()
@@ -38,12 +37,11 @@ def _beam_loop(*, target: Context, prompt: Sequence[int], params: DecodeParams, 
         metrics.steps.append(1)
         metrics.iterations += 1
         metrics.track_kv(target)
-        lp = rm.rows(logits.roots)  # raw log-probs [rows, vocab]
         scores = np.array([b.score for b in live])
-        picked = choose(lp, scores, lambda r, x: stopper.finished(live[r].tokens + (x,)))
+        picked = choose(logits.roots, scores, lambda r, x: stopper.finished(live[r].tokens + (x,)))
         nxt, rows = [], []
-        for r, x in picked:
-            beam = Beam(live[r].tokens + (int(x),), float(scores[r] + lp.at(r, int(x))), False)
+        for r, x, lp in picked:
+            beam = Beam(live[r].tokens + (int(x),), float(scores[r] + lp), False)
             if stopper.finished(beam.tokens):
                 pool.add(Beam(beam.tokens, beam.score, True))
             else:
@@ -124,8 +122,10 @@ def beam_search(*, target: Context, prompt: Sequence[int], params: DecodeParams,
                 metrics: Metrics) -> Iterator[Step]:
     """Baseline C: deterministic beam search over the 2W highest raw joint scores."""
     w = params.beams
+    rm = rowmath.NumpyRows()
 
-    def choose(lp, scores: np.ndarray, finishes) -> list[tuple[int, int]]:
+    def choose(logits, scores: np.ndarray, finishes) -> list[tuple[int, int, float]]:
+        lp = rm.rows(logits)  # raw log-probs [rows, vocab]
         z = scores[:, None] + lp.lp  # joint log-scores [rows, vocab]
         flat = z.ravel()
         k = min(2 * w, flat.size)
@@ -136,14 +136,14 @@ def beam_search(*, target: Context, prompt: Sequence[int], params: DecodeParams,
             r, x = divmod(int(key), z.shape[1])
             if finishes(r, x):
                 if rank < w:  # a finishing pair enters the pool only among the first W walked
-                    picked.append((r, x))
+                    picked.append((r, x, lp.at(r, x)))
             elif live < w:
-                picked.append((r, x))
+                picked.append((r, x, lp.at(r, x)))
                 live += 1
         return picked
 
     return _beam_loop(target=target, prompt=prompt, params=params, stopper=stopper, metrics=metrics,
-                      choose=choose, rm=rowmath.NumpyRows())
+                      choose=choose)
 
 
 def beam_sampling(*, target: Context, prompt: Sequence[int], params: DecodeParams, stopper: Stopper,
@@ -167,12 +167,20 @@ def beam_sampling(*, target: Context, prompt: Sequence[int], params: DecodeParam
         step = _one_row(rm, lambda lp, scores: keys(lp, scores)[1][0], warp=warp, rand=draws)
         return _row_loop(target=target, prompt=prompt, params=params, stopper=stopper, metrics=metrics, step=step)
 
-    def choose(lp, scores: np.ndarray, _) -> list[tuple[int, int]]:
+    fused = getattr(rm, "beam_step", None)  # the backend's fused step (the same keys and log-probs, bit for bit)
+
+    def choose(logits, scores: np.ndarray, _) -> list[tuple[int, int, float]]:
+        if fused is not None:
+            picked = fused(logits, scores, warp, draws, width, replace)
+            if picked is not None:
+                return picked
+        lp = rm.rows(logits)
         p, drawn = keys(lp, scores)
-        return [divmod(int(k), p.vocab) for k in drawn]
+        pairs = [divmod(int(k), p.vocab) for k in drawn]
+        return [(r, x, lp.at(r, x)) for r, x in pairs]
 
     return _beam_loop(target=target, prompt=prompt, params=params, stopper=stopper, metrics=metrics,
-                      choose=choose, rm=rm)
+                      choose=choose)
 
 
 def speculative_sampling(*, target: Context, draft: Context, prompt: Sequence[int], params: DecodeParams,

@@ -281,10 +281,10 @@ TIMES = ("prefill_s", "time_to_first_token_s", "decode_s", "tokens_per_s", "pass
 
 @pytest.mark.parametrize("backend", ["llamacpp", "pytorch"])
 def test_the_plain_modes_fused_step_streams_the_general_paths_events(tiny_gguf_path, monkeypatch, backend):
-    """The plain modes on the compiled row math take one fused step per token and the runtimes' one-row shortcuts:
-    every event (its text, token count, live beams), the answer and every stat but the times equal those of the
-    general row math (the fused step turned off), seeded; with EOS, a stop string, a temperature and a truncated
-    warp (which takes the general path either way)."""
+    """The plain modes on the compiled row math take one fused step per token (one row or several) and the runtimes'
+    one-row shortcuts: every event (its text, token count, live beams), the answer and every stat but the times
+    equal those of the general row math (the fused steps turned off), seeded; with EOS, a stop string, temperatures,
+    beams and a truncated warp (which takes the general path either way)."""
     pytest.importorskip("numba", reason="the compiled kernels need numba")
     from app.decoding import rowmath
     from app.decoding.rowmath.compiled import CompiledRows
@@ -292,10 +292,11 @@ def test_the_plain_modes_fused_step_streams_the_general_paths_events(tiny_gguf_p
     monkeypatch.setattr(rowmath, "_DEFAULT", [rowmath.make("compiled")])
     settings = [dict(mode="greedy"), dict(mode="sample"), dict(mode="sample", temperature=0.7),
                 dict(mode="sample", stop=("\n",)), dict(mode="sample", top_k=20),
-                dict(mode="beam-sample", beams=1), dict(mode="beam-sample-repl", beams=1)]
+                dict(mode="beam-sample", beams=1), dict(mode="beam-sample-repl", beams=1),
+                dict(mode="beam-sample", beams=2), dict(mode="beam-sample-repl", beams=3, temperature=0.8)]
     seeds = range(2)
-    if backend == "pytorch":  # rows as tensors read in place: the fused step's other input (slow: two short answers)
-        settings, seeds = settings[:2], [1]
+    if backend == "pytorch":  # rows as tensors read in place: the fused steps' other input (slow: short answers)
+        settings, seeds = settings[:2] + settings[-1:], [1]
     e = Engine.load(ModelSpec(source="tiny", backend=backend, n_ctx=512))
     try:
         streams: dict = {}
@@ -303,6 +304,7 @@ def test_the_plain_modes_fused_step_streams_the_general_paths_events(tiny_gguf_p
             with monkeypatch.context() as m:
                 if arm == "general":
                     m.setattr(CompiledRows, "plain_step", lambda self, *a: None)
+                    m.setattr(CompiledRows, "beam_step", lambda self, *a: None)
                 for i, kw in enumerate(settings):
                     for seed in seeds:
                         params = DecodeParams(max_new_tokens=16 if seed else 120, seed=seed, **kw)

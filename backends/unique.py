@@ -279,7 +279,7 @@ class UniquePaths(CountingContext):
         self._at[key] = (0, ROOT, a, 0)
         self._count(1, 1)
         rows = self._gather([key])
-        return Logits((0,), rows[:1], rows[1:])
+        return Logits((0,), rows, rows[1:])
 
     def _check(self, forest: Forest) -> None:
         n_rows = len(self._tokens)

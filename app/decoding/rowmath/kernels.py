@@ -6,6 +6,7 @@
     scaled(e, scale, out)                   # out = e * scale_row, flat: a law's normalised cells
     total = residual_blocks(p, q, s, out)   # the block sums and total of u = max(p - s q, 0), u not stored
     residual_cells(p, q, s, lo, hi)         # u's cells lo..hi, bit for bit those residual_blocks summed
+    RowStep(V), RowsStep(n, V)              # the plain modes' step: normalisers, then draws, bit for bit the above
 
 Layout: cells are float32; sums are float64, over consecutive CDF_BLOCK-cell blocks of each row (a row's last
 block short), the blocks the inverse-CDF draws read. Inputs are C-contiguous arrays (converted if not); outputs are

@@ -240,6 +240,8 @@ class UniquePaths(CountingContext):
         self._set_rows([t[:n] for t in self._tokens])
 
     def evaluate(self, forest: Forest) -> Logits:
+        if self._one_token(forest):
+            return self._step(int(forest.suffix[0][0]))
         self._check(forest)
         self._epoch += 1
         plan = _Plan(self)  # works on copies: nothing changes unless the inner evaluate succeeds
@@ -255,6 +257,29 @@ class UniquePaths(CountingContext):
         root_rows = tuple(r for r, s in enumerate(forest.suffix) if s)
         k = len(root_rows)
         return Logits(root_rows, rows[:k], rows[k:])
+
+    def _one_token(self, forest: Forest) -> bool:
+        """Whether `forest` is a plain step: one token after the only row's commit, no nodes, nothing fed since."""
+        return (len(self._tokens) == 1 and len(forest.suffix) == 1 and len(forest.suffix[0]) == 1
+                and not forest.tokens and not self._ifed[0] and not self._ibusy[0] and not self._suffix[0]
+                and not self._nodes)
+
+    def _step(self, token: int) -> Logits:
+        """`evaluate` of a plain step without planning: its content key is new (nothing is scored since the
+        commit), so the token goes to the inner row as its suffix; the state after is the plan's."""
+        self._epoch += 1
+        key = self._keys.child(self._rkey[0], token)
+        self._detach()
+        out = self._inner_evaluate(Forest(suffix=((token,),)))
+        self._ifed[0] = True
+        self._rkey[0] = key
+        self._suffix[0].append(token)
+        a = len(self._arrays)
+        self._arrays += [out.roots, out.nodes]
+        self._at[key] = (0, ROOT, a, 0)
+        self._count(1, 1)
+        rows = self._gather([key])
+        return Logits((0,), rows, rows[1:])
 
     def _check(self, forest: Forest) -> None:
         n_rows = len(self._tokens)

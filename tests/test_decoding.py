@@ -222,6 +222,55 @@ def test_streamed_prefix_grows_and_prefixes_output_within_budget(mode):
         assert 0 not in out[:-1], "EOS only as the last token"
 
 
+
+@pytest.mark.parametrize("backend", ["compiled", "torch", "numpy"])
+@pytest.mark.parametrize("mode,kw", [
+    ("greedy", {}), ("sample", {}), ("sample", dict(temperature=0.6)), ("sample", dict(top_k=2)),
+    ("sample", dict(top_p=0.8)), ("beam-sample", dict(beams=1)), ("beam-sample-repl", dict(beams=1)),
+    ("sample", dict(stop=("da",))),
+], ids=str)
+def test_the_one_row_loop_is_the_beam_loop_at_width_one(mode, kw, backend, monkeypatch):
+    """The plain modes at width 1 run a loop of their own (no beam list, pool or common prefix; the compiled
+    backend's fused step): every step it yields, the answer, its score and the metrics are the beam loop's at width
+    1 with the general row math, the same uniforms drawn in the same order; with EOS, stop strings and the budget."""
+    if backend == "compiled":
+        pytest.importorskip("numba", reason="the compiled kernels need numba")
+    from app.decoding import baselines, rowmath, rng_streams
+    from app.decoding.inputs import warp_of
+    from app.decoding.sampling import SeededRand
+
+    rm = rowmath.make(backend)
+    monkeypatch.setattr(rowmath, "_DEFAULT", [rm])
+    model = TableModel(lambda seq: np.eye(5)[[1, 2, 3, 4, 1][seq[-1]]] * 1.5 + np.sin(np.arange(5) * len(seq)), 5)
+    for seed in range(12):
+        params = DecodeParams(mode=mode, seed=seed, max_new_tokens=3 + seed, **kw).validated()
+
+        def go(decode):
+            t = model.context(rows=1, max_tokens=64)
+            stopper = Stopper(eos_ids=frozenset({0}), stop=params.stop, decode=model.tokenizer.decode)
+            metrics = Metrics(mode=mode)
+            steps = [(s.final, s.live, s.done, s.output) for s in decode(t, stopper, metrics)]
+            return steps, {k: v for k, v in metrics.as_dict().items() if not k.endswith("_s")}
+
+        got = go(lambda t, stopper, metrics: start(params, target=t, draft=None, prompt=[1, 2], stopper=stopper,
+                                                   metrics=metrics, vocab=5))
+        draws = SeededRand(rng_streams(seed)[1])
+        warp = warp_of(params)
+
+        def choose(logits, scores, _):  # the general row math
+            lp = rm.rows(logits)
+            if mode == "greedy":
+                return [(0, lp.argmax(0), lp.at(0, lp.argmax(0)))]
+            p = rm.law(lp, scores, warp)
+            keys = rm.distinct_keys(p, 1, draws) if mode == "beam-sample" else p.sample(1, draws)
+            return [(r, x, lp.at(r, x)) for r, x in (divmod(int(k), p.vocab) for k in keys)]
+
+        want = go(lambda t, stopper, metrics: baselines._beam_loop(
+            target=t, prompt=[1, 2], params=params, stopper=stopper, metrics=metrics, choose=choose))
+        assert got == want, seed
+        assert got[0][-1][3].finished == (got[1]["finish_reason"] == "stop")
+
+
 def test_stop_string_ends_beam_and_text_is_cut():
     model = TableModel(lambda seq: np.eye(5)[[1, 2, 3, 4, 1][seq[-1]]] * 30, 5)  # a -> b -> c -> d -> a
     out = run("greedy", model, seed=0, prompt=(1,), max_new_tokens=20, stop=("da",))

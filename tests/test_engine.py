@@ -274,3 +274,47 @@ def test_close_waits_for_a_context_being_prepared_and_prepare_then_stops(tiny_gg
     worker.join(10)
     closer.join(10)
     assert events == ["context made", "closed"]  # and nothing is made after it
+
+
+TIMES = ("prefill_s", "time_to_first_token_s", "decode_s", "tokens_per_s", "pass_s", "pass_s_by_tokens")
+
+
+@pytest.mark.parametrize("backend", ["llamacpp", "pytorch"])
+def test_the_plain_modes_fused_step_streams_the_general_paths_events(tiny_gguf_path, monkeypatch, backend):
+    """The plain modes on the compiled row math take one fused step per token (one row or several) and the runtimes'
+    one-row shortcuts: every event (its text, token count, live beams), the answer and every stat but the times
+    equal those of the general row math (the fused steps turned off), seeded; with EOS, a stop string, temperatures,
+    beams and a truncated warp (which takes the general path either way)."""
+    pytest.importorskip("numba", reason="the compiled kernels need numba")
+    from app.decoding import rowmath
+    from app.decoding.rowmath.compiled import CompiledRows
+
+    monkeypatch.setattr(rowmath, "_DEFAULT", [rowmath.make("compiled")])
+    settings = [dict(mode="greedy"), dict(mode="sample"), dict(mode="sample", temperature=0.7),
+                dict(mode="sample", stop=("\n",)), dict(mode="sample", top_k=20),
+                dict(mode="beam-sample", beams=1), dict(mode="beam-sample-repl", beams=1),
+                dict(mode="beam-sample", beams=2), dict(mode="beam-sample-repl", beams=3, temperature=0.8)]
+    seeds = range(2)
+    if backend == "pytorch":  # rows as tensors read in place: the fused steps' other input (slow: short answers)
+        settings, seeds = settings[:2] + settings[-1:], [1]
+    e = Engine.load(ModelSpec(source="tiny", backend=backend, n_ctx=512))
+    try:
+        streams: dict = {}
+        for arm in ("fused", "general"):
+            with monkeypatch.context() as m:
+                if arm == "general":
+                    m.setattr(CompiledRows, "plain_step", lambda self, *a: None)
+                    m.setattr(CompiledRows, "beam_step", lambda self, *a: None)
+                for i, kw in enumerate(settings):
+                    for seed in seeds:
+                        params = DecodeParams(max_new_tokens=16 if seed else 120, seed=seed, **kw)
+                        events = list(e.chat(MESSAGES, params))
+                        stats = {k: v for k, v in events[-1].stats.items() if k not in TIMES}
+                        streams.setdefault((i, seed), {})[arm] = (
+                            [(ev.text, ev.tokens, ev.live_beams, ev.done) for ev in events], stats)
+        for key, arms in streams.items():
+            assert arms["fused"] == arms["general"], (settings[key[0]], key[1])
+        reasons = {arms["fused"][1]["finish_reason"] for arms in streams.values()}
+        assert reasons == ({"stop", "length"} if backend == "llamacpp" else {"length"}), reasons
+    finally:
+        e.close()

@@ -404,3 +404,60 @@ def test_layout_random_walk():
             if not lay._nodes and not any(r.suffix for r in lay._rows):
                 for r in range(lay.rows):
                     sim.check_row(lay._rows[r].seq, lay.tokens(r))
+
+
+def test_a_plain_steps_commit_is_the_general_commit():
+    """Committing the only row with its suffix (a plain step) takes a shortcut that calls llama.cpp for nothing:
+    rows, ids, shared prefixes and cell counts equal the general commit's (turned off on a twin), and the cache
+    the general one's native calls leave is the one the layout describes."""
+    from backends.llamacpp.layout import LayoutU
+
+    class Recording(SimKV):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def seq_rm(self, *a) -> None:
+            self.calls += 1
+            super().seq_rm(*a)
+
+    rng = random.Random(3)
+    fast, slow = LayoutU(n_seq=32, max_rows=6, n_vocab=50), LayoutU(n_seq=32, max_rows=6, n_vocab=50)
+    slow._keeps_its_row = lambda paths: False
+    kv = {id(fast): Recording(), id(slow): Recording()}
+    took = 0
+    for lay in (fast, slow):
+        seq, _ = lay.start_prefill([1, 2, 3], kv[id(lay)])
+        kv[id(lay)].decode([1, 2, 3], [0, 1, 2], [[seq]] * 3, [(1,), (1, 2), (1, 2, 3)])
+        lay.extend_prefill([1, 2, 3])
+    for step in range(60):
+        one = ((rng.randrange(50),),) + ((),) * (fast.rows - 1)  # a plain step on row 0 (the only row, mostly)
+        forest = Forest(suffix=one) if step % 7 else random_forest(fast, rng)
+        for lay in (fast, slow):
+            b = lay.plan(forest)
+            seqs = {r: lay.tokens(r) + lay._rows[r].suffix for r in range(lay.rows)}
+            labels, path_of = [], {}
+            for r, suf in b.suffix.items():
+                for t in suf:
+                    seqs[r] = seqs[r] + [t]
+                    labels.append(tuple(seqs[r]))
+            for k, (t, par, r) in enumerate(zip(forest.tokens, forest.parents, forest.rows)):
+                path_of[k] = (path_of[par] if par != ROOT else tuple(seqs[r])) + (t,)
+                labels.append(path_of[k])
+            for src, dst, p1 in b.copies:
+                if p1:
+                    kv[id(lay)].seq_cp(src, dst, 0, p1)
+            kv[id(lay)].decode(b.tokens, b.pos, b.seqs, labels)
+            lay.apply(b)
+        paths = [AcceptedPath(0)] if step % 7 else random_paths(fast, rng)
+        calls, shortcut = kv[id(fast)].calls, fast._keeps_its_row(paths)
+        took += shortcut
+        for lay in (fast, slow):
+            lay.commit(paths, kv[id(lay)])
+        if shortcut:
+            assert kv[id(fast)].calls == calls
+        assert [(r.seq, r.tokens, r.suffix) for r in fast._rows] == [(r.seq, r.tokens, r.suffix) for r in slow._rows]
+        assert (fast._tip, fast._shared, fast.committed_cells, fast._nodes) == \
+            (slow._tip, slow._shared, slow.committed_cells, slow._nodes)
+        assert fast.cells == len(kv[id(fast)].cells) == len(kv[id(slow)].cells)
+    assert took > 20

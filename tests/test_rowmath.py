@@ -420,3 +420,86 @@ def test_compiled_verifier_reads_q_on_the_rows_from_the_stored_rows_with_the_ref
     if not same_cells:  # negative control: rows that differ, merged as if they lay in the same cells
         qt.origin = ["a", "a", "b"]
         assert not np.allclose(tm.on_rows(qt, parents, counts).lookup(keys), q_on_ref.lookup(keys), rtol=1e-3)
+def plain_rows(rng, size: int) -> list[np.ndarray]:
+    """One-row logits as a pass hands them over: peaked, wide, far off, masked, half masked, one finite cell, flat."""
+    rows = [rng.normal(0, 3, size), rng.normal(0, 3, size) * 40, rng.normal(0, 2, size) + 300.0]
+    rows[0][rng.integers(0, size, 5)] += 15
+    masked = rng.normal(0, 3, size)
+    masked[rng.random(size) < 0.3] = -np.inf
+    half = rng.normal(0, 3, size)
+    half[: size // 2] = -np.inf
+    one = np.full(size, -np.inf)
+    one[size // 3] = 1.5
+    rows += [masked, half, one, np.zeros(size)]
+    return [r.astype(np.float32)[None, :] for r in rows]
+
+
+@pytest.mark.parametrize("size", [49_152, 151_936, 5_000, 4_096, 100])
+def test_the_fused_plain_step_is_the_general_paths_step_bit_for_bit(size):
+    """The compiled backend's one-row step (`plain_step`, two compiled calls) draws the key `law(...).sample(1)`
+    draws and gives the log-prob `at` gives, to the bit, and leaves the generator where the draw left it: every
+    temperature, beam score and kind of row; greedy's argmax and log-prob likewise; a truncated warp or an
+    enumerating rand are left to the general path."""
+    pytest.importorskip("numba", reason="the compiled kernels need numba")
+    rm = rowmath.make("compiled")
+    rng = np.random.default_rng(size)
+    for i, x in enumerate(plain_rows(rng, size)):
+        for warp in (Warp(), Warp(0.7), Warp(1.3), Warp(0.25)):
+            for score in (0.0, -3.25, -123.456789):
+                seed = int(rng.integers(1 << 30))
+                general, fused = SeededRand(np.random.default_rng(seed)), SeededRand(np.random.default_rng(seed))
+                lp = rm.rows(x)
+                key = int(rm.law(lp, np.array([score]), warp).sample(1, general)[0])
+                assert rm.plain_step(x, score, warp, fused) == (key, lp.at(0, key)), (i, warp, score)
+                assert general.rng.random() == fused.rng.random()
+        lp = rm.rows(x)
+        key = lp.argmax(0)
+        assert rm.plain_step(x, 0.0, None, None) == (key, lp.at(0, key)), i
+    x = plain_rows(rng, size)[0]
+    assert rm.plain_step(x, 0.0, Warp(1.0, top_k=20), SeededRand(np.random.default_rng(0))) is None
+    assert rm.plain_step(x, 0.0, Warp(1.0, top_p=0.9), SeededRand(np.random.default_rng(0))) is None
+    dead = np.full((1, size), -np.inf, np.float32)
+    assert rm.plain_step(dead, 0.0, Warp(), SeededRand(np.random.default_rng(0))) is None
+
+
+
+@pytest.mark.parametrize("size", [49_152, 151_936, 5_000, 100])
+def test_the_fused_beam_step_is_the_general_paths_step_bit_for_bit(size):
+    """The compiled backend's step over a pass's rows (`beam_step`) draws the keys the general path draws with and
+    without replacement, with the log-probs `at` gives, to the bit, and leaves the generator where the draws left
+    it: 2 to 6 rows of every kind, invalid parents, temperatures, more draws than rows; a truncated warp, no valid
+    parent or too few blocks with mass for the distinct draws are left to the general path."""
+    pytest.importorskip("numba", reason="the compiled kernels need numba")
+    rm = rowmath.make("compiled")
+    rng = np.random.default_rng(size + 1)
+    kinds = plain_rows(rng, size)
+    for trial in range(12):
+        n_rows = 2 + trial % 5
+        x = np.concatenate([kinds[int(i)] for i in rng.integers(0, len(kinds), n_rows)])
+        scores = -rng.uniform(0, 30, n_rows)
+        if trial % 3 == 0:
+            scores[rng.integers(0, n_rows)] = -np.inf
+        for warp in (Warp(), Warp(0.7), Warp(1.6)):
+            for replace, n in ((True, n_rows), (True, 2 * n_rows + 1), (False, n_rows)):
+                seed = int(rng.integers(1 << 30))
+                general, fused = SeededRand(np.random.default_rng(seed)), SeededRand(np.random.default_rng(seed))
+                lp = rm.rows(x)
+                p = rm.law(lp, scores, warp)
+                keys = p.sample(n, general) if replace else rm.distinct_keys(p, n, general)
+                want = [(r, t, lp.at(r, t)) for r, t in (divmod(int(k), size) for k in keys)]
+                got = rm.beam_step(x, scores, warp, fused, n, replace)
+                if got is None:  # refused: distinct draws beyond the blocks with mass (the general path's case)
+                    assert not replace and np.count_nonzero(p.blocks() > 0) < n
+                    assert fused.rng.random() == np.random.default_rng(seed).random()
+                    continue
+                assert got == want, (trial, warp, replace)
+                assert general.rng.random() == fused.rng.random()
+    x = np.concatenate(kinds[:3])
+    scores = np.array([-1.0, -2.0, -3.0])
+    rand = SeededRand(np.random.default_rng(0))
+    assert rm.beam_step(x, scores, Warp(1.0, top_k=20), rand, 3, True) is None
+    assert rm.beam_step(x, scores, Warp(1.0, top_p=0.9), rand, 3, True) is None
+    assert rm.beam_step(x, np.full(3, -np.inf), Warp(), rand, 3, True) is None
+    one = np.concatenate([kinds[5], kinds[5]])  # one finite cell a row: one block each holds mass
+    assert rm.beam_step(one, scores[:2], Warp(), rand, 3, False) is None
+    assert rand.rng.random() == np.random.default_rng(0).random()  # no uniform was drawn by the refusals

@@ -284,3 +284,53 @@ def test_reassociated_exp_fails():
     apply(loose, d, bad)
     assert within_ulps(good, want).all()
     assert not within_ulps(bad, want).all()
+
+
+def test_the_plain_steps_totals_are_numpys_sums_bit_for_bit():
+    """The plain step totals block sums in numpy's pairwise order: equal to the bit to `ndarray.sum` (a row's and a
+    row set's) for every count up to 1,000 and a few far beyond, where numpy splits the range, whatever the
+    magnitudes; a left-to-right sum (negative control) is not."""
+    rng = np.random.default_rng(0)
+    for n in list(range(1, 1001)) + [4_097, 9_999, 20_000]:
+        for _ in range(3 if n > 200 else 10):
+            a = rng.random(n) * 10.0 ** rng.uniform(-8, 8, n)
+            assert K.numpy_sum(a) == a.sum(), n
+            assert K.numpy_sum(a) == a[None, :].sum(axis=1)[0], n
+    assert any(sum(a.tolist()) != a.sum() for a in (rng.random(38) * 10.0 ** rng.uniform(-8, 8, 38)
+                                                   for _ in range(100)))
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_the_one_row_step_is_norms_and_exp_blocks_and_an_inverse_cdf(size):
+    """`RowStep.law`: the max, and block sums equal to the bit to `norms`'s and `exp_blocks`'s (one thread or all);
+    `draw`: the inverse CDF of the law e * scale over its blocks then its cells (numpy's running sums)."""
+    for r, x in enumerate(logits(size, seed=size)):
+        if not np.isfinite(x).any():
+            continue
+        step = K.RowStep(size)
+        e, eb = np.empty((1, size), np.float32), np.empty((1, K.blocks(size)))
+        m = K.norms(x[None, :], e, eb)
+        for inv_t in (1.0, 1 / 0.7, 4.0):
+            got_m, s1, s_t, first = step.law(x, inv_t, argmax=True)
+            assert got_m == m[0] and (step.eb1 == eb[0]).all() and s1 == eb[0].sum(), r
+            assert first == int(np.argmax(x)), r
+            et, ebt = np.empty_like(e), np.empty_like(eb)
+            K.exp_blocks(x[None, :], m, inv_t, et, ebt)
+            assert (step.eb == ebt[0]).all() and s_t == ebt[0].sum(), (r, inv_t)
+            if not 0 < s_t < np.inf:
+                continue
+            scale = 1.0 / s_t
+            cells = et[0].astype(np.float64) * scale
+            for u in (0.0, 0.3, 0.999999):
+                key = step.draw(x, got_m, inv_t, scale, u)
+                blocks = ebt[0] * scale
+                t = u * blocks.sum()
+                b = min(int(np.cumsum(blocks).searchsorted(t, side="right")), blocks.size - 1)
+                while b > 0 and blocks[b] <= 0:
+                    b -= 1
+                lo = b * CDF_BLOCK
+                seg = cells[lo:lo + CDF_BLOCK]
+                rest = t - (np.cumsum(blocks)[b - 1] if b else 0.0)
+                i = int(np.cumsum(seg).searchsorted(rest, side="right"))
+                want = lo + (i if i < seg.size else int(np.flatnonzero(seg > 0)[-1]))
+                assert key == want and cells[key] > 0, (r, inv_t, u)

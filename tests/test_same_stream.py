@@ -63,7 +63,8 @@ def answer(model, params: DecodeParams, *, draft: bool, never_drafts: bool, prom
 
 # On the torch backend: slow. Its draws are the reference's (tests/test_rowmath.py) and
 # test_balanced_that_never_drafts_returns_its_no_forest_answer runs it here on the real model.
-@pytest.mark.parametrize("backend", [pytest.param("torch", marks=pytest.mark.slow), "numpy"], indirect=True)
+@pytest.mark.parametrize("backend", [pytest.param("torch", marks=pytest.mark.slow), "numpy", "compiled"],
+                         indirect=True)  # compiled: the plain modes' fused step against the forest's general one
 @pytest.mark.parametrize("replacement,plain", [("without", "beam-sample"), ("with", "beam-sample-repl")])
 def test_a_forest_mode_that_never_drafts_returns_the_plain_modes_answer(tiny, replacement, plain):
     """Best quality's settings (dsbd without replacement, W_min = W) and the with-replacement candidate, lookup
@@ -89,4 +90,20 @@ def test_balanced_that_never_drafts_returns_its_no_forest_answer(tiny):
                           never_drafts=False, prompt=prompt)
             got = answer(tiny, DecodeParams(seed=seed, forest="adaptive", lookup_nodes=2, lookup_sources=("draft",),
                                             **base), draft=True, never_drafts=True, prompt=prompt)
+            assert got == want, (prompt, seed)
+
+
+@pytest.mark.parametrize("backend", ["compiled", "numpy"], indirect=True)
+def test_one_beam_dsbd_that_never_drafts_returns_sample_s_answer(tiny):
+    """At one beam the plain mode (`sample`) runs its own one-row loop, on the compiled backend its fused step: a
+    dsbd forest of one beam whose policy never drafts draws from the same stream through the general row math and
+    returns the same answer, token for token."""
+    one = dict(COMMON, beams=1, max_new_tokens=24)
+    forest = DecodeParams(mode="dsbd", replacement="with", min_beams=1, draft_beams=2, gamma=3, forest="adaptive",
+                          lookup_nodes=2, lookup_sources=("draft",), **one)
+    for prompt in PROMPTS:
+        for seed in SEEDS:
+            want = answer(tiny, DecodeParams(mode="sample", seed=seed, **one), draft=False, never_drafts=False,
+                          prompt=prompt)
+            got = answer(tiny, replace(forest, seed=seed), draft=True, never_drafts=True, prompt=prompt)
             assert got == want, (prompt, seed)

@@ -202,6 +202,44 @@ def test_an_entry_scored_by_an_earlier_call_is_not_fed_again():
     spy.commit([AcceptedPath(1, (1,)), AcceptedPath(0, (0,))])
 
 
+
+STATE = ("_tokens", "_ckey", "_suffix", "_rkey", "_has_nodes", "_ifed", "_ibusy", "_inode", "_at", "_owned",
+         "_nodes", "_epoch", "evaluations", "query_tokens", "distinct_tokens", "last_query", "last_distinct", "passes")
+
+
+@pytest.mark.parametrize("views", [False, True])
+def test_a_plain_step_leaves_the_state_the_planned_evaluate_leaves(views):
+    """A one-token step after the only row's commit skips the plan: its logits, the counters and every piece of the
+    wrapper's state, after the step and after its commit, are what the planned evaluate leaves (here with the
+    shortcut turned off), through steps, forests, two-row commits and back to one row."""
+    model = context_model()
+    fast, slow = (UniquePaths(model.context(rows=2, max_tokens=256), views=views) for _ in range(2))
+    slow._one_token = lambda forest: False
+    script = [Forest(suffix=((3,),)), [AcceptedPath(0)], Forest(suffix=((4,),)), [AcceptedPath(0)],
+              Forest(suffix=((5, 1),)), [AcceptedPath(0)],  # two tokens: planned
+              Forest(suffix=((2,),), tokens=(4,), parents=(ROOT,), rows=(0,)), [AcceptedPath(0, (0,))],
+              Forest(suffix=((1,),)), [AcceptedPath(0), AcceptedPath(0)],  # two rows: planned
+              Forest(suffix=((3,), (4,))), [AcceptedPath(1)], Forest(suffix=((5,),)), [AcceptedPath(0)]]
+    for ctx in (fast, slow):
+        ctx.prefill([1, 2])
+    took = []
+    for op in script:
+        for ctx in (fast, slow):
+            if isinstance(op, Forest):
+                took.append(ctx._one_token(op))
+                out = ctx.evaluate(op)
+                ctx.out = (out.root_rows, np.asarray(out.roots).tolist(), np.asarray(out.nodes).shape)
+            else:
+                ctx.commit(op)
+                ctx.out = [ctx.tokens(r) for r in range(ctx.rows)]
+        assert fast.out == slow.out, op
+        for name in STATE:
+            assert getattr(fast, name) == getattr(slow, name), (op, name)
+        assert len(fast._arrays) == len(slow._arrays)
+        assert [ctx.inner.tokens(r) for r in range(ctx.rows)] == [fast.inner.tokens(r) for r in range(fast.rows)]
+    assert took.count(True) == 4, took  # the steps on one row took the shortcut; the rest planned
+
+
 def test_invalid_forests_and_paths_raise_and_change_nothing():
     model = context_model()
     ctx = UniquePaths(model.context(rows=2, max_tokens=64))

@@ -22,11 +22,10 @@ from .sampling import Draft, Rand, SeededRand, Warp
 
 
 def _beam_loop(*, target: Context, prompt: Sequence[int], params: DecodeParams, stopper: Stopper, metrics: Metrics,
-               choose, rm=None) -> Iterator[Step]:
-    """Shared loop of the target-only decoders: `choose(rows, scores, finishes) -> [(row, token)]` picks the
-    next pairs from the rows' raw log-probs (`rm.rows`) and the beams' scores; `finishes(row, token)` tells
-    whether that pair would end its beam."""
-    rm = rm or rowmath.backend()
+               choose) -> Iterator[Step]:
+    """Shared loop of the beam decoders: `choose(logits, scores, finishes) -> [(row, token, raw log-prob)]` picks
+    the next pairs from the pass's logits (one row per live beam) and the beams' scores; `finishes(row, token)`
+    tells whether that pair would end its beam."""
     width = MODE_FACTS[params.mode].rows(params.beams)
     target.prefill(prompt[:-1])
     metrics.mark_prefilled()
@@ -38,12 +37,11 @@ def _beam_loop(*, target: Context, prompt: Sequence[int], params: DecodeParams, 
         metrics.steps.append(1)
         metrics.iterations += 1
         metrics.track_kv(target)
-        lp = rm.rows(logits.roots)  # raw log-probs [rows, vocab]
         scores = np.array([b.score for b in live])
-        picked = choose(lp, scores, lambda r, x: stopper.finished(live[r].tokens + (x,)))
+        picked = choose(logits.roots, scores, lambda r, x: stopper.finished(live[r].tokens + (x,)))
         nxt, rows = [], []
-        for r, x in picked:
-            beam = Beam(live[r].tokens + (int(x),), float(scores[r] + lp.at(r, int(x))), False)
+        for r, x, lp in picked:
+            beam = Beam(live[r].tokens + (int(x),), float(scores[r] + lp), False)
             if stopper.finished(beam.tokens):
                 pool.add(Beam(beam.tokens, beam.score, True))
             else:
@@ -63,19 +61,71 @@ def _beam_loop(*, target: Context, prompt: Sequence[int], params: DecodeParams, 
         yield Step(final=common_prefix([b.tokens for b in live + pool.beams]), live=len(live))
 
 
+def _row_loop(*, target: Context, prompt: Sequence[int], params: DecodeParams, stopper: Stopper, metrics: Metrics,
+              step) -> Iterator[Step]:
+    """`_beam_loop` on one row (width 1: greedy, sample): `step(logits, score) -> (token, raw log-prob)` picks
+    the next token from the pass's [1, V] logits. The beam loop's steps, stats and answer, with no pool, beam list
+    or common prefix to keep: a token costs a few calls."""
+    target.prefill(prompt[:-1])
+    metrics.mark_prefilled()
+    tokens, score, last = (), 0.0, prompt[-1]
+    steps, carried, max_new = metrics.steps, metrics.carried, params.max_new_tokens
+    while True:
+        logits = target.evaluate(Forest(suffix=((last,),)))
+        metrics.target_passes += 1
+        steps.append(1)
+        metrics.iterations += 1
+        metrics.track_kv(target)
+        last, lp = step(logits.roots, score)
+        tokens += (last,)
+        score = float(score + lp)
+        finished = stopper.finished(tokens)
+        metrics.mark_first_token()
+        carried.append(0 if finished else 1)
+        if finished or len(tokens) >= max_new:
+            metrics.finish_reason = "stop" if finished else "length"
+            yield Step(final=tokens, live=0, done=True, output=Beam(tokens, score, finished))
+            return
+        target.commit(_SAME_ROW)
+        yield Step(final=tokens, live=1)
+
+
+_SAME_ROW = (AcceptedPath(0),)  # a one-row loop's commit: the row with its suffix
+
+
+def _one_row(rm, pick, *, warp: Warp | None = None, rand: Rand | None = None):
+    """A `_row_loop` step: `pick(rows, scores) -> token` on the general row math (`rm.rows`, scores [1]), or the
+    backend's fused plain step where it has one (`plain_step`: the same token and log-prob, bit for bit); rand
+    None: greedy's argmax."""
+    fused = getattr(rm, "plain_step", None)
+
+    def step(logits, score: float) -> tuple[int, float]:
+        if fused is not None:
+            out = fused(logits, score, warp, rand)
+            if out is not None:
+                return out
+        lp = rm.rows(logits)
+        x = int(pick(lp, np.array([score])))
+        return x, lp.at(0, x)
+
+    return step
+
+
 def greedy(*, target: Context, prompt: Sequence[int], params: DecodeParams, stopper: Stopper,
            metrics: Metrics) -> Iterator[Step]:
     """Argmax decoding (ties: lower token id)."""
-    return _beam_loop(target=target, prompt=prompt, params=params, stopper=stopper, metrics=metrics,
-                      choose=lambda lp, s, _: [(0, lp.argmax(0))])
+    step = _one_row(rowmath.backend(), lambda lp, _: lp.argmax(0))
+    return _row_loop(target=target, prompt=prompt, params=params, stopper=stopper, metrics=metrics, step=step)
 
 
 def beam_search(*, target: Context, prompt: Sequence[int], params: DecodeParams, stopper: Stopper,
                 metrics: Metrics) -> Iterator[Step]:
     """Baseline C: deterministic beam search over the 2W highest raw joint scores."""
     w = params.beams
+    rm = rowmath.NumpyRows()
 
-    def choose(lp, scores: np.ndarray, finishes) -> list[tuple[int, int]]:
+    def choose(logits, scores: np.ndarray, finishes) -> list[tuple[int, int, float]]:
+        lp = rm.rows(logits)  # raw log-probs [rows, vocab]
         z = scores[:, None] + lp.lp  # joint log-scores [rows, vocab]
         flat = z.ravel()
         k = min(2 * w, flat.size)
@@ -86,14 +136,14 @@ def beam_search(*, target: Context, prompt: Sequence[int], params: DecodeParams,
             r, x = divmod(int(key), z.shape[1])
             if finishes(r, x):
                 if rank < w:  # a finishing pair enters the pool only among the first W walked
-                    picked.append((r, x))
+                    picked.append((r, x, lp.at(r, x)))
             elif live < w:
-                picked.append((r, x))
+                picked.append((r, x, lp.at(r, x)))
                 live += 1
         return picked
 
     return _beam_loop(target=target, prompt=prompt, params=params, stopper=stopper, metrics=metrics,
-                      choose=choose, rm=rowmath.NumpyRows())
+                      choose=choose)
 
 
 def beam_sampling(*, target: Context, prompt: Sequence[int], params: DecodeParams, stopper: Stopper,
@@ -109,13 +159,28 @@ def beam_sampling(*, target: Context, prompt: Sequence[int], params: DecodeParam
     draws = rand or SeededRand(rng)
     rm = rm or rowmath.backend()
 
-    def choose(lp, scores: np.ndarray, _) -> list[tuple[int, int]]:
+    def keys(lp, scores: np.ndarray):
         p = rm.law(lp, scores, warp)
-        keys = p.sample(width, draws) if replace else rm.distinct_keys(p, width, draws)
-        return [divmod(int(k), p.vocab) for k in keys]
+        return p, p.sample(width, draws) if replace else rm.distinct_keys(p, width, draws)
+
+    if width == 1:  # one row: a draw from its law (with or without replacement alike)
+        step = _one_row(rm, lambda lp, scores: keys(lp, scores)[1][0], warp=warp, rand=draws)
+        return _row_loop(target=target, prompt=prompt, params=params, stopper=stopper, metrics=metrics, step=step)
+
+    fused = getattr(rm, "beam_step", None)  # the backend's fused step (the same keys and log-probs, bit for bit)
+
+    def choose(logits, scores: np.ndarray, _) -> list[tuple[int, int, float]]:
+        if fused is not None:
+            picked = fused(logits, scores, warp, draws, width, replace)
+            if picked is not None:
+                return picked
+        lp = rm.rows(logits)
+        p, drawn = keys(lp, scores)
+        pairs = [divmod(int(k), p.vocab) for k in drawn]
+        return [(r, x, lp.at(r, x)) for r, x in pairs]
 
     return _beam_loop(target=target, prompt=prompt, params=params, stopper=stopper, metrics=metrics,
-                      choose=choose, rm=rm)
+                      choose=choose)
 
 
 def speculative_sampling(*, target: Context, draft: Context, prompt: Sequence[int], params: DecodeParams,

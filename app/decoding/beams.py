@@ -56,6 +56,8 @@ class Stopper:
         else:
             data = self._bytes(tuple(tokens))
         text = data.decode("utf-8", "ignore") if final else _complete_utf8(data)
+        if not self.stop:
+            return text
         cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             return text[:cut]

@@ -602,8 +602,8 @@ class Engine(ModelEngine):
                                     stats=stats, forest=_with_pass(step.forest, target), notice=notice,
                                     segments=segments)
                         return
-                    yield Event(text=text, tokens=len(step.final), live_beams=step.live,
-                                forest=_with_pass(step.forest, target), notice=notice)
+                    yield Event(text=text, tokens=len(step.final), live_beams=step.live, notice=notice,
+                                forest=None if step.forest is None else _with_pass(step.forest, target))
             except ContextFull as e:
                 raise BackendError(f"the context filled up during generation: {e}") from e
             finally:

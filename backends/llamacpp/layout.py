@@ -171,6 +171,9 @@ class LayoutU:
             raise ValueError("commit needs at least one path")
         if len(paths) > self.max_rows:
             raise ContextFull(f"commit of {len(paths)} rows exceeds the context's {self.max_rows} rows")
+        if self._keeps_its_row(paths):
+            self._keep_row()
+            return
         outs = []  # (source row, source id, new length, node tokens)
         for path in paths:
             if not 0 <= path.row < len(self._rows):
@@ -207,6 +210,20 @@ class LayoutU:
         self._rows, self._nodes = new_rows, []
         self._tip = {r.seq: ROOT for r in new_rows}
         self._recount()
+
+    def _keeps_its_row(self, paths: Sequence[AcceptedPath]) -> bool:
+        """Whether `paths` is a plain step's commit: the only row with its suffix, nothing else pending."""
+        return (len(paths) == 1 and len(self._rows) == 1 and len(self._tip) == 1 and not self._nodes
+                and paths[0].row == 0 and not paths[0].nodes)
+
+    def _keep_row(self) -> None:
+        """`commit` of the only row with its suffix, nothing else pending: its id keeps every cell it has (none lie
+        past its suffix), so no id or cell goes; the suffix joins the committed tokens."""
+        row = self._rows[0]
+        self._rows = [_Row(row.seq, row.tokens + row.suffix)]
+        self._tip = {row.seq: ROOT}
+        self._shared = [[len(self._rows[0].tokens)]]
+        self.committed_cells = len(self._rows[0].tokens)
 
     def _commit_shared(self, paths: Sequence[AcceptedPath], outs: list) -> list[list[int]]:
         n = len(paths)

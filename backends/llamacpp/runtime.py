@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 from pathlib import Path
 from typing import Sequence
@@ -19,6 +20,10 @@ from offload.runtimes import KV_TYPE_BYTES, RUNTIMES
 
 _LIMITS = RUNTIMES["llamacpp"]  # n_batch (tokens per llama_decode) and the sequence ids llama.cpp compiles in
 _KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type ids
+# llama_get_logits returning the buffer's address as an int: a view of it is then made once per address and row
+# count, not through a ctypes pointer and numpy's ctypes conversion at every pass.
+_logits_address = ll._lib["llama_get_logits"]
+_logits_address.argtypes, _logits_address.restype = [ll.llama_context_p_ctypes], ctypes.c_void_p
 _DECODE_ERRORS = {1: "no free KV cell for the batch", 2: "aborted", -1: "invalid batch"}
 
 
@@ -164,6 +169,7 @@ class LlamaContext(Closing):
         # True: evaluate returns views of llama.cpp's output buffer, valid until this context's next decode
         # (set by a wrapper that copies what it keeps, backends.unique.UniquePaths); False: copies
         self.output_views = False
+        self._views: dict[tuple[int, int], np.ndarray] = {}  # (buffer address, rows) -> a view of the buffer
 
     # -- protocol --------------------------------------------------------------------------------------
     @property
@@ -263,9 +269,22 @@ class LlamaContext(Closing):
             log = take_errors()
             cls = OutOfMemory if _reports_oom(log) else BackendError
             raise cls(f"llama_decode failed ({rc}: {why}) on {len(tokens)} tokens: {log}")
-        n_out = sum(logits)
-        rows = np.ctypeslib.as_array(ll.llama_get_logits(self._ctx), shape=(n_out, self._vocab))  # [n_out, vocab]
+        rows = self._logits(sum(logits))  # [n_out, vocab]
         return rows if self.output_views else rows.copy()
+
+    def _logits(self, n_out: int) -> np.ndarray:
+        """The latest decode's n_out rows of logits, in place: a view of llama.cpp's output buffer, kept per buffer
+        address (llama.cpp moves the buffer only when it grows it)."""
+        address = _logits_address(self._ctx)
+        view = self._views.get((address, n_out))
+        if view is None:
+            if not address:
+                raise BackendError("llama.cpp returned no logits")
+            if len(self._views) > 64 or any(a != address for a, _ in self._views):
+                self._views.clear()
+            cells = (ctypes.c_float * (n_out * self._vocab)).from_address(address)
+            view = self._views[address, n_out] = np.ctypeslib.as_array(cells).reshape(n_out, self._vocab)
+        return view
 
 
 def _reports_oom(log: str) -> bool:

@@ -39,6 +39,7 @@ class GGUFTokenizer(Tokenizer):
         self.chat_template = tpl.decode("utf-8", "replace") if tpl else None
         self._buf = ctypes.create_string_buffer(256)
         self._buf_lock = threading.Lock()  # one tokenizer serves an answer and a load's vocabulary check at once
+        self._text: dict[int, bytes] = {}  # token -> its text piece (decode), filled as tokens are met
 
     @classmethod
     def from_file(cls, path: Path) -> "GGUFTokenizer":
@@ -69,8 +70,15 @@ class GGUFTokenizer(Tokenizer):
         return self._piece(token, True)
 
     def decode(self, ids: Iterable[int]) -> bytes:
-        # special=False renders control tokens as b"" (text pieces of user-defined tokens stay).
-        return b"".join(self._piece(int(i), False) for i in ids)
+        # special=False renders control tokens as b"" (text pieces of user-defined tokens stay). A token's piece is
+        # fixed by the vocabulary, so each is asked of llama.cpp once (a stream decodes a token or two per step).
+        text, out = self._text, []
+        for i in ids:
+            piece = text.get(i)
+            if piece is None:
+                piece = text[int(i)] = self._piece(int(i), False)
+            out.append(piece)
+        return b"".join(out)
 
     def is_unused(self, token: int) -> bool:
         return bool(ll.llama_vocab_get_attr(self._h.vocab, token) & _UNUSED)

@@ -6,8 +6,9 @@ rtx4090-1.5b target passes at that many tokens. No model needed; a minute or two
 
 Rows are peaked like an LLM's (normal(0, 2) plus 14 on 8 ids per row); the draft's rows are the target's plus
 normal(0, 1) noise, so a chain of n drafts meets real rejections. "iteration" rows are what a decoder does per
-iteration outside the passes: the plain steps of sample (1 row), beam-sample-repl and beam-sample (W rows), and a
-verified layer at n = 8 and n = 32 drafts (warp p, map q onto the rows, chain, width, tests, draws).
+iteration outside the passes: the plain steps of sample (1 row), beam-sample-repl and beam-sample (W rows), by the
+general path and as the engine takes them (a backend's fused step where it has one), and a verified layer at
+n = 8 and n = 32 drafts (warp p, map q onto the rows, chain, width, tests, draws).
 A backend on a device (torch-cuda) reads rows already there, as it reads a PyTorch model's rows on the GPU; for it
 the run also times the rows' copy to the host, pageable and pinned: what a host decoder pays for them. The JSON is
 written after each row count, so a run stopped by its time limit keeps what it measured.
@@ -111,6 +112,18 @@ def operations(rm, x, y, scores, n_drafts: int):
                 rm.verify(chain, drafts, width, seeded(2))
         return run
 
+    def engine_step(replace: bool):
+        """The decoders' plain step: the backend's fused step where it has one (`plain_step` for one row,
+        `beam_step` for several), else the general path above."""
+        got = None
+        if n == 1 and hasattr(rm, "plain_step"):
+            got = rm.plain_step(x[:1], float(scores[0]), warp, seeded())
+        elif n > 1 and hasattr(rm, "beam_step"):
+            got = rm.beam_step(x, scores, warp, seeded(), min(4, n), replace)
+        if got is not None:
+            return got
+        return law().sample(min(4, n), seeded()) if replace else rm.distinct_keys(law(), min(4, n), seeded())
+
     ops = {
         "normaliser (rows)": lambda: normalisers(rm.rows(x)),
         "warp T=1": lambda: law().lookup([0]),
@@ -119,6 +132,8 @@ def operations(rm, x, y, scores, n_drafts: int):
         "warp top-p 0.95": lambda: law(Warp(1.0, top_p=0.95)).lookup([0]),
         "plain step, with replacement (W draws)": lambda: law().sample(min(4, n), seeded()),
         "plain step, without replacement (W draws)": lambda: rm.distinct_keys(law(), min(4, n), seeded()),
+        "plain step as the engine takes it, with": lambda: engine_step(True),
+        "plain step as the engine takes it, without": lambda: engine_step(False),
         f"verified layer, with, n={n_drafts}": verified(False, n_drafts),
         f"verified layer, without, n={n_drafts}": verified(True, n_drafts),
     }

@@ -271,6 +271,42 @@ def test_the_one_row_loop_is_the_beam_loop_at_width_one(mode, kw, backend, monke
         assert got[0][-1][3].finished == (got[1]["finish_reason"] == "stop")
 
 
+@pytest.mark.parametrize("kw", [dict(replacement="without"), dict(replacement="with", min_beams=1),
+                                dict(mode="dsbd-mem", replacement="with", min_beams=1)], ids=str)
+def test_dsbd_s_plain_step_on_the_fused_step_is_the_general_one(kw, monkeypatch):
+    """DSBD's plain step (the extra layer after every layer passed, a layer of lookup nodes only) takes the
+    compiled backend's fused step: every step yielded, the answer and the metrics are those with the fused step
+    turned off, seeded, with lookup layers that pass and that fail (prompt lookup on a cycling model)."""
+    pytest.importorskip("numba", reason="the compiled kernels need numba")
+    from app.decoding import rowmath
+    from app.decoding.rowmath.compiled import CompiledRows
+
+    monkeypatch.setattr(rowmath, "_DEFAULT", [rowmath.make("compiled")])
+    model = TableModel(lambda seq: np.eye(5)[[1, 2, 3, 4, 1][seq[-1]]] * 2.5 + np.sin(np.arange(5) * len(seq)), 5)
+    settings = dict(mode="dsbd", beams=2, min_beams=2, forest="fixed", gamma=3, lookup_nodes=2,
+                    lookup_sources=("match",)) | kw
+    runs: dict = {}
+    for arm in ("fused", "general"):
+        with monkeypatch.context() as m:
+            if arm == "general":
+                m.setattr(CompiledRows, "beam_step", lambda self, *a: None)
+            for seed in range(8):
+                params = DecodeParams(seed=seed, max_new_tokens=24, **settings).validated()
+                t = model.context(rows=8, max_tokens=128)
+                stopper = Stopper(eos_ids=frozenset({0}), decode=model.tokenizer.decode)
+                metrics = Metrics(mode=params.mode)
+                steps = [(s.final, s.live, s.done, s.output) for s in
+                         start(params, target=t, draft=None, prompt=[1, 2, 3, 4, 1, 2], stopper=stopper,
+                               metrics=metrics, vocab=5)]
+                runs.setdefault(seed, {})[arm] = (steps, {k: v for k, v in metrics.as_dict().items()
+                                                          if not k.endswith("_s")})
+    for seed, arms in runs.items():
+        assert arms["fused"] == arms["general"], seed
+    layers = [a["fused"][1]["acceptance_by_depth"].get(1, {}) for a in runs.values()]
+    assert sum(d.get("passed", 0) for d in layers) and sum(d.get("attempted", 0) - d.get("passed", 0)
+                                                            for d in layers)
+
+
 def test_stop_string_ends_beam_and_text_is_cut():
     model = TableModel(lambda seq: np.eye(5)[[1, 2, 3, 4, 1][seq[-1]]] * 30, 5)  # a -> b -> c -> d -> a
     out = run("greedy", model, seed=0, prompt=(1,), max_new_tokens=20, stop=("da",))

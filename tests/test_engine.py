@@ -276,15 +276,15 @@ def test_close_waits_for_a_context_being_prepared_and_prepare_then_stops(tiny_gg
     assert events == ["context made", "closed"]  # and nothing is made after it
 
 
-TIMES = ("prefill_s", "time_to_first_token_s", "decode_s", "tokens_per_s", "pass_s", "pass_s_by_tokens")
+TIMES = ("prefill_s", "time_to_first_token_s", "decode_s", "tokens_per_s", "pass_s", "pass_s_by_tokens", "phase_s")
 
 
 @pytest.mark.parametrize("backend", ["llamacpp", "pytorch"])
 def test_the_plain_modes_fused_step_streams_the_general_paths_events(tiny_gguf_path, monkeypatch, backend):
-    """The plain modes on the compiled row math take one fused step per token (one row or several) and the runtimes'
-    one-row shortcuts: every event (its text, token count, live beams), the answer and every stat but the times
-    equal those of the general row math (the fused steps turned off), seeded; with EOS, a stop string, temperatures,
-    beams and a truncated warp (which takes the general path either way)."""
+    """The plain modes on the compiled row math take one fused step per token (one row or several), DSBD its plain
+    step, and the runtimes' one-row shortcuts: every event (its text, token count, live beams), the answer and every
+    stat but the times equal those of the general row math (the fused steps turned off), seeded; with EOS, a stop
+    string, temperatures, beams and a truncated warp (which takes the general path either way)."""
     pytest.importorskip("numba", reason="the compiled kernels need numba")
     from app.decoding import rowmath
     from app.decoding.rowmath.compiled import CompiledRows
@@ -293,7 +293,10 @@ def test_the_plain_modes_fused_step_streams_the_general_paths_events(tiny_gguf_p
     settings = [dict(mode="greedy"), dict(mode="sample"), dict(mode="sample", temperature=0.7),
                 dict(mode="sample", stop=("\n",)), dict(mode="sample", top_k=20),
                 dict(mode="beam-sample", beams=1), dict(mode="beam-sample-repl", beams=1),
-                dict(mode="beam-sample", beams=2), dict(mode="beam-sample-repl", beams=3, temperature=0.8)]
+                dict(mode="beam-sample", beams=2), dict(mode="beam-sample-repl", beams=3, temperature=0.8),
+                # DSBD's plain step (the extra layer, a layer of lookup nodes only) on the fused step too
+                dict(mode="dsbd", beams=2, min_beams=2, replacement="without"),
+                dict(mode="dsbd", beams=3, min_beams=1, temperature=0.8), dict(mode="dsbd-mem", beams=2)]
     seeds = range(2)
     if backend == "pytorch":  # rows as tensors read in place: the fused steps' other input (slow: short answers)
         settings, seeds = settings[:2] + settings[-1:], [1]

@@ -426,7 +426,11 @@ class _Run:
                 return still, True
             rows = still
         it.verified_rows.update((h.beam.tokens, h.lp) for h in rows)
-        p = self._p_beam(rows)  # every layer passed: the extra layer from the last logits (the plain step)
+        # every layer passed: the extra layer from the last logits (the plain step)
+        picked = self._fused(rows, self.n_extra)
+        if picked is not None:
+            return [self._extend(rows[r], t, None, logprob=lp) for r, t, lp in picked], False
+        p = self._p_beam(rows)
         if self.without:
             keys = self.rm.distinct_keys(p, self.n_extra, self.rand)
         else:
@@ -436,15 +440,19 @@ class _Run:
     def verify_layer(self, layer: Layer, rows: list[Handle]):
         """One layer's W_L outputs [(key over rows, draft index or None)], its drafts as tested, whether the
         drafts alone filled it, and W_L."""
-        p = self._p_beam(rows)
         q, drafts = self._drafts_on_rows(layer, rows)
-        chain = self.rm.chain(p, q, len(drafts)) if drafts else None  # without replacement: alpha for the width
-        width = layer_width(chain.alphas if chain is not None else np.zeros, len(drafts), self.params.threshold,
-                            self.params.min_beams, self.w)
         if not drafts:  # lookup nodes only: the plain step on cached logits (spec §16.3)
+            width = layer_width(np.zeros, 0, self.params.threshold, self.params.min_beams, self.w)
+            picked = self._fused(rows, width)
+            if picked is not None:
+                return [(r * self.vocab + t, None) for r, t, _ in picked], drafts, False, width
+            p = self._p_beam(rows)
             width = p.at_most(width) if self.without else width
             keys = self.rm.distinct_keys(p, width, self.rand) if self.without else p.sample(width, self.rand)
             return [(int(k), None) for k in keys], drafts, False, width
+        p = self._p_beam(rows)
+        chain = self.rm.chain(p, q, len(drafts))  # without replacement: alpha for the width
+        width = layer_width(chain.alphas, len(drafts), self.params.threshold, self.params.min_beams, self.w)
         if self.without:
             width = p.at_most(width)  # min(width, pairs in supp(p))
             by_drafts, outputs = self.rm.verify_without(p, q, drafts, width, self.rand)
@@ -481,13 +489,26 @@ class _Run:
             out.append(DraftWOR(key, qv, n.rest, ok) if self.without else Draft(key, qv, ok))
         return q_rows, out
 
+    def _fused(self, rows: Sequence[Handle], n: int):
+        """The plain step's n draws over rows x V by the backend's fused step, [(row, token, raw log-prob)]: the
+        keys p_beam's draws give and the log-probs the rows give, bit for bit (and n <= the pairs in supp(p), so
+        no `at_most` cut applies). None where the backend has none or the general path must run."""
+        step = getattr(self.rm, "beam_step", None)
+        if step is None:
+            return None
+        return step([h.lp for h in rows], np.array([h.beam.score for h in rows]), self.warp, self.rand, n,
+                    not self.without)
+
     def _p_beam(self, rows: Sequence[Handle]):
         """p_beam over rows x V: joint raw target log-scores, warped (spec §2.1)."""
         return self.rm.law(self.rm.stack([h.lp for h in rows]), np.array([h.beam.score for h in rows]), self.warp)
 
-    def _extend(self, h: Handle, token: int, node: Node | None, lp=None, *, drafted: bool = False) -> Handle:
-        """h + token; on a node, the beam runs through that node's own path (equal content, same tokens)."""
-        beam = Beam(h.beam.tokens + (token,), h.beam.score + float(h.lp[token]), drafted=h.beam.drafted + (drafted,))
+    def _extend(self, h: Handle, token: int, node: Node | None, lp=None, *, drafted: bool = False,
+                logprob: float | None = None) -> Handle:
+        """h + token (`logprob`: h's raw log-prob of it, where the step has it); on a node, the beam runs through
+        that node's own path (equal content, same tokens)."""
+        step = float(h.lp[token]) if logprob is None else logprob
+        beam = Beam(h.beam.tokens + (token,), h.beam.score + step, drafted=h.beam.drafted + (drafted,))
         if node is None:
             return Handle(h.root, h.chain, beam, -1, None)
         return Handle(node.root, node.chain(), beam, node.content, lp)

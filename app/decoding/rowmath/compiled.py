@@ -86,11 +86,14 @@ class CompiledRows(TorchRows):
                   replace: bool) -> list[tuple[int, int, float]] | None:
         """The beam modes' step on the rows of one pass, fused: the n keys `law(rows(logits), scores, warp)` gives
         `sample(n, rand)` (replace) or `distinct_keys(law, n, rand)`, as (row, token, raw log-prob `at(row, token)`),
-        bit for bit, in two compiled calls and the law's few numpy steps on one value a row. None where the general
+        bit for bit, in two compiled calls and the law's few numpy steps on one value a row. logits: a pass's rows,
+        or a list of rows of `rows(...)` results (DSBD's beams, LogProbRow). None where the general
         path must run: a truncated warp, a rand other than the seeded stream, a row set with no valid parent or a
         row without finite mass, fewer blocks holding mass than distinct draws."""
         if type(rand) is not SeededRand or warp.top_p < 1.0:
             return None
+        if isinstance(logits, (list, tuple)):  # rows of `rows(...)` results (LogProbRow): their raw logits
+            logits = self._raw(logits)
         row = getattr(logits, "row", None)  # rows read in place (backends.unique.Rows)
         whole = logits if row is None else (logits.block() if hasattr(logits, "block") else None)
         if whole is None:
@@ -126,6 +129,14 @@ class CompiledRows(TorchRows):
             r, t = divmod(k, vocab)
             out.append((r, t, float((x[r] if row is None else row(r))[t]) - float(lse_rows[r])))
         return out
+
+    def _raw(self, refs):
+        """The raw logits of rows of `rows(...)` results as one [n, V] block, with no normaliser: a result's own
+        rows in order where they are all of one, else a stack of them (as `stack` forms it)."""
+        srcs = [r.src for r in refs]
+        if all(s is srcs[0] for s in srcs) and [r.i for r in refs] == list(range(len(srcs[0]))):
+            return srcs[0].whole()
+        return self._stack([r.src.x[r.i] for r in refs])
 
     @staticmethod
     def _np(x) -> np.ndarray:

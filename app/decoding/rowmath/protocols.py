@@ -9,6 +9,7 @@
     rm.verify(chain, drafts, width, rand)   # MSS with reset over the layer (spec §5 step 4, `sampling.mss`)
     rm.verify_without(p, q_on, drafts, width, rand)   # recursive rejection without replacement (spec §16.5)
     rm.plain_step(logits, score, warp, rand)  # optional (compiled): one row's law, draw and log-prob, fused
+    rm.beam_step(logits, scores, warp, rand, n, replace)  # optional (compiled): n draws over several rows, fused
 
 Keys are flat: row * V + token. Uniforms come from `rand` in the reference's order, one per decision.
 """

@@ -115,19 +115,19 @@ def same_law() -> dict:
 
 
 def row_math() -> dict:
-    """Torch vs the numpy reference per iteration outside the passes (rowmath-epyc-avx512.json, run 5)."""
-    f = "rowmath-epyc-avx512.json"
+    """The compiled default vs the numpy reference per iteration outside the passes (rowmath-pair-epyc.json)."""
+    f = "rowmath-pair-epyc.json"
     rows = [r for r in load(f)["results"] if r["rows"] == 4]
     plain = [r for r in rows if r["op"].startswith("plain step")]
     layer = [r for r in rows if r["op"].startswith("verified layer")]
-    return {"on": on(f), "plain": span([r["numpy/torch"] for r in plain]) + "x",
-            "layer": span([r["numpy/torch"] for r in layer]) + "x",
-            "plain_ms": span([r["torch_ms"] for r in plain]), "layer_ms": span([r["torch_ms"] for r in layer])}
+    return {"on": on(f), "plain": span([r["numpy/compiled"] for r in plain]) + "x",
+            "layer": span([r["numpy/compiled"] for r in layer]) + "x",
+            "plain_ms": span([r["compiled_ms"] for r in plain]), "layer_ms": span([r["compiled_ms"] for r in layer])}
 
 
-def plain(f: str = "plain-vs-llamacpp-xeon-amx.json") -> dict:
+def plain(f: str = "plain-vs-llamacpp-step-epyc.json") -> dict:
     """`sample` against llama.cpp's own loop, on its default context and on the engine's (the qwen-coder target:
-    plain-vs-llamacpp-xeon-amx.json; the default model: plain-vs-llamacpp-tiny.json)."""
+    plain-vs-llamacpp-step-epyc.json; the default model: plain-vs-llamacpp-tiny-step-epyc.json)."""
     s = load(f)["summary"]
     return {"on": on(f), "default": f"{s['overall']:.3f}x", "same": f"{s['on_our_context_overall']:.3f}x",
             "context": f"{s['context_cost']:.3f}x"}
@@ -275,7 +275,7 @@ def table() -> str:
     a, r, p, b, u, c, dc, fs, f, e = (same_law(), row_math(), projected(), busy(), unique_paths(), pass_cost(),
                                       draft_cost(), first_start(), attachments(), edits())
     lc, pl, ip, hd, fa = learnt_costs(), plain(), in_place(), heads(), first_answer()
-    pt = plain("plain-vs-llamacpp-tiny.json")
+    pt = plain("plain-vs-llamacpp-tiny-step-epyc.json")
     base = u["base"]
     rows = [
         (f"Best quality vs beam sampling at the same law, qwen-coder, {a['code']} code + {a['chat']} chat prompts",
@@ -283,7 +283,8 @@ def table() -> str:
          f"the same answer token for token on {a['same']} prompts; drafted in {a['drafted']} of iterations, so "
          f"{a['claim']}; the decoder {a['share_best']} of the time ({a['share_plain']} for beam sampling)",
          "rowmath.md"),
-        ("Row math per iteration outside the passes, 4 x 151,936 rows, torch vs the numpy reference", r["on"],
+        ("Row math per iteration outside the passes, 4 x 151,936 rows, the compiled default vs the numpy reference",
+         r["on"],
          f"plain steps {r['plain']}, a verified layer {r['layer']} cheaper ({r['plain_ms']} ms and "
          f"{r['layer_ms']} ms)", "rowmath.md"),
         ("`sample` vs llama.cpp's own generation loop, the same file and threads, qwen-coder target", pl["on"],
@@ -292,8 +293,8 @@ def table() -> str:
          "attention that exact forests need)", "rowmath.md"),
         ("`sample` vs llama.cpp's own generation loop, the same file and threads, the default model (tiny)",
          pt["on"], f"{pt['default']} its speed on llama.cpp's default context, {pt['same']} on the context dsbd-chat "
-         f"makes (which runs llama.cpp's loop at {pt['context']}); a token costs about 7 ms, so the engine's own "
-         "half a millisecond a token weighs more than on the 1.5B target", "rowmath.md"),
+         f"makes (which runs llama.cpp's loop at {pt['context']}): on a token of about 8 ms the engine's own "
+         "quarter of a millisecond is within noise; what is left is the f32 cache exact forests need", "rowmath.md"),
         ("Presets on the 7B-class curve, qwen-coder, code suite", p["on"],
          f"Best quality {p['best']}, Balanced {p['balanced']}; the CPU-side decoder is {p['share']} of the "
          "projected time", "rowmath.md"),

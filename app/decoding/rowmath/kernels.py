@@ -508,6 +508,19 @@ def _row_law(x, inv_t, seg, eb1, eb, want_argmax):
 
 
 @njit(fastmath=False, cache=True)
+def _scan(cells, n, rest, last):
+    """The first of a block's n cells whose running sum (left to right, float64) passes `rest`; `last` (its last
+    cell with mass) where rounding leaves none that does."""
+    acc, i = 0.0, 0
+    while i < n:
+        acc += cells[i]
+        if acc > rest:
+            return i
+        i += 1
+    return last
+
+
+@njit(fastmath=False, cache=True)
 def _draw_row(x, m, inv_t, seg, eb, scale, u):
     """The key `tensors._icdf` draws with the uniform u from the law e * scale, e = exp((x - m) * inv_t) with block
     sums eb: t = u * the blocks' total, the block where their running sum passes t, then the cell where the block's
@@ -540,14 +553,7 @@ def _draw_row(x, m, inv_t, seg, eb, scale, u):
             break
         blocks[b] = 0.0
         t = min(t, _pairwise(blocks, nb) * (1 - 1e-16))
-    rest = t - (cb[b - 1] if b else 0.0)
-    acc, i = 0.0, 0
-    while i < hi - lo:
-        acc += cells[i]
-        if acc > rest:
-            break
-        i += 1
-    return lo + (i if i < hi - lo else last)
+    return lo + _scan(cells, hi - lo, t - (cb[b - 1] if b else 0.0), last)
 
 
 @njit(parallel=True, fastmath=_SUMS, cache=True)
@@ -610,14 +616,7 @@ def _icdf_rows(x, m, t32, seg, scale, blocks, t, drawn, n_drawn):
             break
         bl[b] = 0.0
         t = min(t, _pairwise(bl, bl.size) * (1 - 1e-16))
-    rest = t - (cb[b - 1] if b else 0.0)
-    acc, i = 0.0, 0
-    while i < hi - lo:
-        acc += cells[i]
-        if acc > rest:
-            break
-        i += 1
-    return first + (i if i < hi - lo else last)
+    return first + _scan(cells, hi - lo, t - (cb[b - 1] if b else 0.0), last)
 
 
 @njit(fastmath=False, cache=True)

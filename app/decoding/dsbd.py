@@ -429,7 +429,7 @@ class _Run:
         # every layer passed: the extra layer from the last logits (the plain step)
         picked = self._fused(rows, self.n_extra)
         if picked is not None:
-            return [self._extend(rows[r], t, None, logprob=lp) for r, t, lp in picked], False
+            return [self._extend(rows[r], t, None) for r, t, _ in picked], False
         p = self._p_beam(rows)
         if self.without:
             keys = self.rm.distinct_keys(p, self.n_extra, self.rand)
@@ -491,8 +491,9 @@ class _Run:
 
     def _fused(self, rows: Sequence[Handle], n: int):
         """The plain step's n draws over rows x V by the backend's fused step, [(row, token, raw log-prob)]: the
-        keys p_beam's draws give and the log-probs the rows give, bit for bit (and n <= the pairs in supp(p), so
-        no `at_most` cut applies). None where the backend has none or the general path must run."""
+        keys p_beam's draws give, bit for bit (and n <= the pairs in supp(p), so no `at_most` cut applies); the
+        rows keep the normalisers it computed, as `stack` leaves them. None where the backend has none or the
+        general path must run."""
         step = getattr(self.rm, "beam_step", None)
         if step is None:
             return None
@@ -503,12 +504,9 @@ class _Run:
         """p_beam over rows x V: joint raw target log-scores, warped (spec §2.1)."""
         return self.rm.law(self.rm.stack([h.lp for h in rows]), np.array([h.beam.score for h in rows]), self.warp)
 
-    def _extend(self, h: Handle, token: int, node: Node | None, lp=None, *, drafted: bool = False,
-                logprob: float | None = None) -> Handle:
-        """h + token (`logprob`: h's raw log-prob of it, where the step has it); on a node, the beam runs through
-        that node's own path (equal content, same tokens)."""
-        step = float(h.lp[token]) if logprob is None else logprob
-        beam = Beam(h.beam.tokens + (token,), h.beam.score + step, drafted=h.beam.drafted + (drafted,))
+    def _extend(self, h: Handle, token: int, node: Node | None, lp=None, *, drafted: bool = False) -> Handle:
+        """h + token; on a node, the beam runs through that node's own path (equal content, same tokens)."""
+        beam = Beam(h.beam.tokens + (token,), h.beam.score + float(h.lp[token]), drafted=h.beam.drafted + (drafted,))
         if node is None:
             return Handle(h.root, h.chain, beam, -1, None)
         return Handle(node.root, node.chain(), beam, node.content, lp)

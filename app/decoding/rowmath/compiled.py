@@ -16,14 +16,13 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from typing import Sequence
 
 import numpy as np
 
-from typing import Sequence
-
 from ..sampling import CDF_BLOCK, Rand, SeededRand, Warp
 from . import kernels
-from .tensors import TORCH_CELL_SECONDS, TorchLaw, TorchRows, _Pair, _QRows
+from .tensors import TORCH_CELL_SECONDS, TorchLaw, TorchRows, _one_result, _Pair, _QRows
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +86,15 @@ class CompiledRows(TorchRows):
         """The beam modes' step on the rows of one pass, fused: the n keys `law(rows(logits), scores, warp)` gives
         `sample(n, rand)` (replace) or `distinct_keys(law, n, rand)`, as (row, token, raw log-prob `at(row, token)`),
         bit for bit, in two compiled calls and the law's few numpy steps on one value a row. logits: a pass's rows,
-        or a list of rows of `rows(...)` results (DSBD's beams, LogProbRow). None where the general
+        or a list of rows of `rows(...)` results (DSBD's beams, LogProbRow; their normalisers are kept, as `stack`
+        keeps them). None where the general
         path must run: a truncated warp, a rand other than the seeded stream, a row set with no valid parent or a
         row without finite mass, fewer blocks holding mass than distinct draws."""
         if type(rand) is not SeededRand or warp.top_p < 1.0:
             return None
-        if isinstance(logits, (list, tuple)):  # rows of `rows(...)` results (LogProbRow): their raw logits
-            logits = self._raw(logits)
+        refs = logits if isinstance(logits, (list, tuple)) else None  # rows of `rows(...)` results (LogProbRow)
+        if refs is not None:
+            logits = self._raw(refs)
         row = getattr(logits, "row", None)  # rows read in place (backends.unique.Rows)
         whole = logits if row is None else (logits.block() if hasattr(logits, "block") else None)
         if whole is None:
@@ -124,6 +125,9 @@ class CompiledRows(TorchRows):
         if not replace and int(np.count_nonzero((step.eb * scale[:, None]).reshape(-1) > 0)) < n:
             return None
         keys = step.draw(x, m, inv_t, scale, rand.rng.random(n), replace)
+        for r, ref in enumerate(refs or ()):  # their normalisers, as `stack` leaves them: a later read costs nothing
+            if np.isfinite(lse_rows[r]):
+                ref.src._norm.setdefault(ref.i, (float(m[r]), float(lse_rows[r])))
         vocab, out = x.shape[1], []
         for k in keys.tolist():
             r, t = divmod(k, vocab)
@@ -133,9 +137,9 @@ class CompiledRows(TorchRows):
     def _raw(self, refs):
         """The raw logits of rows of `rows(...)` results as one [n, V] block, with no normaliser: a result's own
         rows in order where they are all of one, else a stack of them (as `stack` forms it)."""
-        srcs = [r.src for r in refs]
-        if all(s is srcs[0] for s in srcs) and [r.i for r in refs] == list(range(len(srcs[0]))):
-            return srcs[0].whole()
+        whole = _one_result(refs)
+        if whole is not None:
+            return whole.whole()
         return self._stack([r.src.x[r.i] for r in refs])
 
     @staticmethod

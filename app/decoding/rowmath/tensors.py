@@ -461,9 +461,9 @@ class TorchRows:
         return TorchLogProbs(self, self._tensor(logits))
 
     def stack(self, refs: Sequence[LogProbRow]) -> TorchLogProbs:
-        srcs = [r.src for r in refs]
-        if all(s is srcs[0] for s in srcs) and [r.i for r in refs] == list(range(len(srcs[0]))):
-            return srcs[0]
+        whole = _one_result(refs)
+        if whole is not None:
+            return whole
         x = self._stack([r.src.x[r.i] for r in refs])
         if not any(r.i in r.src._norm for r in refs):  # none normalised yet: one pass for all, its e kept for the law
             out = TorchLogProbs(self, x)
@@ -597,6 +597,14 @@ class TorchRows:
         if isinstance(p, NumpyLaw):
             return draw_without_replacement(p.joint, n, rand)
         return [int(k) for k in p.distinct(n, rand)[0]]
+
+
+def _one_result(refs: Sequence[LogProbRow]):
+    """The `rows(...)` result whose rows refs are, all of them in order; None where they are not."""
+    srcs = [r.src for r in refs]
+    if all(s is srcs[0] for s in srcs) and [r.i for r in refs] == list(range(len(srcs[0]))):
+        return srcs[0]
+    return None
 
 
 class _InPlace:

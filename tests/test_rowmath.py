@@ -503,3 +503,32 @@ def test_the_fused_beam_step_is_the_general_paths_step_bit_for_bit(size):
     one = np.concatenate([kinds[5], kinds[5]])  # one finite cell a row: one block each holds mass
     assert rm.beam_step(one, scores[:2], Warp(), rand, 3, False) is None
     assert rand.rng.random() == np.random.default_rng(0).random()  # no uniform was drawn by the refusals
+
+
+@pytest.mark.parametrize("size", [151_936, 5_000, 100])
+def test_the_compiled_draws_from_a_law_are_the_inverse_cdfs_bit_for_bit(size):
+    """A dense law's draws on the compiled backend (one kernel call over its stored cells) are the keys the torch
+    backend's Python inverse CDF gives for the same uniforms, with and without replacement, and the drawn cells'
+    values to the bit: rows of every kind, an invalid parent, temperatures, more draws than rows."""
+    pytest.importorskip("numba", reason="the compiled kernels need numba")
+    from app.decoding.rowmath.tensors import TorchRows
+
+    rm = rowmath.make("compiled")
+    rng = np.random.default_rng(size + 7)
+    kinds = plain_rows(rng, size)
+    for trial in range(10):
+        n_rows = 1 + trial % 6
+        x = np.concatenate([kinds[int(i)] for i in rng.integers(0, len(kinds), n_rows)])
+        scores = -rng.uniform(0, 30, n_rows)
+        if trial % 3 == 0 and n_rows > 1:
+            scores[rng.integers(0, n_rows)] = -np.inf
+        for warp in (Warp(), Warp(0.7), Warp(1.6)):
+            p = rm.law(rm.rows(x), scores, warp)
+            for replace, n in ((True, 2 * n_rows + 1), (False, min(n_rows + 2, np.count_nonzero(p.blocks() > 0)))):
+                u = rng.random(n)
+                keys, values = rm._draws(p, u, replace)
+                want_keys, want_values = TorchRows._draws(rm, p, u, replace)
+                assert keys.tolist() == want_keys.tolist(), (trial, warp, replace)
+                assert values.tolist() == want_values.tolist(), (trial, warp, replace)
+                if not replace:
+                    assert len(set(keys.tolist())) == n

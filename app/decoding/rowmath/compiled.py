@@ -175,6 +175,9 @@ class CompiledRows(TorchRows):
             kernels.block_sums(xn[r], out[r])
         return out
 
+    def _draws(self, law: TorchLaw, u: np.ndarray, replace: bool) -> tuple[np.ndarray, np.ndarray]:
+        return kernels.draws(self._np(law._e), law._eb, law._scale, u, replace)
+
     def _scaled(self, e, scale: np.ndarray):
         out = self.torch.empty(int(e.shape[0]) * int(e.shape[1]), dtype=self.dtype)
         kernels.scaled(self._np(e), np.asarray(scale, dtype=np.float64), out.numpy())

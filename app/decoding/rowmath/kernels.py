@@ -580,9 +580,10 @@ def _rows_law(x, inv_t, seg, eb1, eb, m, s1, s_t):
 
 
 @njit(fastmath=False, cache=True)
-def _icdf_rows(x, m, t32, seg, scale, blocks, t, drawn, n_drawn):
-    """`tensors._icdf` on the law e * scale_row over rows x [n, V] (e = exp((x - m_row) * t32), block sums
-    `blocks`, flat), the cells of the keys drawn[:n_drawn] set to 0: the key, and seg holding its block's e."""
+def _icdf_rows(x, m, t32, stored, seg, scale, blocks, t, drawn, n_drawn):
+    """`tensors._icdf` on the law e * scale_row over rows x [n, V] (e = exp((x - m_row) * t32), or x itself where
+    `stored`; block sums `blocks`, flat), the cells of the keys drawn[:n_drawn] set to 0: the key, and seg holding
+    its block's e."""
     n, size = x.shape
     nb = blocks.size // n
     bl = blocks.copy()
@@ -602,7 +603,10 @@ def _icdf_rows(x, m, t32, seg, scale, blocks, t, drawn, n_drawn):
         r, j = b // nb, b % nb
         lo, hi = j * CDF_BLOCK, min((j + 1) * CDF_BLOCK, size)
         first = r * size + lo
-        _exp_sum(x[r, lo:hi], np.float32(m[r]), t32, seg[:hi - lo])
+        if stored:
+            seg[:hi - lo] = x[r, lo:hi]
+        else:
+            _exp_sum(x[r, lo:hi], np.float32(m[r]), t32, seg[:hi - lo])
         for i in range(hi - lo):
             cells[i] = np.float64(seg[i]) * scale[r]
         for d in range(n_drawn):
@@ -620,10 +624,11 @@ def _icdf_rows(x, m, t32, seg, scale, blocks, t, drawn, n_drawn):
 
 
 @njit(fastmath=False, cache=True)
-def _draw_rows(x, m, inv_t, seg, eb, scale, u, replace, out):
-    """`TorchLaw.sample` (replace) or `TorchLaw.distinct`'s keys, one uniform of u each, into out: blocks
-    eb * scale_row; with replacement every draw from the whole law, without each from what the earlier ones left
-    (their cells 0, their masses out of their blocks)."""
+def _draw_rows(x, m, inv_t, stored, seg, eb, scale, u, replace, out, vals):
+    """`TorchLaw.sample` (replace) or `TorchLaw.distinct`'s keys, one uniform of u each, into out, and each drawn
+    cell's value into vals: blocks eb * scale_row; with replacement every draw from the whole law, without each
+    from what the earlier ones left (their cells 0, their masses out of their blocks). The cells are
+    exp((x - m_row) * inv_t) * scale_row, or x * scale_row where `stored` (x holds the law's e)."""
     n, size = x.shape
     nb = eb.shape[1]
     t32 = np.float32(inv_t)
@@ -634,12 +639,14 @@ def _draw_rows(x, m, inv_t, seg, eb, scale, u, replace, out):
     total = _pairwise(blocks, blocks.size)
     for d in range(u.size):
         if replace:
-            out[d] = _icdf_rows(x, m, t32, seg, scale, blocks, u[d] * total, out, 0)
+            k = _icdf_rows(x, m, t32, stored, seg, scale, blocks, u[d] * total, out, 0)
         else:
-            k = _icdf_rows(x, m, t32, seg, scale, blocks, u[d] * _pairwise(blocks, blocks.size), out, d)
-            r, tok = k // size, k % size
-            blocks[r * nb + tok // CDF_BLOCK] -= np.float64(seg[tok % CDF_BLOCK]) * scale[r]
-            out[d] = k
+            k = _icdf_rows(x, m, t32, stored, seg, scale, blocks, u[d] * _pairwise(blocks, blocks.size), out, d)
+        r, tok = k // size, k % size
+        vals[d] = np.float64(seg[tok % CDF_BLOCK]) * scale[r]
+        if not replace:
+            blocks[r * nb + tok // CDF_BLOCK] -= vals[d]
+        out[d] = k
 
 
 # ----------------------------------------------------------------------------------------------------- the API
@@ -843,13 +850,30 @@ class RowsStep:
     def draw(self, x: np.ndarray, m, inv_t: float, scale, u, replace: bool) -> np.ndarray:
         self._check(x)
         out = np.empty(len(u), np.int64)
-        _draw_rows(x, _row_scalars(m, self.shape[0]), float(inv_t), self.seg[0], self.eb,
-                   _row_scalars(scale, self.shape[0]), np.asarray(u, dtype=np.float64), bool(replace), out)
+        _draw_rows(x, _row_scalars(m, self.shape[0]), float(inv_t), False, self.seg[0], self.eb,
+                   _row_scalars(scale, self.shape[0]), np.asarray(u, dtype=np.float64), bool(replace), out,
+                   np.empty(len(u)))
         return out
 
     def _check(self, x) -> None:
         if not (type(x) is np.ndarray and x.dtype == np.float32 and x.shape == self.shape and x.flags.c_contiguous):
             raise ValueError(f"expected C-contiguous float32 rows of shape {self.shape}")
+
+
+def draws(e, eb: np.ndarray, scale, u, replace: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The keys `TorchLaw.sample` (replace) or `TorchLaw.distinct` draws with the uniforms u from the stored law
+    e * scale_row (e: float32 [n, V], eb: its float64 block sums [n, blocks(V)], scale: float64 [n]), bit for bit,
+    and each drawn cell's float64 value; serially, on the calling thread."""
+    e = _input(e, 2)
+    n, size = e.shape
+    eb = np.ascontiguousarray(eb, dtype=np.float64)
+    if eb.shape != (n, blocks(size)):
+        raise ValueError(f"eb must be [{n}, {blocks(size)}], got {eb.shape}")
+    u = np.ascontiguousarray(u, dtype=np.float64).reshape(-1)
+    out, vals = np.empty(u.size, np.int64), np.empty(u.size)
+    _draw_rows(e, np.zeros(n), 1.0, True, np.empty(CDF_BLOCK, np.float32), eb, _row_scalars(scale, n), u,
+               bool(replace), out, vals)
+    return out, vals
 
 
 def numpy_sum(a) -> float:
@@ -924,6 +948,11 @@ def _check() -> None:
         cdf = np.cumsum((np.exp((x64 - m[:, None]) * inv_t) * scale[:, None]).ravel())
         for replace in (True, False):
             _close(rows.draw(x, m2, inv_t, scale, [0.25], replace), np.searchsorted(cdf, 0.25, side="right"))
+    exp_blocks(x, m, 1.25, e, eb)  # the same draws from the stored cells (the last law, T = 0.8)
+    for replace in (True, False):
+        keys, vals = draws(e, eb, scale, [0.25, 0.75], replace)
+        _close(keys[0], np.searchsorted(cdf, 0.25, side="right"))
+        _close(vals, [e.ravel()[k] * scale[k // size] for k in keys])
 
 
 def _close(got, want) -> None:

@@ -202,9 +202,7 @@ class TorchLaw:
         if not _is_seeded(rand):
             keys, probs = self.keys, self.probs
             return np.array([rand.categorical(keys, probs) for _ in range(n)], dtype=np.int64)
-        u = rand.rng.random(n)
-        b = self.blocks()
-        return np.array([_icdf(self, b, {}, t) for t in u * b.sum()], dtype=np.int64)
+        return self.tm._draws(self, rand.rng.random(n), True)[0]
 
     def distinct(self, n: int, rand: Rand) -> tuple[np.ndarray, np.ndarray]:
         """Up to n keys drawn sequentially without replacement, and the mass not yet drawn before each."""
@@ -218,22 +216,12 @@ class TorchLaw:
                 out.append(int(k))
                 left[np.searchsorted(keys, k)] = 0.0
             return np.array(out, dtype=np.int64), np.array(rest)
-        u = rand.rng.random(n)
-        blocks = self.blocks().copy()
-        total = float(blocks.sum())
-        zero: dict[int, float] = {}
-        out, rest = [], []
-        drawn_mass = 0.0
-        for j in range(n):
-            left = total - drawn_mass
-            rest.append(left / total)
-            k = _icdf(self, blocks, zero, u[j] * float(blocks.sum()))
-            v = self.cell(k)
-            zero[k] = 0.0
-            blocks[self.block_of(k)] -= v
+        keys, values = self.tm._draws(self, rand.rng.random(n), False)
+        total, drawn_mass, rest = self.total(), 0.0, []
+        for v in values.tolist():
+            rest.append((total - drawn_mass) / total)
             drawn_mass += v
-            out.append(k)
-        return np.array(out, dtype=np.int64), np.array(rest)
+        return keys, np.array(rest)
 
     def profile(self, tiny: float) -> tuple[np.ndarray, float]:
         """The probabilities >= tiny (float64, of the normalised law) and the mass of the rest."""
@@ -390,6 +378,24 @@ class TorchRows:
             parts.append(rows[:, full * CDF_BLOCK:].sum(dim=1, keepdim=True))
         sums = self._host(t.cat(parts, dim=1) if len(parts) > 1 else parts[0]).astype(np.float64)
         return sums if x.dim() == 2 else sums.reshape(-1)
+
+    def _draws(self, law: TorchLaw, u: np.ndarray, replace: bool) -> tuple[np.ndarray, np.ndarray]:
+        """The law's keys for the uniforms u by the inverse CDF over its block sums, then one block's cells: each
+        draw from the whole law (replace) or from what the earlier draws left (their cells 0, their masses out of
+        their blocks); and each drawn cell's value."""
+        blocks = law.blocks().copy()
+        zero: dict[int, float] = {}
+        keys, values = [], []
+        total = float(blocks.sum())
+        for t in u:
+            k = _icdf(law, blocks, zero, t * (total if replace else float(blocks.sum())))
+            v = law.cell(k)
+            if not replace:
+                zero[k] = 0.0
+                blocks[law.block_of(k)] -= v
+            keys.append(k)
+            values.append(v)
+        return np.array(keys, dtype=np.int64), np.array(values)
 
     def _scaled(self, e, scale: np.ndarray):
         """Flat float32 cells e[r, t] * scale[r] (a law's probabilities)."""

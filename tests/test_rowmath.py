@@ -251,6 +251,23 @@ def test_heads_cut_on_the_device_equal_the_whole_rows(monkeypatch, kind):
     assert cut == run()
 
 
+@pytest.mark.parametrize("kind", ["ties", "far", "flat", "masked", "qwen"])
+def test_the_compiled_likeliest_pairs_are_the_cut_heads(kind):
+    """The lookup nodes' likeliest pairs on the compiled backend (each row's best cells in one pass that skips
+    chunks) are the torch backend's cut heads, key for key and in order: ties (equal worths go to the lower key),
+    rows that are no valid parent, temperatures, and more pairs than a row holds chunks' worth of."""
+    pytest.importorskip("numba", reason="the compiled kernels need numba")
+    rng = np.random.default_rng(11)
+    x = qwen_rows(rng, 4) if kind == "qwen" else head_rows(rng, kind)
+    tm, cm = rowmath.make("torch"), rowmath.make("compiled")
+    for scores in (np.array([-1.0, -1.0, -2.5, -0.5]), np.array([-1.0, -np.inf, -2.0, -np.inf])):
+        for t in (1.0, 0.7):
+            want = tm.law(tm.rows(x), scores, Warp(t))
+            got = cm.law(cm.rows(x), scores, Warp(t))
+            for k in (1, 7, 40, 700):
+                assert got.top(k).tolist() == want.top(k).tolist(), (kind, t, k)
+
+
 def test_a_gpus_head_cut_is_the_hosts(monkeypatch, qwen_pair):
     """On a GPU the head cut runs torch's compare and nonzero where the rows lie; CI has no GPU, so the same code
     runs here on the CPU's tensors: top-k laws, their seeded draws and the likeliest pairs equal the host path's,

@@ -178,6 +178,9 @@ class CompiledRows(TorchRows):
     def _draws(self, law: TorchLaw, u: np.ndarray, replace: bool) -> tuple[np.ndarray, np.ndarray]:
         return kernels.draws(self._np(law._e), law._eb, law._scale, u, replace)
 
+    def _top_cells(self, e, rows: np.ndarray, s: np.ndarray, k: int):
+        return kernels.top_cells(self._np(e), rows, s, k)  # each row's k best, in one pass that skips chunks
+
     def _scaled(self, e, scale: np.ndarray):
         out = self.torch.empty(int(e.shape[0]) * int(e.shape[1]), dtype=self.dtype)
         kernels.scaled(self._np(e), np.asarray(scale, dtype=np.float64), out.numpy())

@@ -649,6 +649,51 @@ def _draw_rows(x, m, inv_t, stored, seg, eb, scale, u, replace, out, vals):
         out[d] = k
 
 
+_TOP_CHUNK = 512  # cells a chunk: the unit `_row_top` skips after one integer max
+
+
+@njit(cache=True)
+def _least(w, idx, k):
+    """The position of the last-ranked of k kept cells: the least worth, of those the highest index."""
+    j = 0
+    for i in range(1, k):
+        if w[i] < w[j] or (w[i] == w[j] and idx[i] > idx[j]):
+            j = i
+    return j
+
+
+@njit(cache=True)
+def _row_top(e, s32, k, w, idx):
+    """The k cells of one row with the largest worth e * s32 (float32 products), ties to the lower index, into w
+    and idx (unordered): the row's first k cells, then each later cell worth more than the last-ranked kept one
+    (cells come in index order, so an equal worth never displaces a lower index). A chunk whose largest cell is
+    worth no more than the last-ranked is skipped after one integer max (the worth is monotone in the cell).
+    Returns the count kept (k, or the row's size if smaller)."""
+    size = e.size
+    n, last = 0, 0
+    for lo in range(0, size, _TOP_CHUNK):
+        hi = min(lo + _TOP_CHUNK, size)
+        if n == k and not _key_value(_max_key(e[lo:hi])) * s32 > w[last]:
+            continue
+        for i in range(lo, hi):
+            v = e[i] * s32
+            if n < k:
+                w[n], idx[n] = v, i
+                n += 1
+                if n == k:
+                    last = _least(w, idx, k)
+            elif v > w[last]:
+                w[last], idx[last] = v, i
+                last = _least(w, idx, k)
+    return n
+
+
+@njit(parallel=True, cache=True)
+def _rows_top(e, rows, s32, k, w, idx, counts):
+    for j in prange(rows.size):
+        counts[j] = _row_top(e[rows[j]], s32[j], k, w[j], idx[j])
+
+
 # ----------------------------------------------------------------------------------------------------- the API
 
 def blocks(size: int) -> int:
@@ -876,6 +921,23 @@ def draws(e, eb: np.ndarray, scale, u, replace: bool) -> tuple[np.ndarray, np.nd
     return out, vals
 
 
+def top_cells(e, rows, s32, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Of each listed row of e (float32 [n, V], cells >= 0) the k cells with the largest worth e * s32[j]
+    (float32 products), ties to the lower index: (row positions in `rows`, token ids, worths as float64), every
+    row's kept cells, unordered; the k best overall are among them."""
+    e = _input(e, 2)
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    s32 = np.ascontiguousarray(s32, dtype=np.float32)
+    if s32.shape != rows.shape or k < 1:
+        raise ValueError(f"need one scale a row and k >= 1, got {s32.shape} for {rows.shape}, k {k}")
+    w, idx, counts = np.empty((rows.size, k), np.float32), np.empty((rows.size, k), np.int64), np.empty(rows.size,
+                                                                                                        np.int64)
+    with _turn():
+        _rows_top(e, rows, s32, int(k), w, idx, counts)
+    keep = np.arange(k)[None, :] < counts[:, None]
+    return np.nonzero(keep)[0], idx[keep], w[keep].astype(np.float64)
+
+
 def numpy_sum(a) -> float:
     """A float64 array's sum in numpy's order (pairwise; what `RowStep` and `RowsStep` total with), bit for bit."""
     a = np.ascontiguousarray(a, dtype=np.float64).reshape(-1)
@@ -953,6 +1015,10 @@ def _check() -> None:
         keys, vals = draws(e, eb, scale, [0.25, 0.75], replace)
         _close(keys[0], np.searchsorted(cdf, 0.25, side="right"))
         _close(vals, [e.ravel()[k] * scale[k // size] for k in keys])
+    r, tok, worth = top_cells(e, np.array([1, 0]), np.array([2.0, 0.5], np.float32), 3)
+    got = sorted(zip((-worth).tolist(), (np.array([1, 0])[r] * size + tok).tolist()))[:3]
+    flat = (e * np.array([[0.5], [2.0]], np.float32)).astype(np.float64).ravel()
+    _close([k for _, k in got], np.lexsort((np.arange(flat.size), -flat))[:3])
 
 
 def _close(got, want) -> None:

@@ -234,18 +234,9 @@ class TorchLaw:
         of the valid rows above a cut on e, lowered until k of them outweigh every cell left out (`_head`)."""
         k = self.at_most(k)
         rows = np.flatnonzero(self._scale > 0)
-        e = self._e if rows.size == self.n else self._e[self.tm.torch.as_tensor(rows, device=self._e.device)]
-        s = self._scale[rows].astype(np.float32)
-
-        def worth(r, cells):
-            return (cells * s[r]).astype(np.float64)  # float32 products, as `p`
-
-        sub = self.tm._host(e[:, ::_SUB])
-        levels = _levels(worth(np.arange(rows.size)[:, None], sub), k, every=0.0)
-        r, tok, cells = self.tm._head(e, worth, lambda level: np.minimum(level / s, 1.0).astype(np.float32),
-                                      levels, k)
+        r, tok, worth = self.tm._top_cells(self._e, rows, self._scale[rows].astype(np.float32), k)
         keys = rows[r] * self.vocab + tok
-        return keys[np.lexsort((keys, -worth(r, cells)))[:k]]
+        return keys[np.lexsort((keys, -worth))[:k]]
 
 
 _SUB = 128  # one cell in _SUB of each row: where a head's cut lies
@@ -422,6 +413,21 @@ class TorchRows:
         """(float64 block sums, the cells as `_FlatCells`) of max(p - s q, 0), for draws from it."""
         cells = self._residual(p, q, s)
         return self._block_sums(cells), _FlatCells(self, cells)
+
+    def _top_cells(self, e, rows: np.ndarray, s: np.ndarray, k: int):
+        """Candidates for the k cells of e's rows `rows` worth most, worth e * s (float32 products, s float32 [rows]):
+        (positions in rows, tokens, worths as float64), holding every cell worth more than the k-th and enough
+        of those worth as much. The cells above a cut, lowered until k of them outweigh every cell left out
+        (`_head`)."""
+        e = e if rows.size == int(e.shape[0]) else e[self.torch.as_tensor(rows, device=e.device)]
+
+        def worth(r, cells):
+            return (cells * s[r]).astype(np.float64)  # float32 products, as `p`
+
+        sub = self._host(e[:, ::_SUB])
+        levels = _levels(worth(np.arange(rows.size)[:, None], sub), k, every=0.0)
+        r, tok, cells = self._head(e, worth, lambda level: np.minimum(level / s, 1.0).astype(np.float32), levels, k)
+        return r, tok, worth(r, cells)
 
     def _head(self, x, worth, cut, levels: Sequence[float], need: int):
         """The cells of the [r, V] tensor x at or above a per-row cut, lowered level by level until `need` of the

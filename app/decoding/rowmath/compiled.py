@@ -175,6 +175,9 @@ class CompiledRows(TorchRows):
             kernels.block_sums(xn[r], out[r])
         return out
 
+    def _cells_at(self, flat, idx: np.ndarray) -> np.ndarray:
+        return self._np(flat)[idx].astype(np.float64)
+
     def _draws(self, law: TorchLaw, u: np.ndarray, replace: bool) -> tuple[np.ndarray, np.ndarray]:
         return kernels.draws(self._np(law._e), law._eb, law._scale, u, replace)
 

@@ -190,8 +190,7 @@ class TorchLaw:
         ok = (keys >= 0) & (keys < self.size_cells)
         out = np.zeros(keys.shape)
         if ok.any():
-            idx = self.tm.torch.as_tensor(keys[ok], device=self._e.device)
-            cells = self.tm._host(self._ef[idx]).astype(np.float64)
+            cells = self.tm._cells_at(self._ef, keys[ok])
             out[ok] = cells * self._scale[keys[ok] // self.vocab] / self.total()
         return out
 
@@ -369,6 +368,10 @@ class TorchRows:
             parts.append(rows[:, full * CDF_BLOCK:].sum(dim=1, keepdim=True))
         sums = self._host(t.cat(parts, dim=1) if len(parts) > 1 else parts[0]).astype(np.float64)
         return sums if x.dim() == 2 else sums.reshape(-1)
+
+    def _cells_at(self, flat, idx: np.ndarray) -> np.ndarray:
+        """A flat tensor's cells at idx, float64 on the host."""
+        return self._host(flat[self.torch.as_tensor(idx, device=flat.device)]).astype(np.float64)
 
     def _draws(self, law: TorchLaw, u: np.ndarray, replace: bool) -> tuple[np.ndarray, np.ndarray]:
         """The law's keys for the uniforms u by the inverse CDF over its block sums, then one block's cells: each

@@ -22,14 +22,15 @@ import numpy as np
 
 from ..sampling import CDF_BLOCK, Rand, SeededRand, Warp
 from . import kernels
-from .tensors import TORCH_CELL_SECONDS, TorchLaw, TorchRows, _one_result, _Pair, _QRows
+from .tensors import TorchLaw, TorchRows, _one_result, _Pair, _QRows
 
 log = logging.getLogger(__name__)
 
-# The forest policy's prices (warp and draws, one chain step, per cell): torch's, divided by what
-# scripts/measure_rowmath.py timed for compiled against torch on 4 Qwen-sized rows in one run on a 2-core EPYC
-# (1.57x and 1.75x; docs/measurements/rowmath.md).
-COMPILED_CELL_SECONDS = (TORCH_CELL_SECONDS[0] / 1.57, TORCH_CELL_SECONDS[1] / 1.75)
+# The forest policy's prices (warp and draws, one chain step, per cell), as the engine spends them on a 2-core
+# EPYC (docs/measurements/rowmath.md, "The policy's prices"): a draft layer of 8 Qwen-sized rows (law, distinct
+# draws, likeliest pairs, lookups) 1.3 ms and the target's law on 4 rows 0.73 ms, about 1.1e-9 s a cell with the
+# rows cold from a pass; a residual-chain step 1.2e-10 s a cell (`time_cells`, median of 9).
+COMPILED_CELL_SECONDS = (1.1e-9, 1.2e-10)
 
 
 class CompiledRows(TorchRows):

@@ -148,6 +148,15 @@ class Rows:
             return self._arrays[a][k:k + len(self._where)]
         return None
 
+    def lie(self, idx) -> tuple[np.ndarray, list[int]] | None:
+        """(the inner result, the rows' positions in it) where rows idx all lie in one inner result (else None),
+        for immediate use: like `block`, a read through it after the next call is not caught."""
+        self._live()
+        where = [self._where[int(i)] for i in idx]
+        if not where or any(a != where[0][0] for a, _ in where):
+            return None
+        return self._arrays[where[0][0]], [k for _, k in where]
+
     def take(self, idx):
         """Rows idx, copied: [len(idx), vocab], where the rows are (a device's rows stay on it)."""
         idx = list(idx)

@@ -522,6 +522,54 @@ def test_the_fused_beam_step_is_the_general_paths_step_bit_for_bit(size):
     assert rand.rng.random() == np.random.default_rng(0).random()  # no uniform was drawn by the refusals
 
 
+class _LyingRows:
+    """Rows read in place as `backends.unique.Rows` hands them out (row views, `take` copies, `lie`), counting
+    copies."""
+
+    def __init__(self, x: np.ndarray) -> None:
+        self.x, self.shape, self.dtype, self.copies = x, x.shape, x.dtype, 0
+        self._where = [(0, i) for i in range(len(x))]
+
+    def row(self, i: int) -> np.ndarray:
+        return self.x[i]
+
+    def block(self):
+        return None
+
+    def take(self, idx):
+        self.copies += 1
+        return self.x[list(idx)]
+
+    def lie(self, idx):
+        return self.x, [int(i) for i in idx]
+
+
+def test_the_compiled_stack_normalises_rows_where_they_lie():
+    """DSBD's beams over rows of one pass: the compiled backend normalises them where they lie (no copy of the
+    rows) into the normalisers, e and block sums the copying stack gives, bit for bit, so the law and its draws are
+    the same; the rows' own results keep the normalisers; a temperature reads the raw cells (copied then, row by
+    row)."""
+    pytest.importorskip("numba", reason="the compiled kernels need numba")
+    from app.decoding.rowmath.tensors import TorchRows
+
+    rm = rowmath.make("compiled")
+    x = qwen_rows(np.random.default_rng(5), 6)
+    idx, scores = [4, 1, 3], np.array([-0.5, -1.0, -2.0])
+    for warp in (Warp(), Warp(0.7)):
+        lying = _LyingRows(x)
+        src, plain = rm.rows(lying), rm.rows(x.copy())
+        got = rm.stack([src.row(i) for i in idx])
+        want = TorchRows.stack(rm, [plain.row(i) for i in idx])
+        assert lying.copies == 0 and got.lse_all().tolist() == want.lse_all().tolist()
+        assert (got.e.numpy() == want.e.numpy()).all() and (got.eb == want.eb).all()
+        assert [src._norm[i] for i in idx] == [plain._norm[i] for i in idx]
+        a, b = rm.law(got, scores, warp), rm.law(want, scores, warp)
+        rand_a, rand_b = SeededRand(np.random.default_rng(3)), SeededRand(np.random.default_rng(3))
+        assert rm.distinct_keys(a, 4, rand_a) == rm.distinct_keys(b, 4, rand_b)
+        assert a.top(5).tolist() == b.top(5).tolist()
+        assert got.at(2, 7) == want.at(2, 7) and lying.copies == 0
+
+
 @pytest.mark.parametrize("size", [151_936, 5_000, 100])
 def test_the_compiled_draws_from_a_law_are_the_inverse_cdfs_bit_for_bit(size):
     """A dense law's draws on the compiled backend (one kernel call over its stored cells) are the keys the torch

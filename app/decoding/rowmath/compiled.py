@@ -22,7 +22,8 @@ import numpy as np
 
 from ..sampling import CDF_BLOCK, Rand, SeededRand, Warp
 from . import kernels
-from .tensors import TorchLaw, TorchRows, _one_result, _Pair, _QRows
+from .reference import LogProbRow
+from .tensors import TorchLaw, TorchLogProbs, TorchRows, _InPlace, _one_result, _Pair, _QRows
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,47 @@ class CompiledRows(TorchRows):
             out.append((r, t, float((x[r] if row is None else row(r))[t]) - float(lse_rows[r])))
         return out
 
+    def stack(self, refs: Sequence[LogProbRow]) -> TorchLogProbs:
+        """`TorchRows.stack` with no copy where the rows, none normalised yet, lie in one array: the normaliser
+        reads them there (`kernels.norms` with a row index) and writes e, so the law needs no other pass; their
+        raw cells are copied only if a truncated warp or a temperature reads them."""
+        whole = _one_result(refs)
+        lie = None if whole is not None or any(r.i in r.src._norm for r in refs) else self._where_they_lie(refs)
+        if lie is None:
+            return super().stack(refs)
+        block, idx = lie
+        e = self.torch.empty((len(refs), block.shape[1]), dtype=self.dtype)
+        eb = np.empty((len(refs), kernels.blocks(block.shape[1])))
+        m = kernels.norms(block, e.numpy(), eb, rows=idx)
+        with np.errstate(divide="ignore"):
+            lse = m + np.log(eb.sum(axis=1))
+        out = TorchLogProbs(self, _InPlace(self, _RefRows(refs)), dict(enumerate(zip(m.tolist(), lse.tolist()))))
+        out.e, out.eb, out.shift = e, eb, m
+        for j, r in enumerate(refs):
+            r.src._norm.setdefault(r.i, out._norm[j])
+        return out
+
+    @staticmethod
+    def _where_they_lie(refs):
+        """(a float32 numpy array, the rows' indices in it) where every row of refs lies in one array on the host;
+        else None."""
+        src = refs[0].src if refs else None
+        if src is None or any(r.src is not src for r in refs):
+            return None
+        idx = [r.i for r in refs]
+        x = src.x
+        if isinstance(x, _InPlace):
+            lie = getattr(x.rows, "lie", None)
+            got = lie(idx) if lie is not None else None
+            if got is None:
+                return None
+            block, idx = got
+        else:
+            block = x.numpy() if getattr(x, "device", None) is not None and x.device.type == "cpu" else None
+        ok = isinstance(block, np.ndarray) and block.dtype == np.float32 and block.ndim == 2 \
+            and block.shape[1] == src.vocab
+        return (block, idx) if ok else None
+
     def _raw(self, refs):
         """The raw logits of rows of `rows(...)` results as one [n, V] block, with no normaliser: a result's own
         rows in order where they are all of one, else a stack of them (as `stack` forms it)."""
@@ -221,6 +263,25 @@ class CompiledRows(TorchRows):
         blocks = np.empty(kernels.blocks(pn.size))
         kernels.residual_blocks(pn, qn, float(s), blocks)
         return blocks, _ResidualCells(pn, qn, float(s))
+
+
+class _RefRows:
+    """Rows of `rows(...)` results (LogProbRow) as `_InPlace` reads a runtime's rows: a row is a view where it lies,
+    several rows a copy."""
+
+    def __init__(self, refs: Sequence[LogProbRow]) -> None:
+        self.refs = list(refs)
+        self.shape = (len(self.refs), refs[0].src.vocab)
+
+    def row(self, i: int) -> np.ndarray:
+        r = self.refs[i]
+        return CompiledRows._np(r.src.x[r.i])
+
+    def take(self, idx) -> np.ndarray:
+        return np.stack([self.row(int(i)) for i in idx])
+
+    def block(self) -> None:
+        return None
 
 
 class _ResidualCells:

@@ -246,29 +246,29 @@ def _row_norm(x, e, eb):
 
 
 @njit(parallel=True, fastmath=_SUMS, cache=True)
-def _norms(x, e, eb, threads):
-    """Whole rows per thread while every thread has one; the rows left over (fewer than the threads) split by
-    blocks in two parallel passes, block maxima then exp, so that one row still uses every core. (The caller
-    passes the thread count: a kernel that asks numba for it cannot be cached.)"""
-    n, size = x.shape
+def _norms(x, rows, e, eb, threads):
+    """Output row r reads x[rows[r]]. Whole rows per thread while every thread has one; the rows left over (fewer
+    than the threads) split by blocks in two parallel passes, block maxima then exp, so that one row still uses
+    every core. (The caller passes the thread count: a kernel that asks numba for it cannot be cached.)"""
+    n, size = e.shape
     nb = eb.shape[1]
     m = np.zeros(n)
     whole = n - n % threads
     if whole:
         for r in prange(whole):
-            m[r] = _row_norm(x[r], e[r], eb[r])
+            m[r] = _row_norm(x[rows[r]], e[r], eb[r])
     left = n - whole
     if left:
         keys = np.empty((left, nb), np.int32)
         for k in prange(left * nb):
             r, lo, hi = _span(k, nb, size)
-            keys[r, k % nb] = _max_key(x[whole + r, lo:hi])
+            keys[r, k % nb] = _max_key(x[rows[whole + r], lo:hi])
         for r in range(left):
             m[whole + r] = _max_of(keys[r].max())
         for k in prange(left * nb):
             r, lo, hi = _span(k, nb, size)
             row = whole + r
-            eb[row, k % nb] = _exp_sum(x[row, lo:hi], _F(m[row]), _ONE, e[row, lo:hi])
+            eb[row, k % nb] = _exp_sum(x[rows[row], lo:hi], _F(m[row]), _ONE, e[row, lo:hi])
     return m
 
 
@@ -727,19 +727,23 @@ def _row_scalars(a, n: int) -> np.ndarray:
     return a
 
 
-def norms(x, e_out: np.ndarray, eb_out: np.ndarray) -> np.ndarray:
+def norms(x, e_out: np.ndarray, eb_out: np.ndarray, rows=None) -> np.ndarray:
     """Each row's max m (float64 [n]; 0 for a row with no finite cell), e = exp(x - float32(m)) into e_out
     (float32 [n, V]) and e's float64 block sums into eb_out ([n, blocks(V)]): lse = m + log(eb_out.sum(1)).
+    With `rows`, row r is x[rows[r]] (rows gathered where they lie, with no copy); else x's rows in order.
 
     Two passes over a row, the second from cache: its max (an integer max of order keys), then exp and the sums.
     The max must come first: e is exp(x - m) as float32 computes it, not a running sum rescaled. Each thread takes
     whole rows while there are rows for all; the rest are split by blocks, so one row still uses every core."""
     x = _input(x, 2)
-    n, size = x.shape
+    rows = np.arange(x.shape[0]) if rows is None else np.ascontiguousarray(rows, dtype=np.int64).reshape(-1)
+    if rows.size and not 0 <= rows.min() <= rows.max() < x.shape[0]:
+        raise ValueError(f"rows must index x's {x.shape[0]} rows, got {rows.min()}..{rows.max()}")
+    n, size = rows.size, x.shape[1]
     _output(e_out, np.float32, (n, size), "e_out")
     _output(eb_out, np.float64, (n, blocks(size)), "eb_out")
     with _turn():
-        return _norms(x, e_out, eb_out, numba.get_num_threads())
+        return _norms(x, rows, e_out, eb_out, numba.get_num_threads())
 
 
 def exp_blocks(x, shift, inv_t: float, e_out: np.ndarray, eb_out: np.ndarray) -> None:

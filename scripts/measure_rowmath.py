@@ -124,8 +124,17 @@ def operations(rm, x, y, scores, n_drafts: int):
             return got
         return law().sample(min(4, n), seeded()) if replace else rm.distinct_keys(law(), min(4, n), seeded())
 
+    def draft_layer():
+        """A draft layer as DSBD's drafting takes it over these rows: the law, W_S = rows distinct draws with their
+        q, and the likeliest pairs for 2 lookup nodes."""
+        q = law()
+        keys, _ = q.distinct(n, seeded(1)) if len(q) >= n else (q.sample(n, seeded(1)), None)
+        q.lookup(keys)
+        return q.top(n + 2)
+
     ops = {
         "normaliser (rows)": lambda: normalisers(rm.rows(x)),
+        "draft layer (law, W_S distinct draws, q, likeliest pairs)": draft_layer,
         "warp T=1": lambda: law().lookup([0]),
         "warp T=0.7": lambda: law(hot).lookup([0]),
         "warp top-k 20": lambda: law(Warp(1.0, top_k=20)).lookup([0]),

@@ -115,8 +115,8 @@ def same_law() -> dict:
 
 
 def row_math() -> dict:
-    """The compiled default vs the numpy reference per iteration outside the passes (rowmath-pair-epyc.json)."""
-    f = "rowmath-pair-epyc.json"
+    """The compiled default vs the numpy reference per iteration outside the passes (rowmath-draftlayer-epyc.json)."""
+    f = "rowmath-draftlayer-epyc.json"
     rows = [r for r in load(f)["results"] if r["rows"] == 4]
     plain = [r for r in rows if r["op"].startswith("plain step")]
     layer = [r for r in rows if r["op"].startswith("verified layer")]
@@ -137,8 +137,8 @@ FIXED = "preset:Best quality,forest=fixed,draft_beams=8,gamma=3"  # a forest eve
 
 
 def projected() -> dict:
-    """The presets on the rtx4090-7b cost profile (decoder-rtx4090-7b-code.json)."""
-    f = "decoder-rtx4090-7b-code.json"
+    """The presets on the rtx4090-7b cost profile (decoder-draftlayer-rtx4090-7b-code.json)."""
+    f = "decoder-draftlayer-rtx4090-7b-code.json"
     d = load(f)
     s = d["summary"]
     plain = [r for r in d["runs"] if r["mode"] == "beam-sample"]
@@ -151,10 +151,10 @@ def projected() -> dict:
             "passes": f"{s[FIXED]['decoder_ms_per_iteration'] / pass_ms:.0f}"}
 
 
-def heads() -> dict:
-    """A fixed forest's decoder before and after heads cut on the device and the draft's rows read in place, one
-    session (heads-before-rtx4090-7b-code.json, heads-after-rtx4090-7b-code.json)."""
-    f, g = "heads-before-rtx4090-7b-code.json", "heads-after-rtx4090-7b-code.json"
+def heads(f: str = "heads-before-rtx4090-7b-code.json", g: str = "heads-after-rtx4090-7b-code.json") -> dict:
+    """A fixed forest's decoder before and after a change, one session: heads cut on the device and the draft's
+    rows read in place (heads-*-rtx4090-7b-code.json); the draft layer's compiled draws and likeliest pairs and the
+    beams normalised where they lie (draftlayer-*-rtx4090-7b-code.json)."""
     b, a = load(f)["summary"][FIXED], load(g)["summary"][FIXED]
     texts = [{(r["prompt"], r["mode"]): r["text"] for r in load(x)["runs"]} for x in (f, g)]
     same = sum(texts[0][k] == texts[1].get(k) for k in texts[0])
@@ -275,6 +275,7 @@ def table() -> str:
     a, r, p, b, u, c, dc, fs, f, e = (same_law(), row_math(), projected(), busy(), unique_paths(), pass_cost(),
                                       draft_cost(), first_start(), attachments(), edits())
     lc, pl, ip, hd, fa = learnt_costs(), plain(), in_place(), heads(), first_answer()
+    dl = heads("draftlayer-before-rtx4090-7b-code.json", "draftlayer-after-rtx4090-7b-code.json")
     pt = plain("plain-vs-llamacpp-tiny-step-epyc.json")
     base = u["base"]
     rows = [
@@ -307,6 +308,11 @@ def table() -> str:
          "and the draft's rows read in place", hd["on"],
          f"{hd['before']} / {hd['after']} ms an iteration, the same answers ({hd['same']} texts of every mode); "
          f"projected on the 7B-class curve {hd['proj_before']} / {hd['proj_after']} beam sampling's speed",
+         "rowmath.md"),
+        ("The same forest's decoder time: before / after the draft layer's draws and likeliest pairs in one compiled "
+         "call each and the beams normalised where the pass left them", dl["on"],
+         f"{dl['before']} / {dl['after']} ms an iteration, the same answers ({dl['same']} texts of every mode); "
+         f"projected on the 7B-class curve {dl['proj_before']} / {dl['proj_after']} beam sampling's speed",
          "rowmath.md"),
         ("Balanced vs sampling on edits of attached files, qwen-coder, the target alone / with the draft",
          e["on"], f"{e['target']} / {e['pair']} (a different law); {e['target_steps']} / {e['pair_steps']} beam steps "

@@ -570,6 +570,27 @@ def test_the_compiled_stack_normalises_rows_where_they_lie():
         assert got.at(2, 7) == want.at(2, 7) and lying.copies == 0
 
 
+def test_the_fused_step_on_beams_reads_them_where_they_lie():
+    """DSBD's plain step over its beams' rows (LogProbRow of one pass): the fused step reads them in the runtime's
+    buffer by index, with no copy, and gives the keys, log-probs and normalisers of the same step on the rows
+    copied out, with and without replacement, at two temperatures."""
+    pytest.importorskip("numba", reason="the compiled kernels need numba")
+    rm = rowmath.make("compiled")
+    x = qwen_rows(np.random.default_rng(9), 6)
+    idx, scores = [5, 0, 2, 3], np.array([-0.5, -1.0, -2.0, -np.inf])
+    for warp in (Warp(), Warp(0.7)):
+        for replace, n in ((True, 6), (False, 4)):
+            lying = _LyingRows(x)
+            src = rm.rows(lying)
+            got = rm.beam_step([src.row(i) for i in idx], scores, warp, SeededRand(np.random.default_rng(4)), n,
+                               replace)
+            want = rm.beam_step(np.ascontiguousarray(x[idx]), scores, warp, SeededRand(np.random.default_rng(4)), n,
+                                replace)
+            assert got == want and got is not None and lying.copies == 0, (warp, replace)
+            plain = rm.rows(x[idx].copy())
+            assert [src._norm[i] for i in idx[:3]] == [plain.lse(j) and plain._norm[j] for j in range(3)]
+
+
 @pytest.mark.parametrize("size", [151_936, 5_000, 100])
 def test_the_compiled_draws_from_a_law_are_the_inverse_cdfs_bit_for_bit(size):
     """A dense law's draws on the compiled backend (one kernel call over its stored cells) are the keys the torch

@@ -90,14 +90,19 @@ class CompiledRows(TorchRows):
         """The beam modes' step on the rows of one pass, fused: the n keys `law(rows(logits), scores, warp)` gives
         `sample(n, rand)` (replace) or `distinct_keys(law, n, rand)`, as (row, token, raw log-prob `at(row, token)`),
         bit for bit, in two compiled calls and the law's few numpy steps on one value a row. logits: a pass's rows,
-        or a list of rows of `rows(...)` results (DSBD's beams, LogProbRow; their normalisers are kept, as `stack`
-        keeps them). None where the general
+        or a list of rows of `rows(...)` results (DSBD's beams, LogProbRow; read where they lie when one array holds
+        them all; their normalisers are kept, as `stack` keeps them). None where the general
         path must run: a truncated warp, a rand other than the seeded stream, a row set with no valid parent or a
         row without finite mass, fewer blocks holding mass than distinct draws."""
         if type(rand) is not SeededRand or warp.top_p < 1.0:
             return None
         refs = logits if isinstance(logits, (list, tuple)) else None  # rows of `rows(...)` results (LogProbRow)
-        if refs is not None:
+        lie = self._where_they_lie(refs) if refs is not None else None
+        at = None  # x's row of each of the step's rows, where they are gathered in place
+        if lie is not None:  # one array holds them all: read there, not copied
+            x, at = lie
+            logits, at = x, np.asarray(at, dtype=np.int64)
+        elif refs is not None:
             logits = self._raw(refs)
         row = getattr(logits, "row", None)  # rows read in place (backends.unique.Rows)
         whole = logits if row is None else (logits.block() if hasattr(logits, "block") else None)
@@ -106,13 +111,14 @@ class CompiledRows(TorchRows):
         x = np.ascontiguousarray(whole, dtype=np.float32)
         s = np.asarray(scores, dtype=np.float64)
         valid = np.isfinite(s)
+        n_rows = x.shape[0] if at is None else at.size
         if x.ndim != 2 or not valid.any() or 0 < warp.top_k < x.shape[1] * np.count_nonzero(valid):
             return None
         step = getattr(self._scratch, "rows", None)
-        if step is None or step.shape != x.shape:
-            step = self._scratch.rows = kernels.RowsStep(*x.shape)
+        if step is None or step.shape != (n_rows, x.shape[1]):
+            step = self._scratch.rows = kernels.RowsStep(n_rows, x.shape[1])
         inv_t = 1.0 / warp.temperature
-        m, s1, s_t = step.law(x, inv_t)
+        m, s1, s_t = step.law(x, inv_t, at)
         # The law's arithmetic as `TorchRows.law` forms it (numpy's exp and log, numpy's sums), one value a row.
         with np.errstate(divide="ignore", invalid="ignore"):
             lse_rows = m + np.log(s1)
@@ -128,14 +134,15 @@ class CompiledRows(TorchRows):
             scale = np.where(valid, np.exp(np.where(valid, c + base, 0.0)), 0.0)
         if not replace and int(np.count_nonzero((step.eb * scale[:, None]).reshape(-1) > 0)) < n:
             return None
-        keys = step.draw(x, m, inv_t, scale, rand.rng.random(n), replace)
+        keys = step.draw(x, m, inv_t, scale, rand.rng.random(n), replace, at)
         for r, ref in enumerate(refs or ()):  # their normalisers, as `stack` leaves them: a later read costs nothing
             if np.isfinite(lse_rows[r]):
                 ref.src._norm.setdefault(ref.i, (float(m[r]), float(lse_rows[r])))
         vocab, out = x.shape[1], []
         for k in keys.tolist():
             r, t = divmod(k, vocab)
-            out.append((r, t, float((x[r] if row is None else row(r))[t]) - float(lse_rows[r])))
+            cells = x[r if at is None else at[r]] if row is None else row(r)
+            out.append((r, t, float(cells[t]) - float(lse_rows[r])))
         return out
 
     def stack(self, refs: Sequence[LogProbRow]) -> TorchLogProbs:

@@ -557,21 +557,21 @@ def _draw_row(x, m, inv_t, seg, eb, scale, u):
 
 
 @njit(parallel=True, fastmath=_SUMS, cache=True)
-def _rows_law(x, inv_t, seg, eb1, eb, m, s1, s_t):
-    """`_row_law` for each row of x [n, V] (a thread per row): m, eb1, eb and their totals s1, s_t per row."""
-    n, size = x.shape
+def _rows_law(x, rows, inv_t, seg, eb1, eb, m, s1, s_t):
+    """`_row_law` for each row x[rows[r]] (a thread per row): m, eb1, eb and their totals s1, s_t per row."""
+    n, size = rows.size, x.shape[1]
     nb = eb.shape[1]
     t = np.float32(inv_t)
     for r in prange(n):
-        top = _max_of(_max_key(x[r]))
+        top = _max_of(_max_key(x[rows[r]]))
         m[r] = top
         for j in range(nb):
             lo, hi = j * CDF_BLOCK, min((j + 1) * CDF_BLOCK, size)
-            eb1[r, j] = _exp_sum(x[r, lo:hi], top, _ONE, seg[r, :hi - lo])
+            eb1[r, j] = _exp_sum(x[rows[r], lo:hi], top, _ONE, seg[r, :hi - lo])
         if t != _ONE:
             for j in range(nb):
                 lo, hi = j * CDF_BLOCK, min((j + 1) * CDF_BLOCK, size)
-                eb[r, j] = _exp_sum(x[r, lo:hi], top, t, seg[r, :hi - lo])
+                eb[r, j] = _exp_sum(x[rows[r], lo:hi], top, t, seg[r, :hi - lo])
         else:
             for j in range(nb):
                 eb[r, j] = eb1[r, j]
@@ -580,11 +580,11 @@ def _rows_law(x, inv_t, seg, eb1, eb, m, s1, s_t):
 
 
 @njit(fastmath=False, cache=True)
-def _icdf_rows(x, m, t32, stored, seg, scale, blocks, t, drawn, n_drawn):
-    """`tensors._icdf` on the law e * scale_row over rows x [n, V] (e = exp((x - m_row) * t32), or x itself where
-    `stored`; block sums `blocks`, flat), the cells of the keys drawn[:n_drawn] set to 0: the key, and seg holding
-    its block's e."""
-    n, size = x.shape
+def _icdf_rows(x, rows, m, t32, stored, seg, scale, blocks, t, drawn, n_drawn):
+    """`tensors._icdf` on the law e * scale_row over the rows x[rows[r]] (e = exp((x - m_row) * t32), or x itself
+    where `stored`; block sums `blocks`, flat), the cells of the keys drawn[:n_drawn] set to 0 (keys r * V + t):
+    the key, and seg holding its block's e."""
+    n, size = rows.size, x.shape[1]
     nb = blocks.size // n
     bl = blocks.copy()
     cb = np.empty(bl.size)
@@ -604,9 +604,9 @@ def _icdf_rows(x, m, t32, stored, seg, scale, blocks, t, drawn, n_drawn):
         lo, hi = j * CDF_BLOCK, min((j + 1) * CDF_BLOCK, size)
         first = r * size + lo
         if stored:
-            seg[:hi - lo] = x[r, lo:hi]
+            seg[:hi - lo] = x[rows[r], lo:hi]
         else:
-            _exp_sum(x[r, lo:hi], np.float32(m[r]), t32, seg[:hi - lo])
+            _exp_sum(x[rows[r], lo:hi], np.float32(m[r]), t32, seg[:hi - lo])
         for i in range(hi - lo):
             cells[i] = np.float64(seg[i]) * scale[r]
         for d in range(n_drawn):
@@ -624,12 +624,13 @@ def _icdf_rows(x, m, t32, stored, seg, scale, blocks, t, drawn, n_drawn):
 
 
 @njit(fastmath=False, cache=True)
-def _draw_rows(x, m, inv_t, stored, seg, eb, scale, u, replace, out, vals):
+def _draw_rows(x, rows, m, inv_t, stored, seg, eb, scale, u, replace, out, vals):
     """`TorchLaw.sample` (replace) or `TorchLaw.distinct`'s keys, one uniform of u each, into out, and each drawn
     cell's value into vals: blocks eb * scale_row; with replacement every draw from the whole law, without each
     from what the earlier ones left (their cells 0, their masses out of their blocks). The cells are
-    exp((x - m_row) * inv_t) * scale_row, or x * scale_row where `stored` (x holds the law's e)."""
-    n, size = x.shape
+    exp((x - m_row) * inv_t) * scale_row, or x * scale_row where `stored` (x holds the law's e), row r being
+    x[rows[r]]."""
+    n, size = rows.size, x.shape[1]
     nb = eb.shape[1]
     t32 = np.float32(inv_t)
     blocks = np.empty(n * nb)
@@ -639,9 +640,10 @@ def _draw_rows(x, m, inv_t, stored, seg, eb, scale, u, replace, out, vals):
     total = _pairwise(blocks, blocks.size)
     for d in range(u.size):
         if replace:
-            k = _icdf_rows(x, m, t32, stored, seg, scale, blocks, u[d] * total, out, 0)
+            k = _icdf_rows(x, rows, m, t32, stored, seg, scale, blocks, u[d] * total, out, 0)
         else:
-            k = _icdf_rows(x, m, t32, stored, seg, scale, blocks, u[d] * _pairwise(blocks, blocks.size), out, d)
+            k = _icdf_rows(x, rows, m, t32, stored, seg, scale, blocks, u[d] * _pairwise(blocks, blocks.size), out,
+                           d)
         r, tok = k // size, k % size
         vals[d] = np.float64(seg[tok % CDF_BLOCK]) * scale[r]
         if not replace:
@@ -876,8 +878,8 @@ class RowStep:
 class RowsStep:
     """`RowStep` for n rows at once, a thread per row for the normalisers (for the beam modes' plain step).
 
-        m, s1, s = step.law(x, inv_t)                  # x: float32 [n, size]; per row, float64 [n] each
-        keys = step.draw(x, m, inv_t, scale, u, replace)   # flat keys (row * size + token), one per uniform
+        m, s1, s = step.law(x, inv_t, rows=None)       # x: float32 [n, size] (or rows of it); float64 [n] each
+        keys = step.draw(x, m, inv_t, scale, u, replace, rows=None)   # flat keys (r * size + token), a uniform each
 
     draw: `TorchLaw.sample` (replace) or `TorchLaw.distinct`'s keys for the law e * scale_row (scale: float64 [n]),
     bit for bit. One instance per thread; `draw` after `law`, with its block sums."""
@@ -890,23 +892,30 @@ class RowsStep:
         self.eb1, self.eb = np.empty((rows, blocks(size))), np.empty((rows, blocks(size)))
         self.m, self.s1, self.s = np.empty(rows), np.empty(rows), np.empty(rows)
 
-    def law(self, x: np.ndarray, inv_t: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        self._check(x)
+    def law(self, x: np.ndarray, inv_t: float, rows=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        rows = self._check(x, rows)
         with _turn():
-            _rows_law(x, float(inv_t), self.seg, self.eb1, self.eb, self.m, self.s1, self.s)
+            _rows_law(x, rows, float(inv_t), self.seg, self.eb1, self.eb, self.m, self.s1, self.s)
         return self.m, self.s1, self.s
 
-    def draw(self, x: np.ndarray, m, inv_t: float, scale, u, replace: bool) -> np.ndarray:
-        self._check(x)
+    def draw(self, x: np.ndarray, m, inv_t: float, scale, u, replace: bool, rows=None) -> np.ndarray:
+        rows = self._check(x, rows)
         out = np.empty(len(u), np.int64)
-        _draw_rows(x, _row_scalars(m, self.shape[0]), float(inv_t), False, self.seg[0], self.eb,
+        _draw_rows(x, rows, _row_scalars(m, self.shape[0]), float(inv_t), False, self.seg[0], self.eb,
                    _row_scalars(scale, self.shape[0]), np.asarray(u, dtype=np.float64), bool(replace), out,
                    np.empty(len(u)))
         return out
 
-    def _check(self, x) -> None:
-        if not (type(x) is np.ndarray and x.dtype == np.float32 and x.shape == self.shape and x.flags.c_contiguous):
-            raise ValueError(f"expected C-contiguous float32 rows of shape {self.shape}")
+    def _check(self, x, rows) -> np.ndarray:
+        """The row index: x's rows in order, or `rows` of x (rows gathered where they lie, with no copy)."""
+        n, size = self.shape
+        if not (type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 2 and x.shape[1] == size
+                and x.flags.c_contiguous):
+            raise ValueError(f"expected C-contiguous float32 rows of {size} cells")
+        rows = np.arange(n) if rows is None else np.ascontiguousarray(rows, dtype=np.int64).reshape(-1)
+        if rows.size != n or (rows.size and not 0 <= rows.min() <= rows.max() < x.shape[0]):
+            raise ValueError(f"expected {n} rows of x's {x.shape[0]}")
+        return rows
 
 
 def draws(e, eb: np.ndarray, scale, u, replace: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -920,8 +929,8 @@ def draws(e, eb: np.ndarray, scale, u, replace: bool) -> tuple[np.ndarray, np.nd
         raise ValueError(f"eb must be [{n}, {blocks(size)}], got {eb.shape}")
     u = np.ascontiguousarray(u, dtype=np.float64).reshape(-1)
     out, vals = np.empty(u.size, np.int64), np.empty(u.size)
-    _draw_rows(e, np.zeros(n), 1.0, True, np.empty(CDF_BLOCK, np.float32), eb, _row_scalars(scale, n), u,
-               bool(replace), out, vals)
+    _draw_rows(e, np.arange(n), np.zeros(n), 1.0, True, np.empty(CDF_BLOCK, np.float32), eb, _row_scalars(scale, n),
+               u, bool(replace), out, vals)
     return out, vals
 
 

@@ -314,7 +314,12 @@ class ForestPolicy:
     def set_profile(self, q_rows) -> None:
         """Price distinct drafts on this q (the latest drafted layer's joint: probabilities of any shape, or a
         row-math law, which reads only its cells >= _TINY): once per W_S candidate, since q may hold W x |V|
-        entries."""
+        entries. Without replacement a layer's distinct drafts are min(W_S, support): a law counts that from its
+        block sums (`at_most`), with no pass over its cells."""
+        if not self.replacement and hasattr(q_rows, "at_most"):
+            self._choice.clear()
+            self._profile = {ws: float(q_rows.at_most(ws)) for ws in set(self.widths)}
+            return
         if hasattr(q_rows, "profile"):
             size = len(q_rows)
             big, rest = q_rows.profile(_TINY) if size else (None, 0.0)

@@ -480,6 +480,15 @@ def test_the_fused_plain_step_is_the_general_paths_step_bit_for_bit(size):
 
 
 
+def mixed_rows(rng, kinds, n_rows: int, *, invalid: bool):
+    """n_rows rows drawn from `kinds` and their scores, one of them an invalid parent (-inf) where asked."""
+    x = np.concatenate([kinds[int(i)] for i in rng.integers(0, len(kinds), n_rows)])
+    scores = -rng.uniform(0, 30, n_rows)
+    if invalid:
+        scores[rng.integers(0, n_rows)] = -np.inf
+    return x, scores
+
+
 @pytest.mark.parametrize("size", [49_152, 151_936, 5_000, 100])
 def test_the_fused_beam_step_is_the_general_paths_step_bit_for_bit(size):
     """The compiled backend's step over a pass's rows (`beam_step`) draws the keys the general path draws with and
@@ -492,10 +501,7 @@ def test_the_fused_beam_step_is_the_general_paths_step_bit_for_bit(size):
     kinds = plain_rows(rng, size)
     for trial in range(12):
         n_rows = 2 + trial % 5
-        x = np.concatenate([kinds[int(i)] for i in rng.integers(0, len(kinds), n_rows)])
-        scores = -rng.uniform(0, 30, n_rows)
-        if trial % 3 == 0:
-            scores[rng.integers(0, n_rows)] = -np.inf
+        x, scores = mixed_rows(rng, kinds, n_rows, invalid=trial % 3 == 0)
         for warp in (Warp(), Warp(0.7), Warp(1.6)):
             for replace, n in ((True, n_rows), (True, 2 * n_rows + 1), (False, n_rows)):
                 seed = int(rng.integers(1 << 30))
@@ -604,10 +610,7 @@ def test_the_compiled_draws_from_a_law_are_the_inverse_cdfs_bit_for_bit(size):
     kinds = plain_rows(rng, size)
     for trial in range(10):
         n_rows = 1 + trial % 6
-        x = np.concatenate([kinds[int(i)] for i in rng.integers(0, len(kinds), n_rows)])
-        scores = -rng.uniform(0, 30, n_rows)
-        if trial % 3 == 0 and n_rows > 1:
-            scores[rng.integers(0, n_rows)] = -np.inf
+        x, scores = mixed_rows(rng, kinds, n_rows, invalid=trial % 3 == 0 and n_rows > 1)
         for warp in (Warp(), Warp(0.7), Warp(1.6)):
             p = rm.law(rm.rows(x), scores, warp)
             for replace, n in ((True, 2 * n_rows + 1), (False, min(n_rows + 2, np.count_nonzero(p.blocks() > 0)))):

@@ -100,8 +100,7 @@ class CompiledRows(TorchRows):
         lie = self._where_they_lie(refs) if refs is not None else None
         at = None  # x's row of each of the step's rows, where they are gathered in place
         if lie is not None:  # one array holds them all: read there, not copied
-            x, at = lie
-            logits, at = x, np.asarray(at, dtype=np.int64)
+            logits, at = lie[0], np.asarray(lie[1], dtype=np.int64)
         elif refs is not None:
             logits = self._raw(refs)
         row = getattr(logits, "row", None)  # rows read in place (backends.unique.Rows)
@@ -153,14 +152,9 @@ class CompiledRows(TorchRows):
         lie = None if whole is not None or any(r.i in r.src._norm for r in refs) else self._where_they_lie(refs)
         if lie is None:
             return super().stack(refs)
-        block, idx = lie
-        e = self.torch.empty((len(refs), block.shape[1]), dtype=self.dtype)
-        eb = np.empty((len(refs), kernels.blocks(block.shape[1])))
-        m = kernels.norms(block, e.numpy(), eb, rows=idx)
-        with np.errstate(divide="ignore"):
-            lse = m + np.log(eb.sum(axis=1))
+        m, lse, e, eb, shift = self._norms(*lie)
         out = TorchLogProbs(self, _InPlace(self, _RefRows(refs)), dict(enumerate(zip(m.tolist(), lse.tolist()))))
-        out.e, out.eb, out.shift = e, eb, m
+        out.e, out.eb, out.shift = e, eb, shift
         for j, r in enumerate(refs):
             r.src._norm.setdefault(r.i, out._norm[j])
         return out
@@ -199,13 +193,15 @@ class CompiledRows(TorchRows):
         """A CPU tensor's numpy view (shared memory; the kernels make any other layout C-contiguous float32)."""
         return x.numpy() if hasattr(x, "numpy") else np.asarray(x)
 
-    def _norms(self, x):
+    def _norms(self, x, rows=None):
         """(row maxima (0 for a row with no finite cell), normalisers, e = exp(x - max), e's block sums, the
-        shift (the maxima)): one read for the maxima, one fused exp-and-block-sum pass."""
+        shift (the maxima)): one read for the maxima, one fused exp-and-block-sum pass. With `rows`, of the rows
+        x[rows] read where they lie."""
         xn = self._np(x)
-        e = self.torch.empty(xn.shape, dtype=self.dtype)
-        eb = np.empty((xn.shape[0], kernels.blocks(xn.shape[1])))
-        m = kernels.norms(xn, e.numpy(), eb)
+        n = xn.shape[0] if rows is None else len(rows)
+        e = self.torch.empty((n, xn.shape[1]), dtype=self.dtype)
+        eb = np.empty((n, kernels.blocks(xn.shape[1])))
+        m = kernels.norms(xn, e.numpy(), eb, rows=rows)
         with np.errstate(divide="ignore"):
             return m, m + np.log(eb.sum(axis=1)), e, eb, m
 

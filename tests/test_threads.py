@@ -46,3 +46,26 @@ def test_pinned_threads_have_no_governor(tiny_gguf_path):
     finally:
         pinned.close()
         auto.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/stat is Linux's")
+def test_the_governor_reads_the_system_busy_time_as_psutil_does():
+    from backends.base import _ProcStat
+
+    stat = _ProcStat.open()
+    t = psutil.cpu_times()
+    busy = stat.busy()
+    want = sum(t) - t.idle - t.iowait - t.guest - t.guest_nice  # psutil's sum counts guest time twice
+    assert busy == pytest.approx(want, abs=0.5)  # read a moment apart, in ticks of 10 ms
+    gov = ThreadGovernor(2)
+    assert gov._stat is not None and gov._sample()[1] >= busy
+
+
+def test_a_line_that_is_not_linux_s_gives_no_reading(tmp_path):
+    import os
+
+    from backends.base import _ProcStat
+
+    odd = tmp_path / "stat"
+    odd.write_bytes(b"intr 1 2 3\n")
+    assert _ProcStat(os.open(odd, os.O_RDONLY)).busy() is None

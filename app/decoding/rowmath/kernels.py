@@ -72,6 +72,7 @@ _choose_layer()
 # One parallel call at a time: two would oversubscribe the cores, and workqueue aborts the process on them.
 _LOCK = threading.Lock()
 _GOVERNOR: list = []  # the ThreadGovernor, made at the first call
+_SET = threading.local()  # the thread count numba was last given on this thread (numba keeps one per thread)
 
 
 @contextmanager
@@ -87,7 +88,10 @@ def _turn():
             except ImportError:  # no psutil: every thread, always
                 _GOVERNOR.append(None)
         if _GOVERNOR[0] is not None:
-            numba.set_num_threads(_GOVERNOR[0].threads())
+            n = _GOVERNOR[0].threads()
+            if getattr(_SET, "n", None) != n:  # numba's setter costs about 15 us a call inside an answer
+                numba.set_num_threads(n)
+                _SET.n = n
         yield
 
 # Sums may be reordered (vectorised); cells never see these flags (see _exp, _residual).

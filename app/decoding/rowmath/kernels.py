@@ -72,7 +72,7 @@ _choose_layer()
 # One parallel call at a time: two would oversubscribe the cores, and workqueue aborts the process on them.
 _LOCK = threading.Lock()
 _GOVERNOR: list = []  # the ThreadGovernor, made at the first call
-_SET = threading.local()  # the thread count numba was last given on this thread (numba keeps one per thread)
+_SET = threading.local()  # the thread count _turn last gave numba on this thread (numba keeps one per thread)
 
 
 @contextmanager

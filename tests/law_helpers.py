@@ -35,6 +35,12 @@ def generate(p: DecodeParams, rand, *, draft=True, metrics=None, builder=None, r
         nodes = builder(p) if builder is not None else None
         gen = D.dsbd(target=t, draft=d, prompt=PROMPT, params=p, stopper=stopper, metrics=metrics, vocab=V,
                      nodes=nodes, costs=costs, rands=None if rand is None else (rand, rand))
+    elif p.mode == "sps":
+        from app.decoding import baselines
+
+        gen = baselines.speculative_sampling(target=t, draft=DRAFT.context(rows=1, max_tokens=64), prompt=PROMPT,
+                                             params=p, stopper=stopper, metrics=metrics, vocab=V,
+                                             rands=None if rand is None else (rand, rand))
     else:
         from app.decoding import baselines
 

@@ -184,12 +184,13 @@ def beam_sampling(*, target: Context, prompt: Sequence[int], params: DecodeParam
 
 
 def speculative_sampling(*, target: Context, draft: Context, prompt: Sequence[int], params: DecodeParams,
-                         stopper: Stopper, metrics: Metrics, vocab: int, rm=None) -> Iterator[Step]:
+                         stopper: Stopper, metrics: Metrics, vocab: int, rands: tuple[Rand, Rand] | None = None,
+                         rm=None) -> Iterator[Step]:
     """Standard speculative sampling (Leviathan et al.; Chen et al.): a chain of gamma drafts, min(1, p/q)
     tests, a residual draw at the first rejection, a bonus token after a full pass. Each position is one
-    layer of DSBD's verifier (`sampling.mss`) with one draft and width 1."""
-    rng_draft, rng_verify = rng_streams(params.seed)
-    rand = SeededRand(rng_verify)
+    layer of DSBD's verifier (`sampling.mss`) with one draft and width 1. `rands` = (draft's, verifier's) Rand
+    replaces the seeded streams (tests enumerate every outcome)."""
+    draft_rand, rand = rands or tuple(SeededRand(r) for r in rng_streams(params.seed))
     warp = warp_of(params)
     rm = rm or rowmath.backend()
     target.prefill(prompt[:-1])
@@ -201,8 +202,7 @@ def speculative_sampling(*, target: Context, draft: Context, prompt: Sequence[in
     t_suffix, d_suffix = (prompt[-1],), (prompt[-1],)
     while True:
         g = min(params.gamma, params.max_new_tokens - len(tokens) - 1)
-        drafts, qs = _draft_chain(draft, d_suffix, g, tokens, warp, vocab, SeededRand(rng_draft), stopper, metrics,
-                                  rm)
+        drafts, qs = _draft_chain(draft, d_suffix, g, tokens, warp, vocab, draft_rand, stopper, metrics, rm)
         rows = _score_chain(target, t_suffix, drafts, metrics, rm)  # the target's row after each chain prefix
         metrics.track_kv(target, draft)
         accepted, new = _verify_chain(rm, rows, drafts, qs, warp, rand, metrics)
@@ -234,7 +234,7 @@ def _per_token(rm, row, warp: Warp):
 
 
 def _draft_chain(draft: Context, d_suffix: tuple[int, ...], g: int, tokens: list[int], warp: Warp, vocab: int,
-                 rand: SeededRand, stopper: Stopper, metrics: Metrics, rm) -> tuple[list[int], list]:
+                 rand: Rand, stopper: Stopper, metrics: Metrics, rm) -> tuple[list[int], list]:
     """Draft a chain of up to g tokens (g draft passes; the last token is never fed) and the laws drawn from."""
     drafts, qs = [], []
     for i in range(g):
@@ -264,7 +264,7 @@ def _score_chain(target: Context, t_suffix: tuple[int, ...], drafts: list[int], 
     return [rm.rows(out.roots).row(0)] + [nodes.row(i) for i in range(len(drafts))]
 
 
-def _verify_chain(rm, rows: list, drafts: list[int], qs: list, warp: Warp, rand: SeededRand,
+def _verify_chain(rm, rows: list, drafts: list[int], qs: list, warp: Warp, rand: Rand,
                   metrics: Metrics) -> tuple[int, int]:
     """min(1, p/q) tests along the chain: (drafts accepted, the token drawn after them): the residual
     norm(max(p - q, 0)) at the first rejection, else a bonus token from p."""

@@ -267,6 +267,8 @@ N_STAT = 200_000
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # 8 minutes each on 2 cores; the exact enumerations above hold the law, test_model_free's
+# chi-square the seeded production path with lookup nodes
 @pytest.mark.parametrize("replacement", ["with", "without"])
 def test_production_path_matches_the_baseline_chi_square(replacement):
     """Seeded production path, cache rule and lookups on, W = W_min = 2, W_S = 3: answers vs the baseline's

@@ -227,9 +227,10 @@ def sources(*names):
 
 
 @pytest.mark.parametrize("replacement,draft,names", [
-    pytest.param("with", True, ("match",), marks=pytest.mark.slow),  # drafts with replacement: minutes
-    # drafts and model-free nodes together: a minute or two; the default holds each kind's law on its own
-    # (tests/test_forest_cache.py's drafted forests with the cache rule, the draft-free shapes below)
+    # drafts and model-free nodes together: 11 minutes on 2 cores with replacement (heavy), 2 without (slow); the
+    # default holds each kind's law on its own (tests/test_forest_cache.py's drafted forests with the cache rule,
+    # the draft-free shapes below)
+    pytest.param("with", True, ("match",), marks=[pytest.mark.slow, pytest.mark.heavy]),
     pytest.param("without", True, ("match",), marks=pytest.mark.slow),
     ("with", False, ("match", "recycled")), ("without", False, ("match", "recycled")),
 ])

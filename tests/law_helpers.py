@@ -1,12 +1,13 @@
-"""Exact laws of a whole decode on a tiny bigram pair (tests/test_model_free.py, tests/test_cross_chat.py): every
-outcome of every random choice enumerated through one scripted `Rand`, so two modes' laws compare within EXACT."""
+"""Exact laws of a whole decode on a tiny bigram pair (tests/test_model_free.py, tests/test_cross_chat.py,
+tests/test_decoding.py): every outcome of every random choice enumerated through one scripted `Rand`, so two modes'
+laws compare within EXACT."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 
 from app.config import DecodeParams
-from app.decoding import dsbd as D
+from app.decoding import baselines, dsbd as D
 from app.decoding.beams import Stopper
 from app.decoding.metrics import Metrics
 from dsbd_helpers import enumerate_paths
@@ -36,14 +37,10 @@ def generate(p: DecodeParams, rand, *, draft=True, metrics=None, builder=None, r
         gen = D.dsbd(target=t, draft=d, prompt=PROMPT, params=p, stopper=stopper, metrics=metrics, vocab=V,
                      nodes=nodes, costs=costs, rands=None if rand is None else (rand, rand))
     elif p.mode == "sps":
-        from app.decoding import baselines
-
         gen = baselines.speculative_sampling(target=t, draft=DRAFT.context(rows=1, max_tokens=64), prompt=PROMPT,
                                              params=p, stopper=stopper, metrics=metrics, vocab=V,
                                              rands=None if rand is None else (rand, rand))
     else:
-        from app.decoding import baselines
-
         gen = baselines.beam_sampling(target=t, prompt=PROMPT, params=p, stopper=stopper, metrics=metrics,
                                       rand=rand)
     return list(gen)[-1].output.tokens

@@ -2,12 +2,12 @@
 
 The laws of fixed-width DSBD (beam sampling with replacement), of the W = W_S = 1 reduction (sampling), with a
 fixed forest and with an adaptive one whose choices vary with the past, and of speculative sampling are enumerated
-exactly (every outcome of every draw, tests/law_helpers.py). Statistical design of the rest: chi-square homogeneity of the returned
-sequences between two arms, cells with an expected count < 5 merged, significance 1e-4 per assertion, fixed
-seeds (deterministic in CI). The default suite runs sps at N = 4,000 per arm (detects a total-variation gap of
-about 0.06 over <= 30 cells); the `slow` set runs every arm, at the spec's N = 2*10^5 where no exact test
-holds its law and at 4*10^4 where one does; the reductions' arms at 2*10^5, which the exact tests hold, are
-`heavy` (not in CI: 17 minutes on 2 cores).
+exactly (every outcome of every draw, tests/law_helpers.py). Statistical design of the rest: chi-square
+homogeneity of the returned sequences between two arms, cells with an expected count < 5 merged, significance 1e-4
+per assertion, fixed seeds (deterministic in CI). The default suite runs sps at N = 4,000 per arm (detects a
+total-variation gap of about 0.06 over <= 30 cells); the `slow` set runs every arm, at the spec's N = 2*10^5 where
+no exact test holds its law and at 4*10^4 where one does; the reductions' arms at 2*10^5, which the exact tests
+hold, are `heavy` (not in CI: 17 minutes on 2 cores).
 """
 
 from __future__ import annotations

@@ -164,6 +164,18 @@ def heads(f: str = "heads-before-rtx4090-7b-code.json", g: str = "heads-after-rt
             "proj_after": f"{a['projected_speed_vs_beam-sample']:.2f}x"}
 
 
+def exp_lanes() -> dict:
+    """The decoder before and after the exponentials ran 8 lanes wide on AVX2, one session, alternating
+    (exp8-*-rtx4090-7b-code.json): beam sampling, Best quality and the fixed forest."""
+    f, g = "exp8-before-rtx4090-7b-code.json", "exp8-after-rtx4090-7b-code.json"
+    b, a = load(f)["summary"], load(g)["summary"]
+    texts = [{(r["prompt"], r["mode"]): r["text"] for r in load(x)["runs"]} for x in (f, g)]
+    same = sum(texts[0][k] == texts[1].get(k) for k in texts[0])
+    ms = {m: f"{b[m]['decoder_ms_per_iteration']:.2f} / {a[m]['decoder_ms_per_iteration']:.2f}"
+          for m in ("beam-sample", "preset:Best quality", FIXED)}
+    return {"on": on(f).split("the decoder measured on a ")[-1], "same": f"{same}/{len(texts[0])}", "ms": ms}
+
+
 def in_place() -> dict:
     """A fixed forest's decoder before and after a pass's rows were read in place, one session
     (inplace-before-rtx4090-7b-code.json, rowmath-projected-rtx4090-7b-code.json)."""
@@ -274,7 +286,7 @@ def expect() -> str:
 def table() -> str:
     a, r, p, b, u, c, dc, fs, f, e = (same_law(), row_math(), projected(), busy(), unique_paths(), pass_cost(),
                                       draft_cost(), first_start(), attachments(), edits())
-    lc, pl, ip, hd, fa = learnt_costs(), plain(), in_place(), heads(), first_answer()
+    lc, pl, ip, hd, fa, x8 = learnt_costs(), plain(), in_place(), heads(), first_answer(), exp_lanes()
     dl = heads("draftlayer-before-rtx4090-7b-code.json", "draftlayer-after-rtx4090-7b-code.json")
     pt = plain("plain-vs-llamacpp-tiny-step-epyc.json")
     base = u["base"]
@@ -313,6 +325,11 @@ def table() -> str:
          "call each and the beams normalised where the pass left them", dl["on"],
          f"{dl['before']} / {dl['after']} ms an iteration, the same answers ({dl['same']} texts of every mode); "
          f"projected on the 7B-class curve {dl['proj_before']} / {dl['proj_after']} beam sampling's speed",
+         "rowmath.md"),
+        ("The decoder's time: before / after the exponentials run 8 lanes wide (a float32-only loop, the float64 "
+         "block sums after it), qwen-coder, code suite", x8["on"],
+         f"beam sampling {x8['ms']['beam-sample']}, Best quality {x8['ms']['preset:Best quality']}, the fixed "
+         f"W_S 8 x gamma 3 forest {x8['ms'][FIXED]} ms an iteration; the same answers ({x8['same']} texts)",
          "rowmath.md"),
         ("Balanced vs sampling on edits of attached files, qwen-coder, the target alone / with the draft",
          e["on"], f"{e['target']} / {e['pair']} (a different law); {e['target_steps']} / {e['pair_steps']} beam steps "

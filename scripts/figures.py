@@ -137,8 +137,8 @@ FIXED = "preset:Best quality,forest=fixed,draft_beams=8,gamma=3"  # a forest eve
 
 
 def projected() -> dict:
-    """The presets on the rtx4090-7b cost profile (decoder-draftlayer-rtx4090-7b-code.json)."""
-    f = "decoder-draftlayer-rtx4090-7b-code.json"
+    """The presets on the rtx4090-7b cost profile (decoder-exp8-rtx4090-7b-code.json)."""
+    f = "decoder-exp8-rtx4090-7b-code.json"
     d = load(f)
     s = d["summary"]
     plain = [r for r in d["runs"] if r["mode"] == "beam-sample"]
@@ -147,6 +147,7 @@ def projected() -> dict:
             "best": speed(d, "preset:Best quality", "beam-sample", "projected_speed_vs"),
             "balanced": speed(d, "preset:Balanced", "beam-sample", "projected_speed_vs"),
             "share": pct([m["projected_decoder_share"] for k, m in s.items() if k != FIXED]),
+            "drafted": f"{s['preset:Best quality']['drafted_iterations']:.1%}",
             "forest_ms": f"{s[FIXED]['decoder_ms_per_iteration']:.0f}",
             "passes": f"{s[FIXED]['decoder_ms_per_iteration'] / pass_ms:.0f}"}
 
@@ -277,7 +278,8 @@ def expect() -> str:
 - **GPU** ({p['on']}): on the 7B-class curve
   Best quality {p['best']}, Balanced {p['balanced']}: the decoder's row math still runs on the CPU
   in these projections and is {p['share']} of the projected time (a forest of 8 drafts x 3 layers costs it
-  {p['forest_ms']} ms an iteration, about {p['passes']} passes), so the policy builds no draft-model forests there yet
+  {p['forest_ms']} ms an iteration, about {p['passes']} passes), so Best quality builds a draft-model forest in only
+  {p['drafted']} of its iterations there
   ({link('rowmath.md')}).
 - **Default model**: SmolLM2-135M, a smoke test; `pip install -e '.[qwen-coder]'` (1.5B + 0.5B) for real answers.
 """

@@ -152,15 +152,20 @@ def projected() -> dict:
             "passes": f"{s[FIXED]['decoder_ms_per_iteration'] / pass_ms:.0f}"}
 
 
+def same_texts(f: str, g: str, mode: str | None = None) -> str:
+    """'k/n': how many (prompt, mode) answers of run f (only `mode`'s, if given) run g returned with the same text."""
+    texts = [{(r["prompt"], r["mode"]): r["text"] for r in load(x)["runs"] if mode in (None, r["mode"])}
+             for x in (f, g)]
+    return f"{sum(texts[0][k] == texts[1].get(k) for k in texts[0])}/{len(texts[0])}"
+
+
 def heads(f: str = "heads-before-rtx4090-7b-code.json", g: str = "heads-after-rtx4090-7b-code.json") -> dict:
     """A fixed forest's decoder before and after a change, one session: heads cut on the device and the draft's
     rows read in place (heads-*-rtx4090-7b-code.json); the draft layer's compiled draws and likeliest pairs and the
     beams normalised where they lie (draftlayer-*-rtx4090-7b-code.json)."""
     b, a = load(f)["summary"][FIXED], load(g)["summary"][FIXED]
-    texts = [{(r["prompt"], r["mode"]): r["text"] for r in load(x)["runs"]} for x in (f, g)]
-    same = sum(texts[0][k] == texts[1].get(k) for k in texts[0])
     return {"on": on(f).split("the decoder measured on a ")[-1], "before": f"{b['decoder_ms_per_iteration']:.1f}",
-            "after": f"{a['decoder_ms_per_iteration']:.1f}", "same": f"{same}/{len(texts[0])}",
+            "after": f"{a['decoder_ms_per_iteration']:.1f}", "same": same_texts(f, g),
             "proj_before": f"{b['projected_speed_vs_beam-sample']:.2f}x",
             "proj_after": f"{a['projected_speed_vs_beam-sample']:.2f}x"}
 
@@ -170,11 +175,9 @@ def exp_lanes() -> dict:
     (exp8-*-rtx4090-7b-code.json): beam sampling, Best quality and the fixed forest."""
     f, g = "exp8-before-rtx4090-7b-code.json", "exp8-after-rtx4090-7b-code.json"
     b, a = load(f)["summary"], load(g)["summary"]
-    texts = [{(r["prompt"], r["mode"]): r["text"] for r in load(x)["runs"]} for x in (f, g)]
-    same = sum(texts[0][k] == texts[1].get(k) for k in texts[0])
     ms = {m: f"{b[m]['decoder_ms_per_iteration']:.2f} / {a[m]['decoder_ms_per_iteration']:.2f}"
           for m in ("beam-sample", "preset:Best quality", FIXED)}
-    return {"on": on(f).split("the decoder measured on a ")[-1], "same": f"{same}/{len(texts[0])}", "ms": ms}
+    return {"on": on(f).split("the decoder measured on a ")[-1], "same": same_texts(f, g), "ms": ms}
 
 
 def in_place() -> dict:
@@ -182,10 +185,8 @@ def in_place() -> dict:
     (inplace-before-rtx4090-7b-code.json, rowmath-projected-rtx4090-7b-code.json)."""
     f, g = "inplace-before-rtx4090-7b-code.json", "rowmath-projected-rtx4090-7b-code.json"
     b, a = load(f)["summary"][FIXED], load(g)["summary"][FIXED]
-    texts = [{(r["prompt"], r["mode"]): r["text"] for r in load(x)["runs"] if r["mode"] == FIXED} for x in (f, g)]
-    same = sum(texts[0][k] == texts[1].get(k) for k in texts[0])
     return {"on": on(f).split("the decoder measured on a ")[-1], "before": f"{b['decoder_ms_per_iteration']:.1f}",
-            "after": f"{a['decoder_ms_per_iteration']:.1f}", "same": f"{same}/{len(texts[0])}",
+            "after": f"{a['decoder_ms_per_iteration']:.1f}", "same": same_texts(f, g, FIXED),
             "proj_before": f"{b['projected_speed_vs_beam-sample']:.2f}x",
             "proj_after": f"{a['projected_speed_vs_beam-sample']:.2f}x", "steps": f"{a['steps_per_target_pass']:.2f}"}
 

@@ -86,17 +86,22 @@ class Forest:
 
     suffix[r]: tokens appended to committed row r before its tree (empty when already fed since the
     last commit). tokens / parents / rows: new nodes in breadth-first order; parents[i] is ROOT or the
-    id of an earlier pending node (of the same row).
+    id of an earlier pending node (of the same row). outputs[i]: whether node i's logits are returned (empty:
+    every node's); only for a context whose `partial_outputs` is true, which then returns the rows of the nodes
+    with outputs, in order (a node that only carries a path to others costs no output row).
     """
 
     suffix: tuple[tuple[int, ...], ...] = ()
     tokens: tuple[int, ...] = ()
     parents: tuple[int, ...] = ()
     rows: tuple[int, ...] = ()
+    outputs: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         if not (len(self.tokens) == len(self.parents) == len(self.rows)):
             raise ValueError("Forest: tokens, parents and rows must have equal lengths")
+        if self.outputs and len(self.outputs) != len(self.tokens):
+            raise ValueError("Forest: outputs must be empty or have one entry per node")
 
 
 @dataclass(frozen=True)

@@ -197,6 +197,7 @@ class UniquePaths(CountingContext):
     def __init__(self, ctx: Context, *, views: bool = False) -> None:
         super().__init__(ctx)
         self.views = views
+        self.partial = bool(getattr(ctx, "partial_outputs", False))  # ctx returns only the nodes asked for
         self._epoch = 0  # bumped by every call: a `Rows` of an earlier one no longer reads
         self._keys = ContentKeys()
         if hasattr(ctx, "output_views"):  # llama.cpp: read its output rows in place; _detach copies what is kept
@@ -224,6 +225,7 @@ class UniquePaths(CountingContext):
         self._ibusy = [False] * n  # the inner row carries nodes (its suffix can no longer be fed)
         self._inode: list[tuple[int, int]] = []  # inner node id -> (inner row, inner parent)
         self._at: dict[int, tuple[int, int, int, int]] = {}  # pending key -> (row, node, array, index)
+        self._placed: dict[int, tuple[int, int]] = {}  # pending key fed without logits -> (row, node)
         self._arrays: list[np.ndarray] = []  # the inner logits of every evaluate since the commit
         self._owned = 0  # _arrays[:_owned] are copies; the rest may be views of the inner's output buffer
         self._nodes: list[tuple[int, int, int, int]] = []  # caller node id -> (key, row, parent, token)
@@ -314,6 +316,7 @@ class UniquePaths(CountingContext):
             self._has_nodes[r] = True
         self._nodes.extend(plan.new_nodes)
         self._inode.extend(zip(plan.irow, plan.ipar))
+        self._placed.update(plan.placed)
         if out is not None:
             a = len(self._arrays)
             self._arrays += [out.roots, out.nodes]
@@ -348,7 +351,7 @@ class UniquePaths(CountingContext):
                     raise ValueError(f"path {path}: node {nid} does not continue the chain from row {path.row}")
                 prev = nid
             key = self._nodes[prev][0] if path.nodes else self._rkey[path.row]
-            hit = self._at.get(key)
+            hit = self._at.get(key) or self._placed.get(key)
             row, node = (hit[0], hit[1]) if hit else self._committed_at(key, path.row, self._ifed)
             chain = []
             while node != ROOT:
@@ -368,6 +371,8 @@ class _Plan:
         self.up = up
         self.ifed, self.ibusy, self.rkey = list(up._ifed), list(up._ibusy), list(up._rkey)
         self.fresh: dict[int, tuple[int, int, str, int]] = {}  # key fed now -> (row, node, "roots"|"nodes", index)
+        self.placed: dict[int, tuple[int, int]] = {}  # key fed now without logits -> (row, node)
+        self.iout: list[bool] = []  # whether each inner node returns logits
         self.isuffix: list[tuple[int, ...]] = [() for _ in up._tokens]
         self.itok: list[int] = []
         self.ipar: list[int] = []
@@ -380,16 +385,23 @@ class _Plan:
         return key in self.fresh or key in self.up._at
 
     def where(self, key: int, row: int) -> tuple[int, int] | None:
-        hit = self.fresh.get(key) or self.up._at.get(key)
+        hit = self.fresh.get(key) or self.up._at.get(key) or self.placed.get(key) or self.up._placed.get(key)
         return (hit[0], hit[1]) if hit else self.up._committed_at(key, row, self.ifed)
 
-    def feed_node(self, key: int, token: int, at: tuple[int, int]) -> tuple[int, int]:
+    def feed_node(self, key: int, token: int, at: tuple[int, int], output: bool = True) -> tuple[int, int]:
+        """An inner node for `key` under `at`; without `output` (where the inner context can skip it) its logits
+        are not computed: it only carries a path, and a later call that asks for `key` feeds it again."""
         nid = self.inode0 + len(self.itok)
+        output = output or not self.up.partial
         self.itok.append(int(token))
         self.ipar.append(at[1])
         self.irow.append(at[0])
         self.ibusy[at[0]] = True
-        self.fresh[key] = (at[0], nid, "nodes", len(self.itok) - 1)
+        if output:
+            self.fresh[key] = (at[0], nid, "nodes", self.iout.count(True))
+        else:
+            self.placed[key] = (at[0], nid)
+        self.iout.append(output)
         return at[0], nid
 
     def add_suffixes(self, suffix: Sequence[Sequence[int]]) -> None:
@@ -420,8 +432,8 @@ class _Plan:
                     self.ifed[r] = True
                     self.fresh[keys[m]] = (r, ROOT, "roots", sum(1 for s in self.isuffix if s) - 1)
                     at, j = (r, ROOT), m
-                for i in range(j + 1, len(keys)):  # the rest as a chain of nodes
-                    at = self.feed_node(keys[i], suf[i - 1], at)
+                for i in range(j + 1, len(keys)):  # the rest as a chain of nodes, logits at the ends only
+                    at = self.feed_node(keys[i], suf[i - 1], at, output=i == len(keys) - 1 or keys[i] in ends)
             self.rkey[r] = keys[-1]
             self.asked.append(keys[-1])
 
@@ -445,5 +457,6 @@ class _Plan:
             self.up._detach()
             return self.up._inner_evaluate(Forest(suffix=tuple(self.isuffix) if any(self.isuffix) else (),
                                                   tokens=tuple(self.itok), parents=tuple(self.ipar),
-                                                  rows=tuple(self.irow)))
+                                                  rows=tuple(self.irow),
+                                                  outputs=() if all(self.iout) else tuple(self.iout)))
         return None

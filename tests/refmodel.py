@@ -64,6 +64,8 @@ class _Node:
 
 
 class RefContext:
+    partial_outputs = False  # True: honours Forest.outputs, as llama.cpp's context does
+
     def __init__(self, model: TableModel, max_rows: int, max_tokens: int) -> None:
         self.model, self.max_rows, self.max_tokens = model, max_rows, max_tokens
         self._rows: list[list[int]] = []
@@ -94,8 +96,9 @@ class RefContext:
                 self._fed[r] = list(suffix)
                 root_rows.append(r)
                 roots.append(self._logits(self._rows[r] + self._fed[r]))
-        nodes = []
-        for t, p, r in zip(forest.tokens, forest.parents, forest.rows):
+        assert self.partial_outputs or not forest.outputs, "Forest.outputs for a context that returns every node"
+        nodes, outputs = [], forest.outputs or (True,) * len(forest.tokens)
+        for t, p, r, out in zip(forest.tokens, forest.parents, forest.rows, outputs):
             assert r in self._fed, f"row {r}: node before its suffix was fed"
             if p == ROOT:
                 seq = self._rows[r] + self._fed[r] + [t]
@@ -103,7 +106,8 @@ class RefContext:
                 assert self._nodes[p].row == r, "a node's parent lies in another row"
                 seq = self._nodes[p].seq + [t]
             self._nodes.append(_Node(r, p, t, seq))
-            nodes.append(self._logits(seq))
+            if out:
+                nodes.append(self._logits(seq))
         v = self.model.vocab
         return Logits(tuple(root_rows), np.array(roots).reshape(-1, v), np.array(nodes).reshape(-1, v))
 

@@ -22,27 +22,35 @@ REPEATING = ("beam-sample-repl", "dsbd", "dsbd-mem")  # modes whose forests repe
 
 
 class Recording(RefContext):
-    """The reference context, recording every token sequence it is fed; asserts none repeats before a commit."""
+    """The reference context, recording every token sequence it is fed; asserts none repeats before a commit
+    (but one fed without its logits, which may come again with them)."""
 
     def __init__(self, *a) -> None:
         super().__init__(*a)
-        self.pending: set[tuple[int, ...]] = set()
+        self.pending: dict[tuple[int, ...], bool] = {}  # sequence -> fed with its logits
         self.fed = 0
+        self.computed = 0  # logits rows computed
         self.strict = False  # True behind UniquePaths: a repeated sequence is an error
 
-    def _saw(self, seq) -> None:
+    def _saw(self, seq, logits: bool = True) -> None:
         seq = tuple(seq)
-        assert not (self.strict and seq in self.pending), f"sequence {seq} fed twice before a commit"
-        self.pending.add(seq)
+        assert not (self.strict and (self.pending.get(seq) or (seq in self.pending and not logits))), \
+            f"sequence {seq} fed twice before a commit"
+        self.pending[seq] = self.pending.get(seq, False) or logits
         self.fed += 1
+
+    def _logits(self, seq):
+        self.computed += 1
+        return super()._logits(seq)
 
     def evaluate(self, forest: Forest):
         for r, suf in enumerate(forest.suffix):
             for j in range(len(suf)):
-                self._saw(self._rows[r] + list(suf[: j + 1]))
+                self._saw(self._rows[r] + list(suf[: j + 1]), j == len(suf) - 1)
         out = super().evaluate(forest)
-        for n in self._nodes[len(self._nodes) - len(forest.tokens):]:
-            self._saw(n.seq)
+        outputs = forest.outputs or (True,) * len(forest.tokens)
+        for n, o in zip(self._nodes[len(self._nodes) - len(forest.tokens):], outputs):
+            self._saw(n.seq, o)
         return out
 
     def tokens(self, row: int) -> list[int]:
@@ -70,11 +78,13 @@ def peaked(seed: int, sharp: float) -> RecordingModel:
 TARGET, DRAFT = peaked(3, 2.0), peaked(4, 1.5)  # peaked: beams and drafts repeat; answers still vary by seed
 
 
-def run(mode: str, seed: int, unique: bool, views: bool = False):
+def run(mode: str, seed: int, unique: bool, views: bool = False, partial: bool = False):
+    """One answer; `partial`: the inner contexts return only the nodes asked for (as llama.cpp's do)."""
     params = DecodeParams(mode=mode, seed=seed, max_new_tokens=12, beams=3, draft_beams=5, gamma=3,
                           min_beams=1).validated()
     t, d = TARGET.context(rows=3, max_tokens=256), DRAFT.context(rows=3, max_tokens=256)
     inner = (t, d)
+    t.partial_outputs = d.partial_outputs = partial
     if unique:
         t.strict = d.strict = True
         # the rows as the engine reads them: the target's in place, the draft's too where a forest reads them
@@ -95,6 +105,7 @@ def test_on_and_off_give_identical_tokens_and_scores(mode):
         on, wrapped, inner = run(mode, seed, unique=True)
         assert on == off, seed
         assert run(mode, seed, unique=True, views=True)[0] == off, seed
+        assert run(mode, seed, unique=True, views=True, partial=True)[0] == off, seed
         answers.add(on[0])
         for w, ctx in zip(wrapped, inner):
             assert w.distinct_tokens == ctx.fed  # the counter is what the inner context received
@@ -203,7 +214,31 @@ def test_an_entry_scored_by_an_earlier_call_is_not_fed_again():
 
 
 
-STATE = ("_tokens", "_ckey", "_suffix", "_rkey", "_has_nodes", "_ifed", "_ibusy", "_inode", "_at", "_owned",
+def test_suffixes_fed_as_chains_of_nodes_return_logits_at_the_ends_only():
+    """Rows catching up with suffixes that share a prefix (a draft after passes it sat out): the tokens after the
+    shared prefix go in as chains of nodes, and a context that can skip outputs computes logits only where a row
+    ends; a later node inside such a chain is fed again, with its logits."""
+    model = context_model()
+    inner = model.context(rows=3, max_tokens=64)
+    inner.partial_outputs = inner.strict = True
+    ctx = UniquePaths(inner)
+    ctx.prefill([1, 2])
+    spy = Spy(ctx, [[1, 2]])
+    spy.evaluate(Forest(suffix=((3,),)), model)
+    spy.commit([AcceptedPath(0)] * 3)
+    computed = inner.computed
+    spy.evaluate(Forest(suffix=((4, 5, 1, 2), (4, 5, 3, 1, 5), (4, 5, 3))), model)  # checks every row's logits
+    assert ctx.last_distinct == 7 and inner.fed == 1 + 7
+    assert inner.computed - computed == 4  # the three ends and the shared prefix's end; none of (4,5,1), (4,5,3,1)
+    out = ctx.evaluate(Forest(tokens=(1,), parents=(ROOT,), rows=(2,)))  # row 2 + 1 = the inside of row 1's chain
+    assert ctx.last_distinct == 1 and inner.computed - computed == 5
+    np.testing.assert_array_equal(out.nodes[0], np.float32(model.fn([1, 2, 3, 4, 5, 3, 1])))
+    ctx.commit([AcceptedPath(2, (0,)), AcceptedPath(1)])
+    assert [ctx.tokens(r) for r in range(2)] == [[1, 2, 3, 4, 5, 3, 1], [1, 2, 3, 4, 5, 3, 1, 5]]
+    assert [inner.tokens(r) for r in range(2)] == [ctx.tokens(r) for r in range(2)]
+
+
+STATE = ("_tokens", "_ckey", "_suffix", "_rkey", "_has_nodes", "_ifed", "_ibusy", "_inode", "_at", "_placed", "_owned",
          "_nodes", "_epoch", "evaluations", "query_tokens", "distinct_tokens", "last_query", "last_distinct", "passes")
 
 
@@ -363,6 +398,10 @@ def forest_case(ctx: UniquePaths, prompt: list[int], logits_of, tol: float, devi
     commit([AcceptedPath(1, (1,)), AcceptedPath(2), AcceptedPath(0)])
     step(Forest(suffix=((41,), (42,), (43,))))
     assert ctx.distinct_tokens < ctx.query_tokens
+    # Rows catching up on suffixes that share a prefix: chains of nodes, with logits where rows end
+    commit([AcceptedPath(0)] * 3)
+    step(Forest(suffix=((50, 51, 52, 53), (50, 51, 54, 55, 56), (50, 51, 54))))
+    assert ctx.last_distinct == 7
     assert not ctx.views or (any(blocks) and not all(blocks))
 
 

@@ -118,7 +118,8 @@ class LayoutU:
             b.root_rows.append(r)
         entry: dict[int, int] = {}  # new node id -> batch index
         get = lambda i: nodes[i] if i < base else b.nodes[i - base]  # noqa: E731
-        for i, (tok, par, r) in enumerate(zip(forest.tokens, forest.parents, forest.rows)):
+        outputs = forest.outputs or (True,) * len(forest.tokens)
+        for i, (tok, par, r, out) in enumerate(zip(forest.tokens, forest.parents, forest.rows, outputs)):
             nid = base + i
             if not 0 <= r < len(rows):
                 raise ValueError(f"node {nid}: row {r} out of range (rows={len(rows)})")
@@ -150,7 +151,7 @@ class LayoutU:
                     b.seqs[k].append(seq)
             b.tip[seq] = nid
             b.nodes.append(_Node(self._token(tok), par, r, pos, seq))
-            entry[nid] = b.add(b.nodes[-1].token, pos, seq, True)
+            entry[nid] = b.add(b.nodes[-1].token, pos, seq, out)
         return b
 
     def apply(self, b: Batch) -> None:

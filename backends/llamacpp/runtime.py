@@ -125,6 +125,8 @@ class _Memory:
 class LlamaContext(Closing):
     """KV state of one generation (the `backends.base.Context` protocol), Layout U of spec §7."""
 
+    partial_outputs = True  # honours Forest.outputs: a node without an output adds no row to the batch's logits
+
     def __init__(self, model: LlamaModel, *, rows: int, max_tokens: int, n_batch: int, max_seqs: int,
                  kv_type: str = "f32", flash_attn: bool = False) -> None:
         if kv_type not in _KV_TYPES:

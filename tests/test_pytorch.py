@@ -204,6 +204,10 @@ def test_context_full_and_bad_forests(tiny):
         ctx.evaluate(Forest(tokens=(5,), parents=(7,), rows=(0,)))
     with pytest.raises(ValueError, match="after its tree was started"):
         ctx.evaluate(Forest(suffix=((4,),)))
+    with pytest.raises(ValueError, match="returns every node's logits"):
+        ctx.evaluate(Forest(tokens=(5, 6), parents=(0, 2), rows=(0, 0), outputs=(False, True)))
+    with pytest.raises(ValueError, match="one entry per node"):
+        Forest(tokens=(5,), parents=(0,), rows=(0,), outputs=(True, True))
     ctx.commit([AcceptedPath(0, (1,)), AcceptedPath(0, (0,))])
     assert ctx.lengths() == [10, 10]
     ctx.close()

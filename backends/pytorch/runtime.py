@@ -155,6 +155,8 @@ class PyTorchContext(Closing):
         Returns the suffix per row, the pending + new nodes (id = index) and the next free slot per row.
         """
         n_rows = self.rows
+        if not all(forest.outputs):
+            raise ValueError("this context returns every node's logits: Forest.outputs must be empty or all true")
         if len(forest.suffix) > n_rows:
             raise ValueError(f"forest has suffixes for {len(forest.suffix)} rows but the context has {n_rows}")
         suffix = [[int(t) for t in s] for s in forest.suffix] + [[] for _ in range(n_rows - len(forest.suffix))]

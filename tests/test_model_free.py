@@ -119,13 +119,19 @@ def test_a_build_skipped_by_its_bound_is_the_build_it_skips(monkeypatch):
             out.append(([(c.depth, c.text) for c in picks], [(c.text, c.mass) for c in b.proposed], b.predicted))
         return out
 
-    fired = []
+    def loose(b, shape, masses, factor, base, rate):  # the cap's coverage at one token's cost: one bound for all n
+        top = sorted(masses, reverse=True)[:shape.per_layer[0]]
+        return b._bound(shape, base)(Builder._coverage(shape, top, factor) if top else 0.0, 1) <= rate
+
+    fired, loosely = [], []
     original = Builder._cannot_pay
-    monkeypatch.setattr(Builder, "_cannot_pay", lambda *a: fired.append(original(*a)) or fired[-1])
+    monkeypatch.setattr(Builder, "_cannot_pay",
+                        lambda *a: loosely.append(loose(*a)) or fired.append(original(*a)) or fired[-1])
     bounded = run()
     monkeypatch.setattr(Builder, "_cannot_pay", lambda *a: False)
     assert bounded == run()
     assert 0 < sum(fired) < len(fired) and any(picks for picks, _, _ in bounded)
+    assert all(f or not lo for f, lo in zip(fired, loosely)) and sum(fired) > sum(loosely)  # n by n prunes more
 
 
 def test_priced_chains_grow_while_they_pass_whole_and_start_over_after_a_failure():

@@ -458,17 +458,35 @@ class Builder:
     def _cannot_pay(self, shape: LookupBudget, masses: list[float], factor: float, base: float,
                     rate: float) -> bool:
         """True when no set of nodes can beat `rate` (the rate without them), read from the depth-1 candidates'
-        masses alone: depth 1's coverage is at most that of its per-layer cap's largest masses (the coverage
-        only grows as nodes are added), every deeper layer's at most depth 1's (a chain passes a layer only
-        after the ones above), and at least one more token costs at least target_cost(base + 1) - base (a
-        pass-cost curve never falls as tokens are added)."""
-        top = sorted(masses, reverse=True)[:shape.per_layer[0]] if shape.per_layer and shape.per_layer[0] > 0 else []
-        h = min(1.0, factor * _all_covered(min(1.0, sum(top)), top, shape.width, shape.replacement)) if top else 0.0
-        steps, run_b = 1.0, 1.0
+        masses alone. For n nodes: depth 1's coverage is at most that of the n largest masses (of at most its
+        per-layer cap; the coverage only grows as nodes are added or grow), every deeper layer's at most depth
+        1's (a chain passes a layer only after the ones above), and the n more tokens cost at least
+        target_cost(base + n) - base (a pass-cost curve never falls as tokens are added). More nodes than the
+        cap add cost and no depth-1 coverage, so n runs from 1 to the cap; the cap's coverage at one token's
+        cost is tried first, as it bounds them all."""
+        cap = shape.per_layer[0] if shape.per_layer else 0
+        top = sorted(masses, reverse=True)[:cap] if cap > 0 else []
+        bound = self._bound(shape, base)
+        if not top:
+            return bound(0.0, 1) <= rate
+        if bound(self._coverage(shape, top, factor), 1) <= rate:
+            return True
+        return all(bound(self._coverage(shape, top[:n], factor), n) <= rate for n in range(1, len(top) + 1))
+
+    @staticmethod
+    def _coverage(shape: LookupBudget, top: list[float], factor: float) -> float:
+        return min(1.0, factor * _all_covered(min(1.0, sum(top)), top, shape.width, shape.replacement))
+
+    def _bound(self, shape: LookupBudget, base: float) -> Callable[[float, int], float]:
+        """(h, n) -> the most steps per second n nodes whose coverage per depth is at most h could give: each depth
+        l is reached with chance 1 - (1 - b_l)(1 - h) at most, b_l the drafted part's chance to pass the first l
+        layers, so the steps are at most 1 + B + h (depths - B), B the sum of the b_l."""
+        run_b, b_sum = 1.0, 0.0
         for l in range(shape.max_depth):
             run_b *= shape.base_pass[l] if l < len(shape.base_pass) else 0.0
-            steps += 1.0 - (1.0 - run_b) * (1.0 - h)
-        return steps / max(shape.base_seconds + self.target_cost(shape.base_tokens + 1) - base, 1e-12) <= rate
+            b_sum += run_b
+        return lambda h, n: ((1.0 + b_sum + h * (shape.max_depth - b_sum))
+                             / max(shape.base_seconds + self.target_cost(shape.base_tokens + n) - base, 1e-12))
 
     def _rate(self, shape: LookupBudget, chosen: Sequence[Candidate], covered: Sequence[float],
               base: float) -> float:

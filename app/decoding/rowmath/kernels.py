@@ -1009,9 +1009,13 @@ def _check() -> None:
     p, q = flat / flat.sum(), flat[::-1] / flat.sum()
     _close(residual_blocks(p, q, 0.5, np.empty(blocks(p.size))), residual_cells(p, q, 0.5, 0, p.size).sum())
     for qptr in ([0, 1, 3], [0, 0, 1]):  # one parent, two; none
-        pair = Pair(e, [0.25, 0.5], e[::-1], qptr, [1, 0, 1][:qptr[-1]], [0.5, 0.25, 1.0][:qptr[-1]])
+        qidx, qc = [1, 0, 1][:qptr[-1]], [0.5, 0.25, 1.0][:qptr[-1]]
+        pair = Pair(e, [0.25, 0.5], e[::-1], qptr, qidx, qc)
         total = pair.blocks(0.5, np.empty(n * blocks(size)))
         _close(total, sum(pair.cells(0.5, r, 0, size).sum() for r in range(n)))
+        parents = range(qptr[1], qptr[2])  # row 1's
+        _close(pair.pq(1, 3), [e[1, 3] * 0.5, sum(e[::-1][qidx[j], 3] * qc[j] for j in parents)])
+    _close(numpy_sum(eb), eb.sum())
     step = RowStep(size)
     for r, inv_t in ((0, 1.0), (1, 1.25)):  # the plain step at T = 1 and T = 0.8, on a row with a -inf cell
         m1, s1, s_t, first = step.law(x[r], inv_t, argmax=True)

@@ -103,6 +103,11 @@ class Forest:
         if self.outputs and len(self.outputs) != len(self.tokens):
             raise ValueError("Forest: outputs must be empty or have one entry per node")
 
+    @property
+    def output_flags(self) -> tuple[bool, ...]:
+        """Whether each node's logits are returned: `outputs`, or every node's where it is empty."""
+        return self.outputs or (True,) * len(self.tokens)
+
 
 @dataclass(frozen=True)
 class Logits:

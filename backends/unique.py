@@ -351,7 +351,7 @@ class UniquePaths(CountingContext):
                     raise ValueError(f"path {path}: node {nid} does not continue the chain from row {path.row}")
                 prev = nid
             key = self._nodes[prev][0] if path.nodes else self._rkey[path.row]
-            hit = self._at.get(key) or self._placed.get(key)
+            hit = self._at.get(key)
             row, node = (hit[0], hit[1]) if hit else self._committed_at(key, path.row, self._ifed)
             chain = []
             while node != ROOT:
@@ -373,6 +373,7 @@ class _Plan:
         self.fresh: dict[int, tuple[int, int, str, int]] = {}  # key fed now -> (row, node, "roots"|"nodes", index)
         self.placed: dict[int, tuple[int, int]] = {}  # key fed now without logits -> (row, node)
         self.iout: list[bool] = []  # whether each inner node returns logits
+        self.n_out = 0  # inner nodes that return logits so far
         self.isuffix: list[tuple[int, ...]] = [() for _ in up._tokens]
         self.itok: list[int] = []
         self.ipar: list[int] = []
@@ -398,7 +399,8 @@ class _Plan:
         self.irow.append(at[0])
         self.ibusy[at[0]] = True
         if output:
-            self.fresh[key] = (at[0], nid, "nodes", self.iout.count(True))
+            self.fresh[key] = (at[0], nid, "nodes", self.n_out)
+            self.n_out += 1
         else:
             self.placed[key] = (at[0], nid)
         self.iout.append(output)

@@ -97,8 +97,8 @@ class RefContext:
                 root_rows.append(r)
                 roots.append(self._logits(self._rows[r] + self._fed[r]))
         assert self.partial_outputs or not forest.outputs, "Forest.outputs for a context that returns every node"
-        nodes, outputs = [], forest.outputs or (True,) * len(forest.tokens)
-        for t, p, r, out in zip(forest.tokens, forest.parents, forest.rows, outputs):
+        nodes = []
+        for t, p, r, out in zip(forest.tokens, forest.parents, forest.rows, forest.output_flags):
             assert r in self._fed, f"row {r}: node before its suffix was fed"
             if p == ROOT:
                 seq = self._rows[r] + self._fed[r] + [t]

@@ -48,8 +48,7 @@ class Recording(RefContext):
             for j in range(len(suf)):
                 self._saw(self._rows[r] + list(suf[: j + 1]), j == len(suf) - 1)
         out = super().evaluate(forest)
-        outputs = forest.outputs or (True,) * len(forest.tokens)
-        for n, o in zip(self._nodes[len(self._nodes) - len(forest.tokens):], outputs):
+        for n, o in zip(self._nodes[len(self._nodes) - len(forest.tokens):], forest.output_flags):
             self._saw(n.seq, o)
         return out
 

@@ -118,8 +118,7 @@ class LayoutU:
             b.root_rows.append(r)
         entry: dict[int, int] = {}  # new node id -> batch index
         get = lambda i: nodes[i] if i < base else b.nodes[i - base]  # noqa: E731
-        outputs = forest.outputs or (True,) * len(forest.tokens)
-        for i, (tok, par, r, out) in enumerate(zip(forest.tokens, forest.parents, forest.rows, outputs)):
+        for i, (tok, par, r, out) in enumerate(zip(forest.tokens, forest.parents, forest.rows, forest.output_flags)):
             nid = base + i
             if not 0 <= r < len(rows):
                 raise ValueError(f"node {nid}: row {r} out of range (rows={len(rows)})")

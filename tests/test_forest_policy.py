@@ -250,6 +250,43 @@ def test_a_capped_budget_reads_the_full_grid():
         assert full.choose(max_gamma=cap, roots=4, draft_roots=9) == capped.choose(max_gamma=cap, roots=4, draft_roots=9)
 
 
+def test_a_new_policy_takes_the_grids_of_the_same_inputs_and_only_those():
+    """Each answer makes a new policy. One with the costs, counts and profile of an earlier one takes that one's
+    grids instead of pricing them again and chooses what a policy that prices them chooses; other counts,
+    another profile or other costs price their own; the module keeps at most GRIDS_KEPT grids."""
+    from app.decoding import forest_policy as fp
+
+    def made(costs=GPU, observed=4):
+        p = policy(costs, draft_beams=16, lookups=(0, 1, 2), verify_cost=2e-3)
+        for i in range(observed):
+            p.observe(1 + i % 2, 4 + i % 3, outcomes=[i % 2 == 0], passed=i % 3 != 1, by_cache=True, lookups=i % 2)
+        return p
+
+    calls = [(6, 1, 1), (6, 4, 4), (6, 4, 30), (3, 4, 9), (6, 3, 3), (0, 4, 4), (6, 4, 4)]
+
+    def choices(p):
+        return [p.choose(max_gamma=g, roots=r, draft_roots=d, with_lookups=True) for g, r, d in calls]
+
+    fp._SHARED.clear()
+    first = made()
+    want = choices(first)
+    assert len({c[0] > 0 for c in want}) == 2  # drafted and plain choices both
+    second = made()
+    assert choices(second) == want
+    for _, roots, _ in calls:
+        assert second._choice[second._key(6, roots)] is first._choice[first._key(6, roots)]  # taken, not priced
+    fp._SHARED.clear()
+    assert choices(made()) == want  # priced again: the same choices
+    profiled = made()
+    profiled.set_profile(np.array([0.7, 0.2, 0.1]))
+    for other in (made(observed=5), made(costs=CPU), profiled):
+        other.choose(max_gamma=6, roots=4, draft_roots=4)
+        assert other._choice[other._key(6, 4)] is not first._choice[first._key(6, 4)]
+    for roots in range(1, fp.GRIDS_KEPT + 10):
+        first.choose(max_gamma=6, roots=roots, draft_roots=4)
+    assert len(fp._SHARED) == fp.GRIDS_KEPT
+
+
 def test_steep_cpu_like_costs_pick_a_small_forest_or_none():
     g, ws = policy(CPU).choose(max_gamma=6, roots=4, draft_roots=4)
     assert g <= 1 and (g == 0 or ws == 4)

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -76,6 +77,13 @@ CARRY = 64.0  # most pseudo-observations a carried count keeps: recent answers o
 EXPLORE_SHARE = 0.015  # exploration may cost at most this share of the plain step's time for the steps advanced
 ANSWER_SHARE = 0.05  # and at most this share within one answer (what earlier answers saved is not spent at once)
 _TINY = 1e-4  # q entries below this count as ws * q distinct draws (1 - (1 - q)^ws ~ ws q)
+GRIDS_KEPT = 64  # candidate grids kept across policies (_SHARED)
+
+# Candidate grids by everything their values read (ForestPolicy._inputs) and their key: each answer's policy is
+# new, and its first choices would otherwise rebuild the grids the answer before built from the same counts
+# (about 8 ms an answer at the GPU caps). A grid is a pure function of that key, so sharing it changes no choice.
+_SHARED: dict[tuple, tuple] = {}
+_SHARED_LOCK = threading.Lock()
 
 
 def count_law(beta1: float, beta_retry: float, ws: int) -> list[float]:
@@ -261,6 +269,7 @@ class ForestPolicy:
         # acceptance_pass and cache_pass memo (cache_pass's recursion branches), cleared with _rates
         self._cache_rates: dict[tuple[int, int, int], float] = {}
         self._choice: dict[tuple, tuple] = {}  # choose memo (same counts, profile and context)
+        self._fingerprint: tuple | None = None  # _inputs, until the counts or the profile change
         self._exploring: tuple[float, float] | None = None  # (forest seconds, plain seconds) while exploring
         self._plain_step = 0.0  # the latest plain step's predicted seconds
         self._answer = [0.0, 0.0]  # this answer's [plain seconds of its steps, predicted extra of its tries]
@@ -321,7 +330,7 @@ class ForestPolicy:
         entries. Without replacement a layer's distinct drafts are min(W_S, support): a law counts that from its
         block sums (`at_most`), with no pass over its cells."""
         if not self.replacement and hasattr(q_rows, "at_most"):
-            self._choice.clear()
+            self._forget_grids()
             self._profile = {ws: float(q_rows.at_most(ws)) for ws in set(self.widths)}
             return
         if hasattr(q_rows, "profile"):
@@ -338,7 +347,7 @@ class ForestPolicy:
         if size == 0:
             self._profile = {}
             return
-        self._choice.clear()
+        self._forget_grids()
         if not self.replacement:
             self._profile = {ws: float(min(ws, size)) for ws in set(self.widths)}
         else:
@@ -415,6 +424,30 @@ class ForestPolicy:
             seen["plain_from"] = min(catch_up, seen.get("plain_from", np.inf))
         return best
 
+    def _forget_grids(self) -> None:
+        """The counts or the profile changed: every grid is priced again."""
+        self._choice.clear()
+        self._fingerprint = None
+
+    def _inputs(self) -> tuple | None:
+        """Everything a grid's values read besides its key (the costs, the candidates, the laws' settings, the
+        counts, the distinct-draft profile), hashable; None where a cost curve is not (its grids stay this
+        policy's own)."""
+        if self._fingerprint is None:
+            k = self.known
+            counts = tuple(tuple(sorted((key, tuple(v)) for key, v in table.items()))
+                           for table in (k.depth_draws, k.layer_runs, k.cache_runs, k.distinct))
+            fp = (self.target_cost, self.draft_cost, self.step_cost, tuple(map(self.verify_seconds, self.widths)),
+                  tuple(self.gammas), tuple(self.widths), tuple(self.lookups), self.max_drafts, self.threshold,
+                  self.min_beams, self.beams, self.prior, self.prior_retry, self.strength, self.replacement,
+                  self.cache_rule, counts, tuple(sorted(self._profile.items())))
+            try:
+                hash(fp)
+            except TypeError:
+                fp = ()
+            self._fingerprint = fp
+        return self._fingerprint or None
+
     def _key(self, max_gamma: int, roots: int) -> tuple:
         return tuple(sorted({min(g, max_gamma) for g in self.gammas})), roots
 
@@ -425,6 +458,9 @@ class ForestPolicy:
         key = self._key(max_gamma, roots)
         gammas = list(key[0])
         memo = self._choice.get(key)
+        inputs = self._inputs() if memo is None else None
+        if inputs is not None and (memo := _SHARED.get((inputs, key))) is not None:
+            self._choice[key] = memo
         grid = memo[0] if memo is not None else None
         full = self._key(max(self.gammas), roots)
         if grid is None and key != full and set(gammas) <= set(full[0]):
@@ -445,6 +481,11 @@ class ForestPolicy:
             arrays = (np.array([s for _, s, _ in grid]), np.array([t for _, _, t in grid]),
                       np.array([float(f[0] > 0) for f, _, _ in grid]))
             self._choice[key] = (grid, arrays, {})  # and what choices on it showed: where the plain step wins
+        if inputs is not None and memo is None:
+            with _SHARED_LOCK:
+                _SHARED[inputs, key] = self._choice[key]
+                while len(_SHARED) > GRIDS_KEPT:  # the oldest first
+                    del _SHARED[next(iter(_SHARED))]
         return grid
 
     def _depths(self, ws: int, n: int, roots: int, top: int) -> list[tuple[float, float]]:
@@ -500,7 +541,7 @@ class ForestPolicy:
         (invalid-parent drafts are rejections), and whether the layer passed (by either rule)."""
         self._rates.clear()
         self._cache_rates.clear()
-        self._choice.clear()
+        self._forget_grids()
         k = self.known
         d = k.depth_draws.setdefault(depth, [0, 0, 0, 0])
         first = True

@@ -202,9 +202,10 @@ class LayoutU:
                 seq = src
             old = self._rows[r]
             new_rows.append(_Row(seq, old.tokens + old.suffix + toks))
-        for _, src, length, _ in outs:  # after all copies: cut each kept chain after its last node
+        for path, (_, src, length, _) in zip(paths, outs):  # after all copies: cut each kept chain after its last node
             if src in claimed:
-                mem.seq_rm(src, length, -1)
+                if self._tip[src] != (path.nodes[-1] if path.nodes else ROOT):  # only where cells lie past it
+                    mem.seq_rm(src, length, -1)  # (each call walks the whole cache)
                 claimed.discard(src)
         self._shared = self._commit_shared(paths, outs)
         self._rows, self._nodes = new_rows, []

@@ -429,7 +429,7 @@ class _Run:
         # every layer passed: the extra layer from the last logits (the plain step)
         picked = self._fused(rows, self.n_extra)
         if picked is not None:
-            return [self._extend(rows[r], t, None) for r, t, _ in picked], False
+            return [self._extend(rows[r], t, None, raw=raw) for r, t, raw in picked], False
         p = self._p_beam(rows)
         if self.without:
             keys = self.rm.distinct_keys(p, self.n_extra, self.rand)
@@ -504,9 +504,12 @@ class _Run:
         """p_beam over rows x V: joint raw target log-scores, warped (spec §2.1)."""
         return self.rm.law(self.rm.stack([h.lp for h in rows]), np.array([h.beam.score for h in rows]), self.warp)
 
-    def _extend(self, h: Handle, token: int, node: Node | None, lp=None, *, drafted: bool = False) -> Handle:
-        """h + token; on a node, the beam runs through that node's own path (equal content, same tokens)."""
-        beam = Beam(h.beam.tokens + (token,), h.beam.score + float(h.lp[token]), drafted=h.beam.drafted + (drafted,))
+    def _extend(self, h: Handle, token: int, node: Node | None, lp=None, *, drafted: bool = False,
+                raw: float | None = None) -> Handle:
+        """h + token; on a node, the beam runs through that node's own path (equal content, same tokens). `raw`:
+        the token's log-prob on h's row where the step read it already (`h.lp[token]`, the same float)."""
+        raw = float(h.lp[token]) if raw is None else raw
+        beam = Beam(h.beam.tokens + (token,), h.beam.score + raw, drafted=h.beam.drafted + (drafted,))
         if node is None:
             return Handle(h.root, h.chain, beam, -1, None)
         return Handle(node.root, node.chain(), beam, node.content, lp)

@@ -446,6 +446,60 @@ def test_a_commit_asks_llama_cpp_to_remove_only_cells_that_are_there():
     assert calls > 50  # commits that free cells still free them
 
 
+def test_a_duplicate_on_a_dropped_rows_id_moves_only_the_cells_past_their_prefix():
+    """A commit that drops a row and duplicates another puts the duplicate on the dropped row's id, which holds
+    the prompt they share: over a random walk after a 200-token prompt, the cells in use equal those of a twin
+    that gives every duplicate a fresh id (so llama.cpp places the next tokens alike), each query still sees
+    exactly its own path, and after the first step (one row becoming four: full copies either way) the copies and
+    removals update far fewer cells."""
+    from backends.llamacpp.layout import LayoutU
+
+    class Counting(SimKV):
+        moved = 0
+
+        def seq_rm(self, seq, p0, p1) -> None:
+            before = sum(seq in c[1] for c in self.cells)
+            super().seq_rm(seq, p0, p1)
+            self.moved += before - sum(seq in c[1] for c in self.cells)
+
+        def seq_cp(self, src, dst, p0, p1) -> None:
+            before = sum(dst in c[1] for c in self.cells)
+            super().seq_cp(src, dst, p0, p1)
+            self.moved += sum(dst in c[1] for c in self.cells) - before
+
+    rng = random.Random(5)
+    prompt = [rng.randrange(50) for _ in range(200)]
+    moved = {"reuse": 0, "fresh": 0}
+    for _ in range(6):
+        lays = {"reuse": LayoutU(n_seq=64, max_rows=6, n_vocab=50), "fresh": LayoutU(n_seq=64, max_rows=6, n_vocab=50)}
+        lays["fresh"]._reuse = lambda outs, sources: {}
+        kv = {k: Counting() for k in lays}
+        for k, lay in lays.items():
+            seq, _ = lay.start_prefill(prompt, kv[k])
+            kv[k].decode(prompt, list(range(200)), [[seq]] * 200, [tuple(prompt[:i + 1]) for i in range(200)])
+            lay.extend_prefill(prompt)
+        for step in range(25):
+            state = rng.getstate()
+            for k, lay in lays.items():
+                rng.setstate(state)  # the same forest and paths for both
+                forest = Forest(suffix=tuple((rng.randrange(50),) for _ in range(lay.rows)))
+                b = lay.plan(forest)
+                labels = [tuple(lay.tokens(r)) + (t,) for r, suf in b.suffix.items() for t in suf]
+                kv[k].decode(b.tokens, b.pos, b.seqs, labels)
+                lay.apply(b)
+                paths = [AcceptedPath(rng.randrange(lay.rows)) for _ in range(4)]  # four beams resampled
+                lay.commit(paths, kv[k])
+            cells = {k: sorted((c[0], c[2]) for c in kv[k].cells) for k in lays}
+            assert cells["reuse"] == cells["fresh"]
+            assert [lays["reuse"].tokens(r) for r in range(lays["reuse"].rows)] == \
+                [lays["fresh"].tokens(r) for r in range(lays["fresh"].rows)]
+            for r in range(lays["reuse"].rows):
+                kv["reuse"].check_row(lays["reuse"]._rows[r].seq, lays["reuse"].tokens(r))
+        for k in lays:
+            moved[k] += kv[k].moved
+    assert moved["reuse"] * 10 < moved["fresh"], moved
+
+
 def test_a_plain_steps_commit_is_the_general_commit():
     """Committing the only row with its suffix (a plain step) takes a shortcut that calls llama.cpp for nothing:
     rows, ids, shared prefixes and cell counts equal the general commit's (turned off on a twin), and the cache

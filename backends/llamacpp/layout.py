@@ -187,14 +187,23 @@ class LayoutU:
             outs.append((path.row, src, len(row.tokens) + len(row.suffix) + len(path.nodes),
                          [self._nodes[n].token for n in path.nodes]))
         sources = {o[1] for o in outs}
+        reuse = self._reuse(outs, sources)
         for s in self._tip:
-            if s not in sources:
+            if s not in sources and s not in reuse.values():
                 mem.seq_rm(s, -1, -1)
-        free = (s for s in range(self.n_seq) if s not in sources)
+        free = (s for s in range(self.n_seq) if s not in sources and s not in reuse.values())
         claimed: set[int] = set()
         new_rows = []
-        for r, src, length, toks in outs:
-            if src in claimed:  # a duplicated row: same cells, one more id on them
+        for k, (r, src, length, toks) in enumerate(outs):
+            if k in reuse:  # a duplicated row on a dropped row's id: it already holds the prefix they share
+                seq = reuse[k]
+                i = self._row_of(seq)
+                keep = min(self._shared[i][r], length)
+                if len(self._rows[i].tokens) + len(self._rows[i].suffix) > keep or self._tip[seq] != ROOT:
+                    mem.seq_rm(seq, keep, -1)  # only where it holds cells past the prefix
+                if keep < length:
+                    mem.seq_cp(src, seq, keep, length)
+            elif src in claimed:  # a duplicated row: same cells, one more id on them
                 seq = next(free)
                 mem.seq_cp(src, seq, 0, length)
             else:
@@ -211,6 +220,25 @@ class LayoutU:
         self._rows, self._nodes = new_rows, []
         self._tip = {r.seq: ROOT for r in new_rows}
         self._recount()
+
+    def _reuse(self, outs: list, sources: set[int]) -> dict[int, int]:
+        """Duplicated rows (index in outs) -> the id of a dropped row to carry them: the one sharing the longest
+        committed prefix with the duplicate's row (ties: the lower id). That id keeps the cells of the prefix and
+        takes only the rest, where a fresh id would take every cell: a copy or a removal updates each cell it
+        moves, about 0.17 ms a call over a 3,500-token prompt against a walk of about 10 us. The cells left in
+        use are the same either way."""
+        spare = {row.seq: i for i, row in enumerate(self._rows) if row.seq not in sources}
+        out, claimed = {}, set()
+        for k, (r, src, _, _) in enumerate(outs):
+            if src in claimed and spare:
+                seq = max(spare, key=lambda s: (self._shared[spare[s]][r], -s))
+                out[k] = seq
+                del spare[seq]
+            claimed.add(src)
+        return out
+
+    def _row_of(self, seq: int) -> int:
+        return next(i for i, row in enumerate(self._rows) if row.seq == seq)
 
     def _keeps_its_row(self, paths: Sequence[AcceptedPath]) -> bool:
         """Whether `paths` is a plain step's commit: the only row with its suffix, nothing else pending."""

@@ -7,6 +7,7 @@ limit (never truncating silently), and honours a per-request cancel event.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import sys
 import threading
@@ -102,6 +103,7 @@ class Engine(ModelEngine):
         if profile != TIMED:
             engine.use_cost_profile(profile)
         rowmath.prewarm()  # the decoders' torch imports in the background, while a user types the first message
+        settle_heap()
         return engine
 
     def swap(self, target: ModelSpec, draft: ModelSpec | None = None, *, progress=None,
@@ -156,6 +158,7 @@ class Engine(ModelEngine):
                 m.close()
         finally:
             self.lock.release()
+        settle_heap()  # the old models' objects can go now
         tracker.tell("switch", 1.0)
         return self.describe()
 
@@ -694,6 +697,17 @@ class Engine(ModelEngine):
 
 
 EXPLORE_LAYERS = 32  # adaptive forests may explore (within budget) until a model pair has this many verified layers
+
+
+def settle_heap() -> None:
+    """After models load: collect, then freeze what lives (every object until now, the models' tokenizer tables
+    and metadata among them: about 280,000 for the qwen-coder pair) out of the garbage collector's sight. Its
+    full collections walk every object it sees; one over the loaded pair took 141 ms, inside an answer
+    (docs/measurements/rowmath.md, section 20). Thawed first, so what died since the last freeze (a swapped-out
+    model's cycles) is collected, and nothing stays frozen past the next load or swap."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 def _model_id(model) -> tuple | None:

@@ -454,7 +454,8 @@ class ForestPolicy:
     def _grid(self, max_gamma: int, roots: int) -> list[tuple[tuple, float, float]]:
         """Every candidate (gamma, W_S, lookups), smallest first, with its expected steps and its seconds
         less the draft's catch-up pass; memoised until the counts or the profile change (the catch-up is the
-        only part that changes every iteration: the draft's unscored suffix grows while it is not run)."""
+        only part that changes every iteration: the draft's unscored suffix grows while it is not run), and
+        taken from an earlier policy that priced it from the same inputs (_SHARED)."""
         key = self._key(max_gamma, roots)
         gammas = list(key[0])
         memo = self._choice.get(key)

@@ -406,22 +406,36 @@ def test_layout_random_walk():
                     sim.check_row(lay._rows[r].seq, lay.tokens(r))
 
 
+class Counting(SimKV):
+    """SimKV that records, per copy or removal, how many cells gained or lost the id: ("cp" | "rm", n)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moves: list[tuple[str, int]] = []
+
+    def _held(self, seq: int) -> int:
+        return sum(seq in c[1] for c in self.cells)
+
+    def seq_rm(self, seq, p0, p1) -> None:
+        before = self._held(seq)
+        super().seq_rm(seq, p0, p1)
+        self.moves.append(("rm", before - self._held(seq)))
+
+    def seq_cp(self, src, dst, p0, p1) -> None:
+        before = self._held(dst)
+        super().seq_cp(src, dst, p0, p1)
+        self.moves.append(("cp", self._held(dst) - before))
+
+
 def test_a_commit_asks_llama_cpp_to_remove_only_cells_that_are_there():
     """Each llama_memory_seq_rm walks the whole cache (13-16 us at 4,096 cells): over a random walk of forests and
     commits, every removal a commit asks for takes at least one cell, and the cache it leaves is the layout's."""
     from backends.llamacpp.layout import LayoutU
 
-    class Counting(SimKV):
-        def seq_rm(self, seq, p0, p1) -> None:
-            before = sum(seq in c[1] for c in self.cells)
-            super().seq_rm(seq, p0, p1)
-            self.removals.append(before - sum(seq in c[1] for c in self.cells))
-
     rng = random.Random(11)
     calls = 0
     for _ in range(20):
         sim, lay = Counting(), LayoutU(n_seq=64, max_rows=6, n_vocab=50)
-        sim.removals = []
         seq, _ = lay.start_prefill([1, 2, 3], sim)
         sim.decode([1, 2, 3], [0, 1, 2], [[seq]] * 3, [(1,), (1, 2), (1, 2, 3)])
         lay.extend_prefill([1, 2, 3])
@@ -436,10 +450,11 @@ def test_a_commit_asks_llama_cpp_to_remove_only_cells_that_are_there():
                     sim.seq_cp(src, dst, 0, p1)
             sim.cells += [[p, set(ss), None] for p, ss in zip(b.pos, b.seqs)]
             lay.apply(b)
-            sim.removals = []
+            sim.moves = []
             lay.commit(random_paths(lay, rng), sim)
-            assert all(n > 0 for n in sim.removals), sim.removals
-            calls += len(sim.removals)
+            removals = [n for verb, n in sim.moves if verb == "rm"]
+            assert all(n > 0 for n in removals), removals
+            calls += len(removals)
             assert lay.cells == len(sim.cells)
             for r in range(lay.rows):
                 assert sorted(c[0] for c in sim.cells if lay._rows[r].seq in c[1]) == list(range(len(lay.tokens(r))))
@@ -453,19 +468,6 @@ def test_a_duplicate_on_a_dropped_rows_id_moves_only_the_cells_past_their_prefix
     exactly its own path, and after the first step (one row becoming four: full copies either way) the copies and
     removals update far fewer cells."""
     from backends.llamacpp.layout import LayoutU
-
-    class Counting(SimKV):
-        moved = 0
-
-        def seq_rm(self, seq, p0, p1) -> None:
-            before = sum(seq in c[1] for c in self.cells)
-            super().seq_rm(seq, p0, p1)
-            self.moved += before - sum(seq in c[1] for c in self.cells)
-
-        def seq_cp(self, src, dst, p0, p1) -> None:
-            before = sum(dst in c[1] for c in self.cells)
-            super().seq_cp(src, dst, p0, p1)
-            self.moved += sum(dst in c[1] for c in self.cells) - before
 
     rng = random.Random(5)
     prompt = [rng.randrange(50) for _ in range(200)]
@@ -496,7 +498,7 @@ def test_a_duplicate_on_a_dropped_rows_id_moves_only_the_cells_past_their_prefix
             for r in range(lays["reuse"].rows):
                 kv["reuse"].check_row(lays["reuse"]._rows[r].seq, lays["reuse"].tokens(r))
         for k in lays:
-            moved[k] += kv[k].moved
+            moved[k] += sum(n for _, n in kv[k].moves)
     assert moved["reuse"] * 10 < moved["fresh"], moved
 
 

@@ -12,7 +12,11 @@ spec's "one id per leaf, a node carries the ids of the leaves below it", grown o
 use = rows + branch points, which is what llama.cpp's n_seq_max bounds.
 
 Commit keeps cells, never recomputes: each new row takes an id whose chain runs through its last node,
-drops the positions beyond it, and every id no row needs is removed (cells left without ids are freed).
+drops the positions beyond it, and every id no row needs keeps only the longest prefix it shares with a new
+row (cells left without ids are freed). Such a spare id holds cells that a row holds too, so it costs no
+cell; a later branch or duplicate on it takes only the cells past that prefix. A copy or removal updates
+every cell it moves (about 0.17 ms a call over a 3,500-token prompt, against a walk of about 10 us), so a
+fresh id would pay for the whole prompt, and its removal again.
 """
 
 from __future__ import annotations
@@ -56,7 +60,9 @@ class Batch:
     seqs: list[list[int]] = field(default_factory=list)  # first id decides what the query sees
     logits: list[bool] = field(default_factory=list)
     root_rows: list[int] = field(default_factory=list)
-    copies: list[tuple[int, int, int]] = field(default_factory=list)  # (src, dst, p1): cells [0, p1)
+    copies: list[tuple[int, int, int, int]] = field(default_factory=list)  # (src, dst, p0, p1): dst holds [0, p0)
+    trims: list[tuple[int, int]] = field(default_factory=list)  # (spare, p0): cut its cells from p0 before the copies
+    spares: dict[int, tuple[int, int]] = field(default_factory=dict)  # spare ids taken -> (row, cells held) after trims
     nodes: list[_Node] = field(default_factory=list)
     tip: dict[int, int] = field(default_factory=dict)
     suffix: dict[int, list[int]] = field(default_factory=dict)
@@ -78,6 +84,7 @@ class LayoutU:
         self._nodes: list[_Node] = []
         self._tip: dict[int, int] = {0: ROOT}  # every live id -> last node of its chain (ROOT: the row's end)
         self._shared = [[0]]  # committed cells rows i and j have in common (a prefix)
+        self._spare: dict[int, tuple[int, int]] = {}  # id no chain uses -> (row r, h): it holds r's cells [0, h)
         self.committed_cells = 0
 
     # -- queries ---------------------------------------------------------------------------------------
@@ -103,7 +110,8 @@ class LayoutU:
         if forest.suffix and len(forest.suffix) != len(rows):
             raise ValueError(f"Forest.suffix has {len(forest.suffix)} entries for {len(rows)} rows")
         b = Batch(tip=dict(self._tip))
-        free = (s for s in range(self.n_seq) if s not in b.tip)
+        free = (s for s in range(self.n_seq) if s not in b.tip and s not in self._spare)
+        by_row: dict[int, list[int]] = {}  # row -> spares, best first (made when a branch of the row needs one)
         row_has_nodes = {n.row for n in nodes}
         suffix_entries: dict[int, list[int]] = {}
         for r, suf in enumerate(forest.suffix):
@@ -133,19 +141,15 @@ class LayoutU:
             if b.tip[carrier] == par:  # parent is its chain's tip: extend the chain
                 seq = carrier
             else:
-                seq = next(free, None)
-                if seq is None:
-                    raise ContextFull(f"the forest needs more than {self.n_seq} sequence ids (branch points + rows)")
+                seq, held = self._branch_id(r, b, by_row, free)
                 a, in_batch = par, []
                 while a != ROOT and a >= base:  # walk up to the nearest cached ancestor
                     in_batch.append(a)
                     a = get(a).parent
-                if a == ROOT:
-                    b.copies.append((row.seq, seq, len(row.tokens) + len(row.suffix)))
-                    in_batch_idx = suffix_entries.get(r, [])
-                else:
-                    b.copies.append((get(a).seq, seq, get(a).pos + 1))
-                    in_batch_idx = []
+                src, p1 = (row.seq, len(row.tokens) + len(row.suffix)) if a == ROOT else (get(a).seq, get(a).pos + 1)
+                if held < p1:
+                    b.copies.append((src, seq, held, p1))
+                in_batch_idx = suffix_entries.get(r, []) if a == ROOT else []
                 for k in in_batch_idx + [entry[x] for x in in_batch]:
                     b.seqs[k].append(seq)
             b.tip[seq] = nid
@@ -153,11 +157,54 @@ class LayoutU:
             entry[nid] = b.add(b.nodes[-1].token, pos, seq, out)
         return b
 
+    def _branch_id(self, r: int, b: Batch, by_row: dict[int, list[int]], free) -> tuple[int, int]:
+        """An id for a branch of row r, and how many of the row's first cells it holds: the spare sharing the
+        most committed cells with the row (a fresh id when none shares any), recorded in `b`."""
+        if r not in by_row:
+            by_row[r] = sorted(self._spare, key=lambda s: (-self._common(*self._spare[s], r), s))
+        line = by_row[r]
+        while line and line[0] in b.spares:
+            line.pop(0)
+        held = self._common(*self._spare[line[0]], r) if line else 0
+        seq = next(free, None) if held == 0 else None
+        if seq is not None:
+            return seq, 0
+        if not line:
+            raise ContextFull(f"the forest needs more than {self.n_seq} sequence ids (branch points + rows)")
+        seq = line.pop(0)
+        if self._spare[seq][1] > held:
+            b.trims.append((seq, held))
+        b.spares[seq] = (self._spare[seq][0], held)
+        return seq, held
+
+    def _common(self, j: int, h: int, r: int) -> int:
+        """Cells that an id holding row j's first h cells shares with row r's committed tokens and suffix."""
+        return min(h, len(self._rows[j].tokens) + len(self._rows[j].suffix) if j == r else self._shared[j][r])
+
+    def stage(self, b: Batch, mem: Memory) -> None:
+        """The cache work a batch needs before its decode: spares cut to what they share, then the copies."""
+        for seq, p0 in b.trims:
+            mem.seq_rm(seq, p0, -1)
+        for src, dst, p0, p1 in b.copies:
+            mem.seq_cp(src, dst, p0, p1)
+
+    def unstage(self, b: Batch, mem: Memory) -> None:
+        """Undo `stage` after a failed decode: fresh ids hold nothing again, spares their shared prefix."""
+        for _, dst, p0, _ in b.copies:
+            mem.seq_rm(dst, p0 if dst in b.spares else -1, -1)
+        for seq, (r, held) in b.spares.items():
+            if held:
+                self._spare[seq] = (r, held)
+            else:
+                del self._spare[seq]
+
     def apply(self, b: Batch) -> None:
         for r, suf in b.suffix.items():
             self._rows[r].suffix.extend(suf)
         self._nodes.extend(b.nodes)
         self._tip = b.tip
+        for seq in b.spares:
+            del self._spare[seq]
 
     def _token(self, t: int) -> int:
         if not 0 <= t < self.n_vocab:
@@ -166,7 +213,7 @@ class LayoutU:
 
     # -- commit / truncate / prefill -------------------------------------------------------------------
     def commit(self, paths: Sequence[AcceptedPath], mem: Memory) -> None:
-        """Rows := paths, keeping their cells; frees everything else."""
+        """Rows := paths, keeping their cells; frees every cell no row holds (the other ids stay on as spares)."""
         if not paths:
             raise ValueError("commit needs at least one path")
         if len(paths) > self.max_rows:
@@ -187,28 +234,26 @@ class LayoutU:
             outs.append((path.row, src, len(row.tokens) + len(row.suffix) + len(path.nodes),
                          [self._nodes[n].token for n in path.nodes]))
         sources = {o[1] for o in outs}
-        reuse = self._reuse(outs, sources)
-        taken = sources | {seq for seq, _ in reuse.values()}
-        for s in self._tip:
-            if s not in taken:
-                mem.seq_rm(s, -1, -1)
-        free = (s for s in range(self.n_seq) if s not in taken)
+        pool = self._pool(sources)  # ids no new row keeps as they are: (row, committed cells, cells held)
+        used = sources | pool.keys()
+        free = (s for s in range(self.n_seq) if s not in used)
         claimed: set[int] = set()
         new_rows = []
-        for k, (r, src, length, toks) in enumerate(outs):
-            if k in reuse:  # a duplicated row on a dropped row's id: it already holds the prefix they share
-                seq, i = reuse[k]
-                keep = min(self._shared[i][r], length)
-                if len(self._rows[i].tokens) + len(self._rows[i].suffix) > keep or self._tip[seq] != ROOT:
-                    mem.seq_rm(seq, keep, -1)  # only where it holds cells past the prefix
-                if keep < length:
-                    mem.seq_cp(src, seq, keep, length)
-            elif src in claimed:  # a duplicated row: same cells, one more id on them
-                seq = next(free)
-                mem.seq_cp(src, seq, 0, length)
-            else:
+        for r, src, length, toks in outs:
+            if src not in claimed:
                 claimed.add(src)
                 seq = src
+            elif pool:  # a duplicated row: the id sharing most cells with it gets the rest
+                seq = max(pool, key=lambda s: (self._common(*pool[s][:2], r), -s))
+                j, h, held = pool.pop(seq)
+                keep = self._common(j, h, r)
+                if held > keep:
+                    mem.seq_rm(seq, keep, -1)
+                if keep < length:
+                    mem.seq_cp(src, seq, keep, length)
+            else:
+                seq = next(free)
+                mem.seq_cp(src, seq, 0, length)
             old = self._rows[r]
             new_rows.append(_Row(seq, old.tokens + old.suffix + toks))
         for path, (_, src, length, _) in zip(paths, outs):  # after all copies: cut each kept chain after its last node
@@ -216,25 +261,42 @@ class LayoutU:
                 if self._tip[src] != (path.nodes[-1] if path.nodes else ROOT):  # only where cells lie past it
                     mem.seq_rm(src, length, -1)  # (each call walks the whole cache)
                 claimed.discard(src)
+        spare = self._settle(pool, [p.row for p in paths], [o[2] for o in outs], mem)
         self._shared = self._commit_shared(paths, outs)
-        self._rows, self._nodes = new_rows, []
+        self._rows, self._nodes, self._spare = new_rows, [], spare
         self._tip = {r.seq: ROOT for r in new_rows}
         self._recount()
 
-    def _reuse(self, outs: list, sources: set[int]) -> dict[int, tuple[int, int]]:
-        """Duplicated rows (index in outs) -> (id, row) of a dropped row to carry them: the one sharing the longest
-        committed prefix with the duplicate's row (ties: the lower id). That id keeps the cells of the prefix and
-        takes only the rest, where a fresh id would take every cell: a copy or a removal updates each cell it
-        moves, about 0.17 ms a call over a 3,500-token prompt against a walk of about 10 us. The cells left in
-        use are the same either way."""
-        spare = {row.seq: i for i, row in enumerate(self._rows) if row.seq not in sources}
-        out, claimed = {}, set()
-        for k, (r, src, _, _) in enumerate(outs):
-            if src in claimed and spare:
-                seq = max(spare, key=lambda s: (self._shared[spare[s]][r], -s))
-                out[k] = seq, spare.pop(seq)
-            claimed.add(src)
-        return out
+    def _pool(self, keep: set[int]) -> dict[int, tuple[int, int, int]]:
+        """Every id but `keep`: spares and live chains, as (row j, h, cells held) with row j's first h cells among
+        them (a live chain: its row's committed tokens and suffix, then nodes of this forest)."""
+        pool = {s: (j, h, h) for s, (j, h) in self._spare.items()}
+        row_of = {row.seq: i for i, row in enumerate(self._rows)}
+        for s, tip in self._tip.items():
+            if s not in keep:
+                j = row_of[s] if tip == ROOT else self._nodes[tip].row
+                base = len(self._rows[j].tokens) + len(self._rows[j].suffix)
+                pool[s] = (j, base, base if tip == ROOT else self._nodes[tip].pos + 1)
+        return pool
+
+    def _settle(self, pool: dict[int, tuple[int, int, int]], rows: list[int], lengths: list[int],
+                mem: Memory) -> dict[int, tuple[int, int]]:
+        """New spares: each id of `pool` keeps the longest prefix it shares with one of the new rows (new row i
+        starts with old row rows[i] and is lengths[i] long) and loses the cells past it."""
+        best: dict[int, tuple[int, int]] = {}  # old row -> (cells it shares with a new row at most, that new row)
+        spare = {}
+        for s, (j, h, held) in pool.items():
+            if j not in best:
+                base = len(self._rows[j].tokens) + len(self._rows[j].suffix)
+                c, i = max((min(self._common(j, base, r), n), -i) for i, (r, n) in enumerate(zip(rows, lengths)))
+                best[j] = c, -i
+            c, i = best[j]
+            c = min(c, h)
+            if held > c:
+                mem.seq_rm(s, c, -1)
+            if c:
+                spare[s] = (i, c)
+        return spare
 
     def _keeps_its_row(self, paths: Sequence[AcceptedPath]) -> bool:
         """Whether `paths` is a plain step's commit: the only row with its suffix, nothing else pending."""
@@ -279,10 +341,8 @@ class LayoutU:
         """Keep the first n committed tokens of every row; drop the pending forest."""
         if n < 0:
             raise ValueError(f"truncate: n must be >= 0, got {n}")
-        row_seqs = {r.seq for r in self._rows}
-        for s in self._tip:
-            if s not in row_seqs:
-                mem.seq_rm(s, -1, -1)
+        self._spare = self._settle(self._pool({r.seq for r in self._rows}), list(range(len(self._rows))),
+                                   [min(n, len(r.tokens)) for r in self._rows], mem)
         for r in self._rows:
             del r.tokens[n:]
             r.suffix = []
@@ -305,9 +365,7 @@ class LayoutU:
             if n > best_n:
                 best, best_n = i, n
         seq = self._rows[best].seq
-        for s in self._tip:
-            if s != seq:
-                mem.seq_rm(s, -1, -1)
+        self._spare = self._settle(self._pool({seq}), [best], [best_n], mem)
         mem.seq_rm(seq, best_n, -1)
         self._rows = [_Row(seq, ids[:best_n])]
         self._nodes, self._tip, self._shared = [], {seq: ROOT}, [[best_n]]

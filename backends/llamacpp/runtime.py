@@ -212,13 +212,11 @@ class LlamaContext(Closing):
         used = self._layout.cells
         if used + n > self.max_tokens:
             raise ContextFull(f"{used} KV cells in use + {n} new tokens exceed the context's {self.max_tokens}")
-        for src, dst, p1 in b.copies:
-            self._mem.seq_cp(src, dst, 0, p1)
+        self._layout.stage(b, self._mem)
         try:
             out = self._decode(b.tokens, b.pos, b.seqs, b.logits)  # [n_out, vocab]
         except BackendError:
-            for _, dst, _ in b.copies:  # undo: fresh ids held nothing before the copy
-                self._mem.seq_rm(dst, -1, -1)
+            self._layout.unstage(b, self._mem)
             raise
         self._layout.apply(b)
         k = len(b.root_rows)

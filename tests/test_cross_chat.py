@@ -37,6 +37,21 @@ def test_bounded_oldest_chats_leave_and_a_grown_chat_replaces_itself():
     assert sum(len(v) for v in c.where.values()) <= 2 * len(c) + 10
 
 
+def test_a_chat_added_again_as_it_grows_counts_each_position_once():
+    """A conversation is added again after every answer: its earlier version's positions, the same text at the
+    same places, neither count again in a proposal nor stay listed."""
+    c = CorpusIndex()
+    c.add("chat", [1, 2, 3, 4])
+    c.add("other", [2, 3, 5])
+    c.add("chat", [1, 2, 3, 4, 6, 7])
+    assert c.propose([9, 2, 3]) == [(4, 2, 0.5), (5, 2, 0.5)]
+    grown = [(i * 37) % 101 for i in range(300)]
+    for turn in range(20):
+        grown += [(turn * 13 + i) % 101 for i in range(40)]
+        c.add("chat", grown)
+        assert sum(len(v) for v in c.where.values()) <= 2 * len(c) + 10
+
+
 def test_builder_match_source_uses_the_longer_of_prompt_and_corpus():
     corpus = CorpusIndex()
     corpus.add("x", [10, 11, 12, 13, 14, 15])

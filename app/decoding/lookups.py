@@ -155,13 +155,16 @@ class CorpusIndex:
     """Earlier chats' token sequences (the cross-chat index, spec §16.7: fixed before any pass of this answer),
     bounded to `max_tokens`: adding past it drops the oldest chats. A position index (last CORPUS_KEY tokens ->
     where they occur) rather than MatchIndex's table of every n-gram: about one entry per token, not eight.
-    `add` with a key already held replaces that chat (a conversation that grew)."""
+    `add` with a key already held replaces that chat (a conversation that grew). Each add's positions carry
+    its own number, so those of a replaced version are dead even where the new one has the same text."""
 
     def __init__(self, max_tokens: int = CORPUS_TOKENS, max_n: int = MAX_NGRAM) -> None:
         self.max_tokens, self.max_n = max_tokens, max_n
         self.docs: OrderedDict[object, tuple[int, ...]] = OrderedDict()
-        self.where: dict[tuple[int, ...], list[tuple[object, int]]] = {}
+        self.where: dict[tuple[int, ...], list[tuple[object, int, int]]] = {}  # key -> [(chat, add number, i)]
         self.size = 0
+        self._adds = 0
+        self._live: dict[object, int] = {}  # chat -> the number of its add that holds
         self._dead = 0  # positions of dropped chats still listed in `where` (swept when they are half)
 
     def __len__(self) -> int:
@@ -173,9 +176,11 @@ class CorpusIndex:
             self._drop(key)
         self.docs[key] = seq
         self.size += len(seq)
+        self._adds += 1
+        self._live[key] = n = self._adds
         where, k = self.where, CORPUS_KEY
         for i in range(k, len(seq)):
-            where.setdefault(seq[i - k:i], []).append((key, i))
+            where.setdefault(seq[i - k:i], []).append((key, n, i))
         while self.size > self.max_tokens and len(self.docs) > 1:
             self._drop(next(iter(self.docs)))
         if self._dead > self.size:
@@ -183,13 +188,13 @@ class CorpusIndex:
 
     def _drop(self, key: object) -> None:
         seq = self.docs.pop(key)
+        del self._live[key]
         self.size -= len(seq)
         self._dead += max(0, len(seq) - CORPUS_KEY)
 
     def _sweep(self) -> None:
-        live = self.docs
-        self.where = {g: kept for g, ps in self.where.items()
-                      if (kept := [(d, i) for d, i in ps if d in live and i < len(live[d])])}
+        live = self._live
+        self.where = {g: kept for g, ps in self.where.items() if (kept := [p for p in ps if live.get(p[0]) == p[1]])}
         self._dead = 0
 
     def propose(self, text: Sequence[int], exclude: object = None) -> list[tuple[int, int, float]]:
@@ -202,10 +207,10 @@ class CorpusIndex:
         if not hits:
             return []
         best_n, found = 0, Counter()
-        for doc, i in reversed(hits[-CORPUS_SCAN:]):
-            seq = self.docs.get(doc)
-            if seq is None or doc == exclude or i >= len(seq) or seq[i - CORPUS_KEY:i] != tail[-CORPUS_KEY:]:
+        for doc, added, i in reversed(hits[-CORPUS_SCAN:]):
+            if doc == exclude or self._live.get(doc) != added:
                 continue
+            seq = self.docs[doc]
             n = CORPUS_KEY
             while n < len(tail) and i - n - 1 >= 0 and seq[i - n - 1] == tail[-n - 1]:
                 n += 1

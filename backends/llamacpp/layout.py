@@ -160,21 +160,23 @@ class LayoutU:
     def _branch_id(self, r: int, b: Batch, by_row: dict[int, list[int]], free) -> tuple[int, int]:
         """An id for a branch of row r, and how many of the row's first cells it holds: the spare sharing the
         most committed cells with the row (a fresh id when none shares any), recorded in `b`."""
-        if r not in by_row:
-            by_row[r] = sorted(self._spare, key=lambda s: (-self._common(*self._spare[s], r), s))
-        line = by_row[r]
-        while line and line[0] in b.spares:
-            line.pop(0)
-        held = self._common(*self._spare[line[0]], r) if line else 0
+        line = by_row.get(r)
+        if line is None:  # (cells shared, -id), the best last; a spare on row r itself shares all it holds
+            shared = self._shared
+            line = by_row[r] = sorted((h if j == r else min(h, shared[j][r]), -s) for s, (j, h) in self._spare.items())
+        while line and -line[-1][1] in b.spares:
+            line.pop()
+        held = line[-1][0] if line else 0
         seq = next(free, None) if held == 0 else None
         if seq is not None:
             return seq, 0
         if not line:
             raise ContextFull(f"the forest needs more than {self.n_seq} sequence ids (branch points + rows)")
-        seq = line.pop(0)
-        if self._spare[seq][1] > held:
+        seq = -line.pop()[1]
+        j, h = self._spare[seq]
+        if h > held:
             b.trims.append((seq, held))
-        b.spares[seq] = (self._spare[seq][0], held)
+        b.spares[seq] = (j, held)
         return seq, held
 
     def _common(self, j: int, h: int, r: int) -> int:

@@ -443,6 +443,22 @@ class Counting(SimKV):
         self.moves.append(("cp", self._held(dst) - before))
 
 
+def twins(names: tuple[str, str], prompt: list[int], *, n_seq: int) -> tuple[dict, dict]:
+    """Two layouts, each on its own counting cache holding `prompt`; the second keeps no spare ids (it shares nothing,
+    so every dropped id is removed and every branch or duplicate takes a fresh one, as before spares)."""
+    from backends.llamacpp.layout import LayoutU
+
+    lays = {k: LayoutU(n_seq=n_seq, max_rows=6, n_vocab=50) for k in names}
+    lays[names[1]]._common = lambda j, h, r: 0
+    kv = {k: Counting() for k in names}
+    for k, lay in lays.items():
+        seq, _ = lay.start_prefill(prompt, kv[k])
+        kv[k].decode(prompt, list(range(len(prompt))), [[seq]] * len(prompt),
+                     [tuple(prompt[:i + 1]) for i in range(len(prompt))])
+        lay.extend_prefill(prompt)
+    return lays, kv
+
+
 def test_a_commit_asks_llama_cpp_to_remove_only_cells_that_are_there():
     """Each llama_memory_seq_rm walks the whole cache (13-16 us at 4,096 cells): over a random walk of forests and
     commits, every removal a commit asks for takes at least one cell, and the cache it leaves is the layout's."""
@@ -481,19 +497,11 @@ def test_a_duplicate_on_a_dropped_rows_id_moves_only_the_cells_past_their_prefix
     that gives every duplicate a fresh id (so llama.cpp places the next tokens alike), each query still sees
     exactly its own path, and after the first step (one row becoming four: full copies either way) the copies and
     removals update far fewer cells."""
-    from backends.llamacpp.layout import LayoutU
-
     rng = random.Random(5)
     prompt = [rng.randrange(50) for _ in range(200)]
     moved = {"reuse": 0, "fresh": 0}
     for _ in range(6):
-        lays = {"reuse": LayoutU(n_seq=64, max_rows=6, n_vocab=50), "fresh": LayoutU(n_seq=64, max_rows=6, n_vocab=50)}
-        lays["fresh"]._common = lambda j, h, r: 0  # shares nothing: no spares
-        kv = {k: Counting() for k in lays}
-        for k, lay in lays.items():
-            seq, _ = lay.start_prefill(prompt, kv[k])
-            kv[k].decode(prompt, list(range(200)), [[seq]] * 200, [tuple(prompt[:i + 1]) for i in range(200)])
-            lay.extend_prefill(prompt)
+        lays, kv = twins(("reuse", "fresh"), prompt, n_seq=64)
         for step in range(25):
             state = rng.getstate()
             for k, lay in lays.items():
@@ -521,19 +529,12 @@ def test_a_forests_branches_take_spare_ids_and_move_only_the_cells_past_their_pr
     ids stay on as spares and on a twin that removes them: every query sees exactly its own path, the cells in use
     are equal after every step (llama.cpp places the next tokens alike), and the spares' branches and duplicates
     update far fewer cells (a fresh id gets the whole prompt, and its removal walks it again)."""
-    from backends.llamacpp.layout import LayoutU
-
     rng = random.Random(9)
     prompt = [rng.randrange(50) for _ in range(200)]
     moved = {"spare": 0, "fresh": 0}
     for _ in range(4):
-        lays = {k: LayoutU(n_seq=24, max_rows=6, n_vocab=50) for k in moved}
-        lays["fresh"]._common = lambda j, h, r: 0  # shares nothing: no spares
-        kv, path_of = {k: Counting() for k in lays}, {k: {} for k in lays}
-        for k, lay in lays.items():
-            seq, _ = lay.start_prefill(prompt, kv[k])
-            kv[k].decode(prompt, list(range(200)), [[seq]] * 200, [tuple(prompt[:i + 1]) for i in range(200)])
-            lay.extend_prefill(prompt)
+        lays, kv = twins(("spare", "fresh"), prompt, n_seq=24)
+        path_of = {k: {} for k in lays}
         for step in range(30):
             state = rng.getstate()
             for k, lay in lays.items():

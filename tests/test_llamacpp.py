@@ -445,7 +445,7 @@ class Counting(SimKV):
 
 def twins(names: tuple[str, str], prompt: list[int], *, n_seq: int) -> tuple[dict, dict]:
     """Two layouts, each on its own counting cache holding `prompt`; the second keeps no spare ids (it shares nothing,
-    so every dropped id is removed and every branch or duplicate takes a fresh one, as before spares)."""
+    so every dropped id is removed and every branch or duplicate gets the whole prefix, as before spares)."""
     from backends.llamacpp.layout import LayoutU
 
     lays = {k: LayoutU(n_seq=n_seq, max_rows=6, n_vocab=50) for k in names}

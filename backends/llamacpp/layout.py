@@ -111,7 +111,7 @@ class LayoutU:
             raise ValueError(f"Forest.suffix has {len(forest.suffix)} entries for {len(rows)} rows")
         b = Batch(tip=dict(self._tip))
         free = (s for s in range(self.n_seq) if s not in b.tip and s not in self._spare)
-        by_row: dict[int, list[int]] = {}  # row -> spares, best first (made when a branch of the row needs one)
+        by_row: dict[int, list[tuple[int, int]]] = {}  # row -> its spares ranked (made when a branch needs one)
         row_has_nodes = {n.row for n in nodes}
         suffix_entries: dict[int, list[int]] = {}
         for r, suf in enumerate(forest.suffix):
@@ -157,11 +157,11 @@ class LayoutU:
             entry[nid] = b.add(b.nodes[-1].token, pos, seq, out)
         return b
 
-    def _branch_id(self, r: int, b: Batch, by_row: dict[int, list[int]], free) -> tuple[int, int]:
+    def _branch_id(self, r: int, b: Batch, by_row: dict[int, list[tuple[int, int]]], free) -> tuple[int, int]:
         """An id for a branch of row r, and how many of the row's first cells it holds: the spare sharing the
         most committed cells with the row (a fresh id when none shares any), recorded in `b`."""
         line = by_row.get(r)
-        if line is None:  # (cells shared, -id), the best last; a spare on row r itself shares all it holds
+        if line is None:  # (cells shared, -id), the best last: `_common`, inlined over all spares at once
             shared = self._shared
             line = by_row[r] = sorted((h if j == r else min(h, shared[j][r]), -s) for s, (j, h) in self._spare.items())
         while line and -line[-1][1] in b.spares:
@@ -290,8 +290,8 @@ class LayoutU:
         for s, (j, h, held) in pool.items():
             if j not in best:
                 base = len(self._rows[j].tokens) + len(self._rows[j].suffix)
-                c, i = max((min(self._common(j, base, r), n), -i) for i, (r, n) in enumerate(zip(rows, lengths)))
-                best[j] = c, -i
+                c, lowest = max((min(self._common(j, base, r), n), -i) for i, (r, n) in enumerate(zip(rows, lengths)))
+                best[j] = c, -lowest
             c, i = best[j]
             c = min(c, h)
             if held > c:

@@ -201,6 +201,7 @@ def dsbd(*, target: Context, draft: Context | None, prompt: Sequence[int], param
         nxt, done = run.retire(output, stop)                                             # 4. retire
         run.account(target, draft, it, output, nxt)
         if done is not None:
+            run.settle_draft(draft)
             yield run.finish(done)
             return
         d_suffix = run.commit(target, draft, nxt, live, d_suffix, it.fed)               # 5. commit
@@ -229,6 +230,7 @@ class _Run:
         self.draft_rand, self.rand = rands or tuple(SeededRand(r) for r in rng_streams(params.seed))
         self.n_extra = 1 if self.memory and params.select == "sample" else self.w
         self.pool = Pool(self.w, self.lam)
+        self.draft_rows: list[int] | None = None  # while the draft idles: its context row under each live beam
         metrics.forest_policy = params.forest
 
     def prefill(self, target: Context, draft: Context | None, prompt: Sequence[int]) -> None:
@@ -279,6 +281,8 @@ class _Run:
         q_parents: list[Node] | None = None  # q's parents: the previous layer's drafts
         parent_content, ended, paths = list(roots), np.zeros(len(live), bool), [b.tokens for b in live]
         drafting = ws > 0  # W_S = 0: lookup nodes only
+        if drafting:
+            self.settle_draft(draft)
         logits = self._draft_pass(draft, Forest(suffix=tuple(suffix)), roots=True) if drafting else None
         lookups = self.lookups or functools.partial(_top_q_lookups, it.draft_lookups)
         layers: list[Layer] = []
@@ -547,7 +551,9 @@ class _Run:
                d_suffix, fed: bool):
         """Both caches keep the kept beams' paths. The draft keeps the KV of each beam's fed nodes; its other
         new tokens become the draft's next suffix. Without a draft pass the draft's rows follow their roots
-        and the suffix grows (the draft catches up later). Returns the draft's next suffixes."""
+        and the suffix grows (the draft catches up later); that choice of rows waits, composed over the
+        iterations the draft idles, for its next pass or the answer's end (`settle_draft`). Returns the
+        draft's next suffixes."""
         target.commit([AcceptedPath(h.root, tuple(n.tid for n in h.chain)) for h in nxt])
         if draft is None:
             return d_suffix
@@ -555,8 +561,15 @@ class _Run:
             paths = [AcceptedPath(h.root, tuple(n.did for n in h.chain if n.did is not None)) for h in nxt]
             draft.commit(paths)
             return [h.beam.tokens[len(live[h.root].tokens) + len(p.nodes):] for h, p in zip(nxt, paths)]
-        draft.commit([AcceptedPath(h.root, ()) for h in nxt])
+        held = self.draft_rows or range(len(live))
+        self.draft_rows = [held[h.root] for h in nxt]
         return [tuple(d_suffix[h.root]) + h.beam.tokens[len(live[h.root].tokens):] for h in nxt]
+
+    def settle_draft(self, draft: Context | None) -> None:
+        """The draft's context takes the rows its idle iterations chose (one commit for all of them)."""
+        if draft is not None and self.draft_rows is not None:
+            draft.commit([AcceptedPath(r, ()) for r in self.draft_rows])
+            self.draft_rows = None
 
     # -- statistics, the forest view, learning (outside the arithmetic) -------------------------------
     def account(self, target, draft, it: Iteration, output: list[Handle], nxt) -> None:

@@ -503,6 +503,27 @@ def test_exploration_stays_within_its_budget_and_tries_only_forests_that_could_p
         hopeless.settle(1)
 
 
+def test_the_forest_to_explore_is_the_first_cheapest_of_the_grid_that_could_pay():
+    """The exploration's pick, read from the grid's arrays, is the scan's: among the drafted candidates with the
+    fewest lookups whose rate would beat the plain step if every layer passed, the cheapest, the first of equals."""
+    rng = np.random.default_rng(7)
+    for costs in (CPU, GPU, (CostCurve.of({1: 0.02, 8: 0.03, 64: 0.2}), CostCurve.of({1: 0.004, 64: 0.005}))):
+        p = policy(costs, explore=1000, draft_beams=16, lookups=(2, 4, 8))
+        p._answer, p.known.plain_s = [1e9, 0.0], 1e9  # a budget that never binds: the pick alone is tested
+        for roots, max_gamma in ((1, 6), (4, 6), (4, 3)):
+            grid = p._grid(max_gamma, roots)
+            fewest = min(f[2] for f, _, _ in grid)
+            for plain in rng.uniform(0.01, 0.5, 20):
+                catch_up = float(rng.uniform(0.0, 0.05))
+                scan = None
+                for (g, ws, n), _, seconds in grid:
+                    s = seconds + catch_up
+                    if g > 0 and n == fewest and (g + 1) / s > 1.0 / plain * (1 + 1e-9) and (scan is None or s < scan[1]):
+                        scan = ((g, ws, n), s)
+                got = p._trial(max_gamma, roots, catch_up, float(plain))
+                assert (got and (got[0], got[1][0])) == (scan and scan), (costs, roots, plain)
+
+
 def test_carried_counts_start_the_next_policy_and_are_capped():
     first = policy(CPU)
     for _ in range(100):

@@ -481,7 +481,8 @@ class ForestPolicy:
                 if self.max_drafts is None or g * ws <= self.max_drafts]
             arrays = (np.array([s for _, s, _ in grid]), np.array([t for _, _, t in grid]),
                       np.array([float(f[0] > 0) for f, _, _ in grid]))
-            self._choice[key] = (grid, arrays, {})  # and what choices on it showed: where the plain step wins
+            self._choice[key] = (grid, arrays, {})  # and what choices on it showed (where the plain step wins), the
+            #                                         exploration's candidates (_trial)
         if inputs is not None and memo is None:
             with _SHARED_LOCK:
                 _SHARED[inputs, key] = self._choice[key]
@@ -510,15 +511,18 @@ class ForestPolicy:
         forest with the fewest lookups that could pay if every layer passed, if its predicted extra time fits
         the budget."""
         grid = self._grid(max_gamma, roots)
-        fewest = min(f[2] for f, _, _ in grid)
-        best = None
-        for (g, ws, n), _, seconds in grid:
-            s = seconds + catch_up
-            if g > 0 and n == fewest and (g + 1) / s > 1.0 / plain * (1 + 1e-9) and (best is None or s < best[1]):
-                best = ((g, ws, n), s)
-        if best is None:
+        _, (_, seconds, _), seen = self._choice[self._key(max_gamma, roots)]
+        if "trial" not in seen:  # the drafted candidates with the fewest lookups, and gamma + 1 for each
+            fewest = min(f[2] for f, _, _ in grid)
+            seen["trial"] = (np.array([f[0] > 0 and f[2] == fewest for f, _, _ in grid]),
+                             np.array([f[0] + 1.0 for f, _, _ in grid]))
+        may, all_pass = seen["trial"]
+        s = seconds + catch_up
+        pays = may & (all_pass / s > 1.0 / plain * (1 + 1e-9))
+        if not pays.any():
             return None
-        forest, s = best
+        i = int(np.argmin(np.where(pays, s, np.inf)))  # the cheapest; ties: the first in the grid
+        forest, s = grid[i][0], float(s[i])
         extra = s - plain  # the worst case: the forest advances one step, as the plain step would
         k, (plain_s, explore_s) = self.known, self._answer
         if k.explore_s + extra > EXPLORE_SHARE * k.plain_s or explore_s + extra > ANSWER_SHARE * plain_s:

@@ -89,18 +89,14 @@ _SHARED_LOCK = threading.Lock()
 def count_law(beta1: float, beta_retry: float, ws: int) -> list[float]:
     """P(k of ws drafts accepted), k = 0..ws, when a draft is accepted w.p. beta1 after an acceptance (or first)
     and beta_retry after a rejection: the §6 recursion with alpha = (beta1, beta_retry, beta_retry, ...)."""
-    law = {(0, True): 1.0}  # (accepted so far, next draft is a first try) -> probability
+    # first[k] / retry[k]: P(k accepted so far, and the next draft is a first try / a retry). Each entry of a
+    # step is the sum of at most two products, so the result does not depend on the order it is summed in.
+    first, retry = [1.0], [0.0]
+    a1, ar = 1 - beta1, 1 - beta_retry
     for _ in range(ws):
-        nxt: dict = {}
-        for (k, first), pr in law.items():
-            a = beta1 if first else beta_retry
-            nxt[(k + 1, True)] = nxt.get((k + 1, True), 0.0) + pr * a
-            nxt[(k, False)] = nxt.get((k, False), 0.0) + pr * (1 - a)
-        law = nxt
-    out = [0.0] * (ws + 1)
-    for (k, _), pr in law.items():
-        out[k] += pr
-    return out
+        first, retry = ([0.0] + [f * beta1 + r * beta_retry for f, r in zip(first, retry)],
+                        [f * a1 + r * ar for f, r in zip(first, retry)] + [0.0])
+    return [f + r for f, r in zip(first, retry)]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -293,20 +289,25 @@ class ForestPolicy:
         """c_l(L): P(the layer passes by the cache rule | not by acceptance), shrunk toward depth l - 1's
         (depth 1: the prior); never lower for more lookups."""
         key = (depth, ws, lookups)
-        if key in self._cache_rates:
-            return self._cache_rates[key]
-        best = 0.0
-        for n in sorted(set(self.lookups) | {0, lookups}):
-            if n > lookups:
-                break
-            if depth <= 1:
-                c0, h = (PRIOR_CACHE, PRIOR_LOOKUP_HIT) if self.cache_rule else (0.0, 0.0)
-                model = 1 - (1 - c0) * (1 - h) ** n
-            else:
-                model = self.cache_pass(depth - 1, ws, n)
-            best = max(best, _mean(self.known.cache_runs.get((depth, ws, n), (0, 0)), model, self.strength))
-        self._cache_rates[key] = best
-        return best
+        if key not in self._cache_rates:
+            self._cache_columns(depth, ws, lookups)
+        return self._cache_rates[key]
+
+    def _cache_columns(self, depth: int, ws: int, lookups: int) -> None:
+        """cache_pass at this W_S for depths 1..depth and every lookup count up to `lookups` (the candidates' and
+        it), depth by depth: a depth's model is the shallower depth's value at the same count, and a count's value
+        the best of the counts up to it."""
+        looks = [n for n in sorted(set(self.lookups) | {0, lookups}) if n <= lookups]
+        c0, h = (PRIOR_CACHE, PRIOR_LOOKUP_HIT) if self.cache_rule else (0.0, 0.0)
+        runs, above = self.known.cache_runs, None
+        for d in range(1, depth + 1):
+            best, column = 0.0, {}
+            for n in looks:
+                model = 1 - (1 - c0) * (1 - h) ** n if above is None else above[n]
+                best = column[n] = max(best, _mean(runs.get((d, ws, n), (0, 0)), model, self.strength))
+            for n, v in column.items():
+                self._cache_rates.setdefault((d, ws, n), v)
+            above = column
 
     def pass_rate(self, depth: int, ws: int, lookups: int = 0) -> float:
         key = (depth, ws, lookups)
@@ -330,8 +331,7 @@ class ForestPolicy:
         entries. Without replacement a layer's distinct drafts are min(W_S, support): a law counts that from its
         block sums (`at_most`), with no pass over its cells."""
         if not self.replacement and hasattr(q_rows, "at_most"):
-            self._forget_grids()
-            self._profile = {ws: float(q_rows.at_most(ws)) for ws in set(self.widths)}
+            self._set_profile({ws: float(q_rows.at_most(ws)) for ws in set(self.widths)})
             return
         if hasattr(q_rows, "profile"):
             size = len(q_rows)
@@ -347,11 +347,17 @@ class ForestPolicy:
         if size == 0:
             self._profile = {}
             return
-        self._forget_grids()
         if not self.replacement:
-            self._profile = {ws: float(min(ws, size)) for ws in set(self.widths)}
+            self._set_profile({ws: float(min(ws, size)) for ws in set(self.widths)})
         else:
-            self._profile = {ws: float(np.sum(1.0 - (1.0 - big) ** ws) + ws * rest) for ws in set(self.widths)}
+            self._set_profile({ws: float(np.sum(1.0 - (1.0 - big) ** ws) + ws * rest) for ws in set(self.widths)})
+
+    def _set_profile(self, profile: dict[int, float]) -> None:
+        """A new distinct-draft profile; the grids are priced again only where it differs (without replacement
+        it is min(W_S, support), the same in most iterations)."""
+        if profile != self._profile:
+            self._forget_grids()
+            self._profile = profile
 
     def verify_seconds(self, ws: int) -> float:
         return self.verify_cost(ws) if callable(self.verify_cost) else float(self.verify_cost)
@@ -473,7 +479,7 @@ class ForestPolicy:
             self._choice[key] = (grid, tuple(a[keep] for a in self._choice[full][1]), {})
         if grid is None:
             widths, looks = sorted(self.widths), sorted(set(self.lookups) or {0})
-            deep = {(ws, n): self._depths(ws, n, roots, gammas[-1]) for ws in widths for n in looks}
+            deep = {(ws, n): sweep for ws in widths for n, sweep in self._depths(ws, looks, roots, gammas[-1]).items()}
             plain = (self.expected_steps(0, 0), self.seconds(0, 0, roots=roots, draft_roots=0))
             grid = [
                 ((g, ws, n), *(deep[ws, n][g - 1] if g else plain))
@@ -490,20 +496,26 @@ class ForestPolicy:
                     del _SHARED[next(iter(_SHARED))]
         return grid
 
-    def _depths(self, ws: int, n: int, roots: int, top: int) -> list[tuple[float, float]]:
-        """(expected_steps, seconds with draft_roots 0 less the catch-up pass) for gamma = 1..top at this W_S
-        and lookups, in one sweep over the depths (the same sums, in the same order, as those methods)."""
-        out, steps, run, verified, distinct, drafted = [], 1.0, 1.0, 0.0, 0.0, 0.0
-        for depth in range(1, top + 1):
-            d = self.distinct_drafts(depth, ws)
-            verified += run
-            run *= self.pass_rate(depth, ws, n)
-            steps += run
-            distinct += d
-            target = self.target_cost(roots + distinct + n * depth)
-            seconds = target + (self.draft_cost(0) + drafted) + self.step_cost + self.verify_seconds(ws) * verified
-            out.append((steps, seconds - self.draft_cost(0)))
-            drafted += self.draft_cost(d)
+    def _depths(self, ws: int, looks: Sequence[int], roots: int, top: int) -> dict[int, list[tuple[float, float]]]:
+        """For each lookup count n in `looks`: (expected_steps, seconds with draft_roots 0 less the catch-up pass)
+        for gamma = 1..top at this W_S, in one sweep over the depths (the same sums, in the same order, as those
+        methods); the parts that do not read n are computed once."""
+        base, verify = self.draft_cost(0), self.verify_seconds(ws)
+        layers = [self.distinct_drafts(depth, ws) for depth in range(1, top + 1)]
+        passes = [self.draft_cost(d) for d in layers]
+        out = {}
+        for n in looks:
+            sweep, steps, run, verified, distinct, drafted = [], 1.0, 1.0, 0.0, 0.0, 0.0
+            for depth, (d, cost) in enumerate(zip(layers, passes), start=1):
+                verified += run
+                run *= self.pass_rate(depth, ws, n)
+                steps += run
+                distinct += d
+                target = self.target_cost(roots + distinct + n * depth)
+                seconds = target + (base + drafted) + self.step_cost + verify * verified
+                sweep.append((steps, seconds - base))
+                drafted += cost
+            out[n] = sweep
         return out
 
     def _trial(self, max_gamma: int, roots: int, catch_up: float, plain: float):

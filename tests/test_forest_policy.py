@@ -187,6 +187,21 @@ def test_a_bound_on_drafts_keeps_every_choice_within_it():
     assert all(g * ws <= 4 for g, ws in [explorer.choose(max_gamma=6, roots=4, draft_roots=4) for _ in range(3)])
 
 
+def test_the_grid_holds_the_scalar_methods_values_bit_for_bit():
+    """Each candidate's (expected steps, seconds less the catch-up pass) in the grid is what expected_steps and
+    seconds give, after observations at several depths, widths and lookup counts."""
+    params = DecodeParams(mode="dsbd", beams=4, draft_beams=16, gamma=5, lookup_nodes=4).validated()
+    p = ForestPolicy.for_params(params, *CPU, verify_cost=lambda ws: 1e-4 * ws, step_cost=2e-4)
+    for depth, ws, ok, n in ((1, 4, 3, 0), (2, 8, 5, 2), (3, 16, 9, 4), (1, 5, 1, 1)):
+        p.observe(depth, ws, outcomes=[True] * ok + [False] * (ws - ok), passed=ok >= 4, by_cache=ok < 4,
+                  distinct=ws - 1, lookups=n)
+    for roots in (1, 4):
+        for (g, ws, n), steps, seconds in p._grid(5, roots):
+            assert steps == p.expected_steps(g, ws, n)
+            want = p.seconds(g, ws, roots=roots, draft_roots=0, lookups=n)
+            assert seconds == (want - p.draft_cost(0) if g else want)
+
+
 def _scanned(p, max_gamma, roots, catch_up):
     """The choice as a scan over the grid: the first candidate that no later one beats by a relative 1e-12."""
     best, best_rate = None, -1.0
@@ -313,6 +328,23 @@ def test_gamma_is_capped_by_the_budget_and_the_choice_is_deterministic():
     for p in (a, b):
         p.observe(1, 5, outcomes=[True, False, False, True], passed=True)
     assert a.choose(max_gamma=6, roots=4, draft_roots=9) == b.choose(max_gamma=6, roots=4, draft_roots=9)
+
+
+def test_count_law_is_the_law_of_every_acceptance_sequence():
+    """P(k of ws accepted) summed over all 2^ws sequences, each draft accepted w.p. beta1 first and after an
+    acceptance, beta_retry after a rejection."""
+    import itertools
+
+    for beta1, retry, ws in ((0.7, 0.2, 1), (0.55, 0.35, 6), (0.9, 0.05, 9), (1.0, 0.0, 4), (0.0, 1.0, 5)):
+        law = [0.0] * (ws + 1)
+        for seq in itertools.product((True, False), repeat=ws):
+            pr, first = 1.0, True
+            for ok in seq:
+                a = beta1 if first else retry
+                pr *= a if ok else 1 - a
+                first = ok
+            law[sum(seq)] += pr
+        assert count_law(beta1, retry, ws) == pytest.approx(law, abs=1e-14)
 
 
 def test_layer_model_follows_the_width_rule():

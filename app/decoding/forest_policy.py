@@ -89,26 +89,42 @@ _SHARED_LOCK = threading.Lock()
 def count_law(beta1: float, beta_retry: float, ws: int) -> list[float]:
     """P(k of ws drafts accepted), k = 0..ws, when a draft is accepted w.p. beta1 after an acceptance (or first)
     and beta_retry after a rejection: the §6 recursion with alpha = (beta1, beta_retry, beta_retry, ...)."""
+    return count_laws(beta1, beta_retry, (ws,))[ws]
+
+
+def count_laws(beta1: float, beta_retry: float, widths: Sequence[int]) -> dict[int, list[float]]:
+    """count_law at each W_S of `widths`, from one recursion: the law of n drafts is its n-th step's."""
     # first[k] / retry[k]: P(k accepted so far, and the next draft is a first try / a retry). Each entry of a
     # step is the sum of at most two products, so the result does not depend on the order it is summed in.
-    first, retry = [1.0], [0.0]
+    first, retry, out, last = [1.0], [0.0], {}, max(widths)
     a1, ar = 1 - beta1, 1 - beta_retry
-    for _ in range(ws):
-        first, retry = ([0.0] + [f * beta1 + r * beta_retry for f, r in zip(first, retry)],
-                        [f * a1 + r * ar for f, r in zip(first, retry)] + [0.0])
-    return [f + r for f, r in zip(first, retry)]
+    for n in range(last + 1):
+        if n in widths:
+            out[n] = [f + r for f, r in zip(first, retry)]
+        if n < last:
+            first, retry = ([0.0] + [f * beta1 + r * beta_retry for f, r in zip(first, retry)],
+                            [f * a1 + r * ar for f, r in zip(first, retry)] + [0.0])
+    return out
+
+
+def layer_pass(beta1: float, beta_retry: float, ws: int, t: float, w_min: int, w: int) -> float:
+    """P(a layer of ws drafts accepts its width), the width from the §6 rule on the same acceptance law."""
+    return layer_passes(beta1, beta_retry, (ws,), t, w_min, w)[0]
 
 
 @functools.lru_cache(maxsize=4096)
-def layer_pass(beta1: float, beta_retry: float, ws: int, t: float, w_min: int, w: int) -> float:
-    """P(a layer of ws drafts accepts its width), the width from the §6 rule on the same acceptance law. Kept per
-    argument set: the policy asks it again every iteration, with the same rates until a drafted layer is learnt
-    (0.5 ms a call at W_S 32)."""
-    law = count_law(beta1, beta_retry, ws)
-    tail = [sum(law[k:]) for k in range(ws + 1)]  # tail[K] = P(>= K accepted)
-    k = max(K for K in range(ws + 1) if tail[K] >= t - 1e-12)
-    width = min(w, max(w_min, k))
-    return tail[width] if width <= ws else 0.0
+def layer_passes(beta1: float, beta_retry: float, widths: tuple[int, ...], t: float, w_min: int,
+                 w: int) -> tuple[float, ...]:
+    """layer_pass at each W_S of `widths` from one count-law recursion. Kept per argument set: the policy asks
+    it again every iteration, with the same rates until a drafted layer is learnt."""
+    laws = count_laws(beta1, beta_retry, widths)
+    out = []
+    for ws in widths:
+        tail = [sum(laws[ws][k:]) for k in range(ws + 1)]  # tail[K] = P(>= K accepted)
+        k = max(K for K in range(ws + 1) if tail[K] >= t - 1e-12)
+        width = min(w, max(w_min, k))
+        out.append(tail[width] if width <= ws else 0.0)
+    return tuple(out)
 
 
 def expected_distinct(q, ws: int, *, replacement: bool = True) -> float:
@@ -280,9 +296,12 @@ class ForestPolicy:
     def acceptance_pass(self, depth: int, ws: int) -> float:
         """b_l: P(the layer passes by acceptance)."""
         key = (depth, ws, -1)  # beside cache_pass's keys (lookups >= 0) in one memo
-        if key not in self._cache_rates:
-            model = layer_pass(*self.draft_rates(depth), ws, self.threshold, self.min_beams, self.beams)
-            self._cache_rates[key] = _mean(self.known.layer_runs.get((depth, ws), (0, 0)), model, self.strength)
+        if key not in self._cache_rates:  # every candidate W_S at this depth at once
+            widths = tuple(sorted(set(self.widths) | {ws}))
+            models = layer_passes(*self.draft_rates(depth), widths, self.threshold, self.min_beams, self.beams)
+            for width, model in zip(widths, models):
+                self._cache_rates.setdefault((depth, width, -1), _mean(
+                    self.known.layer_runs.get((depth, width), (0, 0)), model, self.strength))
         return self._cache_rates[key]
 
     def cache_pass(self, depth: int, ws: int, lookups: int = 0) -> float:
@@ -294,13 +313,14 @@ class ForestPolicy:
         return self._cache_rates[key]
 
     def _cache_columns(self, depth: int, ws: int, lookups: int) -> None:
-        """cache_pass at this W_S for depths 1..depth and every lookup count up to `lookups` (the candidates' and
-        it), depth by depth: a depth's model is the shallower depth's value at the same count, and a count's value
-        the best of the counts up to it."""
-        looks = [n for n in sorted(set(self.lookups) | {0, lookups}) if n <= lookups]
+        """cache_pass at this W_S for every depth up to the deepest candidate (or `depth`) and every candidate
+        lookup count (or those up to `lookups`, where it is none of them), depth by depth: a depth's model is the
+        shallower depth's value at the same count, and a count's value the best of the counts up to it."""
+        counts = set(self.lookups) | {0}
+        looks = sorted(counts) if lookups in counts else [n for n in sorted(counts | {lookups}) if n <= lookups]
         c0, h = (PRIOR_CACHE, PRIOR_LOOKUP_HIT) if self.cache_rule else (0.0, 0.0)
         runs, above = self.known.cache_runs, None
-        for d in range(1, depth + 1):
+        for d in range(1, max(depth, *self.gammas) + 1):
             best, column = 0.0, {}
             for n in looks:
                 model = 1 - (1 - c0) * (1 - h) ** n if above is None else above[n]

@@ -561,7 +561,7 @@ class _Run:
             paths = [AcceptedPath(h.root, tuple(n.did for n in h.chain if n.did is not None)) for h in nxt]
             draft.commit(paths)
             return [h.beam.tokens[len(live[h.root].tokens) + len(p.nodes):] for h, p in zip(nxt, paths)]
-        held = self.draft_rows or range(len(live))
+        held = range(len(live)) if self.draft_rows is None else self.draft_rows  # the draft's row under each beam
         self.draft_rows = [held[h.root] for h in nxt]
         return [tuple(d_suffix[h.root]) + h.beam.tokens[len(live[h.root].tokens):] for h in nxt]
 

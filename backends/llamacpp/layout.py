@@ -22,7 +22,7 @@ fresh id would pay for the whole prompt, and its removal again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from backends.base import ROOT, AcceptedPath, ContextFull, Forest
 
@@ -354,8 +354,10 @@ class LayoutU:
         self._shared = [[min(s, n) for s in line] for line in self._shared]
         self._recount()
 
-    def start_prefill(self, ids: Sequence[int], mem: Memory) -> tuple[int, int]:
-        """Keep the row sharing the longest prefix with `ids`, cut to that prefix; returns (id, prefix length)."""
+    def start_prefill(self, ids: Sequence[int], mem: Memory,
+                      keep: Callable[[int], int] | None = None) -> tuple[int, int]:
+        """Keep the row sharing the longest prefix with `ids`, cut to that prefix, or to keep(prefix length)
+        tokens of it when given; returns (id, tokens kept)."""
         ids = [self._token(t) for t in ids]
         best, best_n = 0, -1
         for i, r in enumerate(self._rows):
@@ -366,6 +368,8 @@ class LayoutU:
                 n += 1
             if n > best_n:
                 best, best_n = i, n
+        if keep is not None:
+            best_n = keep(best_n)
         seq = self._rows[best].seq
         self._spare = self._settle(self._pool({seq}), [best], [best_n], mem)
         mem.seq_rm(seq, best_n, -1)

@@ -10,7 +10,8 @@ from typing import Sequence
 import numpy as np
 import llama_cpp.llama_cpp as ll
 
-from backends.base import AcceptedPath, BackendError, Closing, ContextFull, Forest, Logits, ModelInfo, OutOfMemory
+from backends.base import (AcceptedPath, BackendError, Closing, ContextFull, Forest, Logits, ModelInfo, OutOfMemory,
+                           PrefillReuse)
 from backends.llamacpp import probe
 from backends.llamacpp._native import ModelHandle, ThreadGovernor, check_gguf_header, default_threads, take_errors
 from backends.llamacpp.layout import LayoutU
@@ -121,6 +122,10 @@ class _Memory:
         if p1 != 0:  # p1 = 0 is an empty range for us, but "to the end" for llama.cpp
             ll.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
 
+    def clear(self) -> None:
+        """Every cell freed and the search for free cells back at cell 0 (stale data stays: masked, finite)."""
+        ll.llama_memory_clear(self._mem, False)
+
 
 class LlamaContext(Closing):
     """KV state of one generation (the `backends.base.Context` protocol), Layout U of spec §7."""
@@ -167,6 +172,7 @@ class LlamaContext(Closing):
         self._mem = _Memory(ctx)
         self._vocab = model.info.vocab_size
         self._layout = LayoutU(n_seq=n_seq, max_rows=rows, n_vocab=self._vocab)
+        self._reuse = PrefillReuse(n_batch)  # what a prompt keeps of the cache (the prompt chunks: n_batch)
         self._bytes_per_cell = model.info.kv_bytes_per_token * KV_TYPE_BYTES[kv_type] // KV_TYPE_BYTES[model.kv_type]
         # True: evaluate returns views of llama.cpp's output buffer, valid until this context's next decode
         # (set by a wrapper that copies what it keeps, backends.unique.UniquePaths); False: copies
@@ -193,12 +199,16 @@ class LlamaContext(Closing):
         if len(ids) > self.max_tokens:
             raise ContextFull(f"prompt of {len(ids)} tokens exceeds the context's {self.max_tokens} tokens")
         self._live()
-        seq, start = self._layout.start_prefill(ids, self._mem)
+        seq, start = self._layout.start_prefill(ids, self._mem, lambda common: self._reuse.keep(common, len(ids)))
+        if start == 0:
+            self._mem.clear()  # the next chunk goes to cell 0, as in a fresh context
+        self._reuse.written(start, start)
         for i in range(start, len(ids), self.n_batch):
             chunk = ids[i:i + self.n_batch]
             n = len(chunk)
             self._decode(chunk, list(range(i, i + n)), [[seq]] * n, [False] * (n - 1) + [True])
             self._layout.extend_prefill(chunk)
+            self._reuse.written(i + n, start)
 
     def evaluate(self, forest: Forest) -> Logits:
         self._live()
@@ -229,6 +239,7 @@ class LlamaContext(Closing):
     def truncate(self, n: int) -> None:
         self._live()
         self._layout.truncate(n, self._mem)
+        self._reuse.truncated(n)
 
     def close(self) -> None:
         if self._batch is not None:

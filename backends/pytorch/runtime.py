@@ -15,7 +15,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from backends.base import ROOT, AcceptedPath, BackendError, Closing, ContextFull, Forest, Logits, ModelInfo, OutOfMemory
+from backends.base import (ROOT, AcceptedPath, BackendError, Closing, ContextFull, Forest, Logits, ModelInfo, OutOfMemory,
+                           PrefillReuse)
 from backends.pytorch.model import KVCache, Transformer
 from offload.runtimes import RUNTIMES
 
@@ -67,6 +68,7 @@ class PyTorchContext(Closing):
         self._slot_bytes = self._kv.bytes_per_slot()
         # An empty context is one empty row, so a caller may start with evaluate() instead of prefill().
         self._tokens: list[list[int]] = [[]]  # committed tokens per row
+        self._reuse = PrefillReuse(self.prefill_chunk)  # what a prompt keeps of the cache
         self._suffix: list[list[int]] = [[]]  # pending suffix per row (cached, not committed)
         self._used: list[int] = [0]  # next free slot per row
         self._nodes: list[_Node] = []  # pending forest, ids = list index
@@ -101,7 +103,7 @@ class PyTorchContext(Closing):
     @torch.inference_mode()
     @_typed_oom
     def prefill(self, ids: Sequence[int]) -> None:
-        """One row holding `ids` (all committed); reuses the longest common prefix of any row."""
+        """One row holding `ids` (all committed); keeps what `PrefillReuse` allows of the row sharing the most."""
         kv = self._live()
         ids = [int(t) for t in ids]
         if len(ids) > self.max_tokens:
@@ -111,11 +113,13 @@ class PyTorchContext(Closing):
             n = _common_prefix(toks, ids)
             if n > keep:
                 best, keep = r, n
+        keep = self._reuse.keep(keep, len(ids))
         if best != 0 and keep:
             for k, v in zip(kv.k, kv.v):
                 k[0, :, :keep] = k[best, :, :keep]
                 v[0, :, :keep] = v[best, :, :keep]
         self._tokens, self._suffix, self._used, self._nodes = [ids[:keep]], [[]], [keep], []
+        self._reuse.written(keep, keep)
         for start in range(keep, len(ids), self.prefill_chunk):
             chunk = ids[start : start + self.prefill_chunk]
             n = len(chunk)
@@ -126,6 +130,7 @@ class PyTorchContext(Closing):
             self._model(tok, positions=pos, slots=pos, mask=mask, kv=kv, select=(empty, empty))
             self._tokens[0].extend(chunk)
             self._used[0] = start + n
+            self._reuse.written(start + n, keep)
 
     @torch.inference_mode()
     @_typed_oom
@@ -301,6 +306,7 @@ class PyTorchContext(Closing):
         if n < 0:
             raise ValueError(f"truncate needs n >= 0, got {n}")
         self._tokens = [t[:n] for t in self._tokens]
+        self._reuse.truncated(n)
         self._suffix = [[] for _ in self._tokens]
         self._used = [len(t) for t in self._tokens]
         self._nodes = []

@@ -168,28 +168,25 @@ class PrefillReuse:
     answered before (a seeded answer then depends only on its conversation, mode and seed).
 
     A cell's K and V depend on the batch that wrote it (quantized weights: the matmul kernels differ with the
-    batch's shape; docs/measurements/forest-shift.md), and a cell's place shifts summation lanes. So a prompt is
+    batch's shape; docs/measurements/prompt-cache.md), and a cell's place shifts summation lanes. So a prompt is
     written in chunks of `chunk` tokens aligned at position 0 into cells 0, 1, ..., as a fresh context writes
-    it, and a later prompt keeps only whole such chunks of it. Two exceptions keep more, where the cells are
-    the ones a first asking leaves too:
-    - the same prompt again (a regenerated answer, another mode on it): every cell of it;
-    - a prompt that goes on past the last prompt into a row the answer left (the next turn of that chat): all
-      it shares with the row. That turn's answer then follows the earlier turns as answered here, not as a
-      fresh context would write them.
-    A kept prefix ends before the last aligned prompt's end, so its next cell is in use and freed: llama.cpp
-    then writes the next chunk there (it searches for free cells from the lowest one freed)."""
+    it (an "aligned prompt"), and a later prompt keeps only whole such chunks of it. Two exceptions keep more:
+    - the aligned prompt again (a regenerated answer, another mode on it): every cell of it, the cells a first
+      asking leaves too;
+    - a prompt that shares more than the aligned prompt with a row (a next turn of that chat, or a later turn
+      edited or asked again): all it shares. That turn's answer then follows the earlier turns as answered here,
+      not as a fresh context would write them.
+    A kept prefix ends before the aligned prompt's end, so its next cell is in use and freed: llama.cpp then
+    writes the next chunk there (it searches for free cells from the lowest one freed)."""
 
     def __init__(self, chunk: int) -> None:
         self.chunk = chunk
-        self.last = 0  # the last prefill's length; its cells are in place (cut by truncate)
-        self.placed = 0  # positions written by the last aligned prefill, each in the cell of its index, in place
-        self.canon = 0  # the whole chunks of those
+        self.placed = 0  # the aligned prompt's length: its positions are in the cells of their index, in place
+        self.canon = 0  # its whole chunks
 
     def keep(self, common: int, n: int) -> int:
         """Tokens to keep of a row sharing `common` tokens with a prompt of n tokens."""
-        if common >= n == self.last:
-            return n
-        if common > self.last:
+        if common >= n == self.placed or common > self.placed:
             return common
         k = min(common, self.canon) // self.chunk * self.chunk
         return max(0, k - self.chunk) if k >= self.placed else k
@@ -198,11 +195,9 @@ class PrefillReuse:
         """A prefill that kept `keep` tokens has written positions up to n, in chunks from `keep`."""
         if keep % self.chunk == 0 and keep <= self.canon:  # aligned, from an aligned prefix (0 included)
             self.placed, self.canon = n, n // self.chunk * self.chunk
-        self.last = n
 
     def truncated(self, n: int) -> None:
-        self.last, self.placed = min(self.last, n), min(self.placed, n)
-        self.canon = min(self.canon, n // self.chunk * self.chunk)
+        self.placed, self.canon = min(self.placed, n), min(self.canon, n // self.chunk * self.chunk)
 
 
 class Context(Protocol):

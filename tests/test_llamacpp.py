@@ -18,6 +18,7 @@ from backends.registry import ModelSpec
 from backends.base import ROOT, AcceptedPath, BackendError, ContextFull, Forest
 from llama_helpers import (PROMPT_IDS, TOL, Tree, check_logits, deepest, iterate, load, make_oracle, rows_of,
                            three_rows, write_random_llama)
+from prefill_history import history_does_not_count
 
 gguf = pytest.importorskip("gguf")
 llamacpp = pytest.importorskip("backends.llamacpp")
@@ -629,48 +630,15 @@ def _decoded(ctx) -> list[int]:
     return fed
 
 
-def _answer(ctx, rng: random.Random, steps: int) -> None:
+def _answer(ctx, rng: random.Random) -> None:
     """Random forests and commits past the prompt, as an answer leaves the cache (cells freed between)."""
-    for _ in range(steps):
+    for _ in range(4):
         ctx.evaluate(random_forest(ctx._layout, rng))
         ctx.commit(random_paths(ctx._layout, rng)[:4])
 
 
-def _last_logits(ctx, ids) -> np.ndarray:
-    ctx.prefill(ids[:-1])
-    return np.array(ctx.evaluate(Forest(suffix=((ids[-1],),))).roots[0])
-
-
 def _history_does_not_count(model, base: list[int]) -> None:
-    """Prompts after other prompts and answers (random forests and commits) get the last logits a fresh context
-    gives them, bit for bit; the cache keeps whole aligned chunks of an earlier prompt (here 16 tokens), the
-    same prompt again, and a next turn that continues the row an answer left."""
-    rng = random.Random(0)
-    a = base[:20]
-    b = base[:37] + [rng.randrange(100, 5000) for _ in range(8)]  # shares 37 tokens with the next: keeps 32
-    c = base[:5] + [rng.randrange(100, 5000) for _ in range(20)]  # shares 5 with b: keeps none
-    fresh = {}
-    for name, ids in (("b", b), ("c", c)):
-        with model.context(rows=4, max_tokens=256, n_batch=16) as ctx:
-            fresh[name] = _last_logits(ctx, ids)
-    with model.context(rows=4, max_tokens=256, n_batch=16) as ctx:
-        fed = _decoded(ctx)
-        _last_logits(ctx, a)  # 20 tokens written as 16 + 3 + 1: none of it is kept
-        _last_logits(ctx, base[:45])
-        for name, ids, kept in (("b", b, 32), ("c", c, 0), ("b", b, 0), ("b", b, len(b) - 1)):
-            _answer(ctx, rng, 4)
-            if kept == len(b) - 1:  # the same prompt again, straight after its own prefill: every cell kept
-                ctx.prefill(b[:-1])
-            fed.clear()
-            got = _last_logits(ctx, ids)
-            assert sum(fed[:-1]) == len(ids) - 1 - kept, (name, fed)
-            assert np.array_equal(got, fresh[name]), (name, float(np.abs(got - fresh[name]).max()))
-        # the next turn: the prompt continues the row the answer left; only the new tokens are fed
-        _answer(ctx, rng, 3)
-        row = max(rows_of(ctx), key=len)
-        fed.clear()
-        ctx.prefill(row + [11, 12, 13])
-        assert fed == [3]
+    history_does_not_count(lambda: model.context(rows=4, max_tokens=256, n_batch=16), base, 16, _answer, _decoded)
 
 
 def test_a_prompts_logits_do_not_depend_on_what_the_context_answered_before(tiny):

@@ -10,6 +10,7 @@ adds the dependence, and the law moves.
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from dataclasses import replace
 
@@ -201,6 +202,61 @@ def test_lookup_only_layers_that_keep_failing_stop_being_built():
     assert b.build([(0, (), 1.0)], shape(), lambda p, t: False) == []  # no longer worth a node
     assert b.calibration.layer_factor(4, False) == 1.0  # another law's layers are their own
     assert b.calibration.carried().layer_factor(4, True) == pytest.approx(b.calibration.layer_factor(4, True))
+
+
+def test_a_priced_search_that_chooses_nothing_rests_the_builder_in_proportion_to_the_pass():
+    """A search costs the host about SEARCH_SECONDS a root: after a priced search chose no node, the builder rests
+    (no search, no proposals) for as many iterations as keep its searches under IDLE_SHARE of the iterations'
+    expected seconds. A pass of CPU speed never rests it; a search that chose nodes does not."""
+    from app.decoding.lookups import IDLE_SHARE, SEARCH_SECONDS
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6]
+    roots = [(0, (), 0.5), (1, (7,), 0.5)]
+    steep = CostCurve.of({1: 0.002, 2: 0.05, 64: 5.0})  # every further token costs more than it could save
+    shape = lambda seconds: LookupBudget(max_depth=4, width=1, replacement=True, per_layer=[2] * 4,
+                                         base_tokens=2.0, base_seconds=seconds)
+    b = _builder(prompt, target_cost=steep)
+    assert not b.rests()
+    assert b.build(roots, shape(0.002), lambda p, t: False) == [] and b.proposed
+    n = math.ceil(2 * SEARCH_SECONDS / (IDLE_SHARE * 0.002)) - 1
+    assert n == 4
+    assert [b.rests() for _ in range(n + 1)] == [True] * n + [False]
+    assert b.proposed == [] and b.predicted == []  # a rested iteration calibrates nothing
+    assert b.build(roots, shape(0.1), lambda p, t: False) == [] and not b.rests()  # a CPU pass: search each time
+    flat = _builder(prompt, target_cost=CostCurve.of({1: 0.002, 64: 0.0021}))
+    assert flat.build(roots, shape(0.002), lambda p, t: False) and not flat.rests()
+
+
+def test_an_answer_whose_nodes_never_pay_searches_for_them_in_few_iterations(monkeypatch):
+    """The decoder end to end: on a fast pass where no node pays, the builder searches in about one iteration of
+    each rest and the answer is the one every iteration's search gives."""
+    from refmodel import TableModel
+
+    sv = 12
+    model = TableModel(lambda seq: np.where(np.arange(sv) == (seq[-1] % (sv - 1)) + 1, 3.0, 0.0), sv)
+    prompt = [1 + i % (sv - 1) for i in range(30)]
+    p = DecodeParams(mode="dsbd-mem", beams=4, min_beams=1, gamma=4, lookup_nodes=2, lookup_sources=("match",),
+                     forest="adaptive", max_new_tokens=40, seed=3).validated()
+    steep = CostCurve.of({1: 0.002, 2: 0.05, 64: 5.0})
+    stopper = Stopper(eos_ids=frozenset({0}))
+
+    def run(rest: bool):
+        searches = []
+        builder = D.model_free_builder(p, prompt, stopper, sv, target_cost=steep)
+        build = builder.build
+        builder.build = lambda *a: searches.append(1) or build(*a)
+        if not rest:
+            builder.rests = lambda: False
+        metrics = Metrics(mode=p.mode)
+        steps = list(D.dsbd(target=model.context(rows=4, max_tokens=256), draft=None, prompt=prompt, params=p,
+                            stopper=stopper, metrics=metrics, vocab=sv, nodes=builder))
+        assert not metrics.sources  # no search chose a node
+        return steps[-1].output.tokens, len(searches), metrics.iterations
+
+    tokens, searched, iterations = run(rest=True)
+    every_tokens, every_searched, every_iterations = run(rest=False)
+    assert (tokens, iterations) == (every_tokens, every_iterations) and iterations == 40
+    # one root a search (dsbd-mem carries one beam) on a pass of about 2 ms: each empty search rests 2 iterations
+    assert every_searched == iterations - 1 and searched == len(range(0, iterations - 1, 3))
 
 
 def test_builder_learns_from_verified_rows_including_nodes_it_did_not_add():

@@ -341,7 +341,7 @@ class _Run:
         layers, live, roots, contents = it.layers, it.live, it.roots, it.contents
         depth = min(self.builder.depth(self.params.gamma), self.params.max_new_tokens - len(live[0].tokens) - 1)
         cap = self.params.lookup_nodes
-        if depth <= 0 or cap <= 0:
+        if depth <= 0 or cap <= 0 or self.builder.rests():
             return
         per_layer = [cap - (len(layers[l].lookups) if l < len(layers) else 0) for l in range(depth)]
         held = [{n.content for n in layer.nodes} for layer in layers]

@@ -204,26 +204,38 @@ def test_lookup_only_layers_that_keep_failing_stop_being_built():
     assert b.calibration.carried().layer_factor(4, True) == pytest.approx(b.calibration.layer_factor(4, True))
 
 
-def test_a_priced_search_that_chooses_nothing_rests_the_builder_in_proportion_to_the_pass():
-    """A search costs the host about SEARCH_SECONDS a root: after a priced search chose no node, the builder rests
-    (no search, no proposals) for as many iterations as keep its searches under IDLE_SHARE of the iterations'
-    expected seconds. A pass of CPU speed never rests it; a search that chose nodes does not."""
+def test_priced_searches_that_keep_choosing_nothing_rest_the_builder_in_proportion_to_the_pass():
+    """A search costs the host about SEARCH_SECONDS a root: after the k-th priced search in a row that chose no
+    node, the builder rests (no search, no proposals) 2^(k-1) - 1 iterations, at most as many as keep its
+    searches under IDLE_SHARE of the iterations' expected seconds. A pass of CPU speed never rests it; a search
+    that chose nodes starts the count again."""
     from app.decoding.lookups import IDLE_SHARE, SEARCH_SECONDS
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6]
     roots = [(0, (), 0.5), (1, (7,), 0.5)]
     steep = CostCurve.of({1: 0.002, 2: 0.05, 64: 5.0})  # every further token costs more than it could save
+    flat = CostCurve.of({1: 0.002, 64: 0.0021})  # a chain costs about nothing more: the search chooses nodes
     shape = lambda seconds: LookupBudget(max_depth=4, width=1, replacement=True, per_layer=[2] * 4,
                                          base_tokens=2.0, base_seconds=seconds)
-    b = _builder(prompt, target_cost=steep)
-    assert not b.rests()
-    assert b.build(roots, shape(0.002), lambda p, t: False) == [] and b.proposed
-    n = math.ceil(2 * SEARCH_SECONDS / (IDLE_SHARE * 0.002)) - 1
-    assert n == 4
-    assert [b.rests() for _ in range(n + 1)] == [True] * n + [False]
-    assert b.proposed == [] and b.predicted == []  # a rested iteration calibrates nothing
-    assert b.build(roots, shape(0.1), lambda p, t: False) == [] and not b.rests()  # a CPU pass: search each time
-    flat = _builder(prompt, target_cost=CostCurve.of({1: 0.002, 64: 0.0021}))
-    assert flat.build(roots, shape(0.002), lambda p, t: False) and not flat.rests()
+    assert math.ceil(2 * SEARCH_SECONDS / (IDLE_SHARE * 0.002)) - 1 == 4  # the most a 2 ms pass rests
+
+    def searched(b, curves, seconds=0.002):
+        out = []
+        for i, curve in enumerate(curves):
+            if b.rests():
+                assert b.proposed == [] and b.predicted == []  # a rested iteration calibrates nothing
+                continue
+            b.target_cost = curve
+            picks = b.build(roots, shape(seconds), lambda p, t: False)
+            assert bool(picks) == (curve is flat) and b.proposed
+            out.append(i)
+        return out
+
+    b = _builder(prompt)
+    assert searched(b, [steep] * 20) == [0, 1, 3, 7, 12, 17]  # rests 0, 1, 3, then 4 (the cap)
+    again = _builder(prompt)
+    assert searched(again, [steep, flat] + [steep] * 6) == [0, 1, 2, 3, 5]  # after a chosen node: 0, 1, 3 again
+    cpu = _builder(prompt)
+    assert searched(cpu, [steep] * 12, seconds=0.1) == list(range(12))  # a CPU pass: a search every iteration
 
 
 def test_an_answer_whose_nodes_never_pay_searches_for_them_in_few_iterations(monkeypatch):
@@ -255,8 +267,8 @@ def test_an_answer_whose_nodes_never_pay_searches_for_them_in_few_iterations(mon
     tokens, searched, iterations = run(rest=True)
     every_tokens, every_searched, every_iterations = run(rest=False)
     assert (tokens, iterations) == (every_tokens, every_iterations) and iterations == 40
-    # one root a search (dsbd-mem carries one beam) on a pass of about 2 ms: each empty search rests 2 iterations
-    assert every_searched == iterations - 1 and searched == len(range(0, iterations - 1, 3))
+    # one root a search (dsbd-mem carries one beam) on a pass of about 2 ms: rests of 0, 1, then 2 (the cap)
+    assert every_searched == iterations - 1 and searched == 2 + len(range(3, iterations - 1, 3))
 
 
 def test_builder_learns_from_verified_rows_including_nodes_it_did_not_add():

@@ -53,9 +53,10 @@ COUNTS_KEPT = 64  # ranges at least this wide keep their counts (bounds that mem
 CORPUS_TOKENS = 200_000  # the cross-chat index's bound: the oldest chats leave beyond this many tokens
 CORPUS_KEY = 2  # positions are found by the last two tokens, then matched backwards up to MAX_NGRAM
 CORPUS_SCAN = 256  # positions looked at per proposal (the newest): bounds a proposal's time for common keys
-# A priced search that chooses no node rests the builder: its own host work (proposals and pricing, about
-# SEARCH_SECONDS a root: 0.33-0.47 ms an iteration of four roots on a 2-core AMD EPYC, AVX2) is kept under
-# IDLE_SHARE of an iteration's expected seconds. On a CPU pass (tens of ms or more) it never rests.
+# Priced searches that keep choosing no node rest the builder: 0, 1, 3, 7, ... iterations after the 1st, 2nd,
+# 3rd, 4th, ... empty search in a row, at most as many as keep its own host work (proposals and pricing, about
+# SEARCH_SECONDS a root: 0.30-0.47 ms an iteration of four roots on a 2-core AMD EPYC, AVX2) under IDLE_SHARE
+# of an iteration's expected seconds. On a CPU pass (tens of ms or more) it never rests.
 SEARCH_SECONDS = 1e-4
 IDLE_SHARE = 0.02
 
@@ -361,6 +362,7 @@ class Builder:
         self.shape: LookupBudget | None = None
         self.reach = CHAIN_START  # the model-free depth a priced forest may use now (see `depth`)
         self.rest = 0  # iterations left without a search (see `rests`)
+        self.empty = 0  # priced searches in a row that chose no node
 
     def depth(self, gamma: int) -> int:
         """How deep this iteration's model-free nodes may go: gamma without a cost curve (the fixed forest's
@@ -379,21 +381,24 @@ class Builder:
             self.reach = CHAIN_START
 
     def rests(self) -> bool:
-        """Whether this iteration goes without model-free nodes and without a search: after a priced search that
-        chose none, for as many iterations as keep the searches' own seconds under IDLE_SHARE of the
-        iterations' (past information only: the next forests' shape, never a law, spec §16.4)."""
+        """Whether this iteration goes without model-free nodes and without a search: after priced searches that
+        chose none, 2^(k-1) - 1 iterations after the k-th in a row, at most as many as keep the searches' own
+        seconds under IDLE_SHARE of the iterations' (past information only: the next forests' shape, never a
+        law, spec §16.4)."""
         if self.rest <= 0:
             return False
         self.rest -= 1
         self.proposed, self.predicted, self.shape = [], [], None
         return True
 
-    def _rest_after(self, roots: int, seconds: float) -> int:
-        """Iterations to rest after a priced search over `roots` roots chose nothing, each iteration expected
-        to take `seconds`."""
-        if seconds <= 0:
+    def _rest_after(self, chosen: bool, roots: int, seconds: float) -> int:
+        """Iterations to rest after a priced search over `roots` roots, each iteration expected to take
+        `seconds`."""
+        self.empty = 0 if chosen else self.empty + 1
+        if chosen or seconds <= 0:
             return 0
-        return max(0, math.ceil(roots * SEARCH_SECONDS / (IDLE_SHARE * seconds)) - 1)
+        cap = max(0, math.ceil(roots * SEARCH_SECONDS / (IDLE_SHARE * seconds)) - 1)
+        return min(cap, 2 ** min(self.empty - 1, 16) - 1)
 
     def use_corpus(self, corpus: CorpusIndex | None, exclude: object = None) -> None:
         """Let the match source also continue text found in earlier chats (None: the prompt and beams only)."""
@@ -479,7 +484,7 @@ class Builder:
                 push(c, c.depth + 1, c.text, c.mass)
         if self.target_cost is not None:
             chosen = chosen[:best_n]
-            self.rest = 0 if chosen else self._rest_after(len(roots), shape.base_seconds)
+            self.rest = self._rest_after(bool(chosen), len(roots), shape.base_seconds)
         self.shape, self.predicted = shape, self._covered(shape, chosen, factor=1.0)
         keep = set(map(id, chosen))  # a prefix of the pop order is closed under parents
         return [c for c in sorted(chosen, key=lambda c: c.depth) if id(c) in keep]

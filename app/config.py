@@ -314,7 +314,8 @@ KNOBS: dict[str, Knob] = {
                          "already a forest node; with an adaptive forest, the most (a best-first builder adds them "
                          "while its estimate says they pay; after searches that keep finding none worth adding it "
                          "waits 1, 3, 7, ... iterations, at most as many as keep its own searching under 2% of the "
-                         "time on a fast GPU pass; on a CPU it searches every iteration)", label="Lookup nodes per layer", arg="N"),
+                         "time on a fast GPU pass; on a CPU it searches every iteration)",
+                         label="Lookup nodes per layer", arg="N"),
     "lookup_sources": Knob("lookup sources", "--lookup-sources", "where lookup nodes come from: `draft`, the draft "
                            "model's likeliest pairs no draft drew; `match`, what followed the longest match (at least "
                            "4 tokens) of a beam's text in the prompt, the conversation (attached files included), "

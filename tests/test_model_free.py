@@ -238,7 +238,7 @@ def test_priced_searches_that_keep_choosing_nothing_rest_the_builder_in_proporti
     assert searched(cpu, [steep] * 12, seconds=0.1) == list(range(12))  # a CPU pass: a search every iteration
 
 
-def test_an_answer_whose_nodes_never_pay_searches_for_them_in_few_iterations(monkeypatch):
+def test_an_answer_whose_nodes_never_pay_searches_for_them_in_few_iterations():
     """The decoder end to end: on a fast pass where no node pays, the builder searches in about one iteration of
     each rest and the answer is the one every iteration's search gives."""
     from refmodel import TableModel

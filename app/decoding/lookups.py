@@ -55,7 +55,7 @@ CORPUS_KEY = 2  # positions are found by the last two tokens, then matched backw
 CORPUS_SCAN = 256  # positions looked at per proposal (the newest): bounds a proposal's time for common keys
 # Priced searches that keep choosing no node rest the builder: 0, 1, 3, 7, ... iterations after the 1st, 2nd,
 # 3rd, 4th, ... empty search in a row, at most as many as keep its own host work (proposals and pricing, about
-# SEARCH_SECONDS a root: 0.30-0.47 ms an iteration of four roots on a 2-core AMD EPYC, AVX2) under IDLE_SHARE
+# SEARCH_SECONDS a root: 0.27-0.47 ms an iteration of four roots on a 2-core AMD EPYC, AVX2) under IDLE_SHARE
 # of an iteration's expected seconds. On a CPU pass (tens of ms or more) it never rests.
 SEARCH_SECONDS = 1e-4
 IDLE_SHARE = 0.02
